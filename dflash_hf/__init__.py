@@ -1,0 +1,9 @@
+"""dflash-hf: DFlash block-diffusion speculative decoding for Hugging Face Transformers."""
+
+from .configuration_dflash import DFlashConfig
+from .decoding import DraftStep, SpecGenerateOutput, speculative_decode
+from .modeling_dflash import DFlashDraftModel
+
+__version__ = "0.1.0"
+
+__all__ = ["DFlashConfig", "DFlashDraftModel", "DraftStep", "SpecGenerateOutput", "speculative_decode"]

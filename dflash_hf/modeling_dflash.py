@@ -1,0 +1,361 @@
+"""DFlash draft model: a small block-diffusion transformer conditioned on target hidden states.
+
+One forward pass drafts a whole block. Each layer is a Qwen3 decoder layer with "KV injection":
+its keys/values are computed over [fused target context ; block], and every block query attends
+to all of them (non-causal). Embedding and LM head are borrowed from the target.
+
+Hub remote code: this file imports only torch, transformers and its sibling files.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .configuration_dflash import DFlashConfig, normalize_dflash_config, read_rope_parameters
+from .decoding import SpecGenerateOutput, spec_generate
+
+
+class DFlashRMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 (as Qwen3RMSNorm)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class DFlashMLP(nn.Module):
+    """SwiGLU feed-forward block."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_inverse_frequencies(config: DFlashConfig, head_dim: int) -> torch.Tensor:
+    """Inverse rotary frequencies [head_dim // 2] for rope types default, linear and llama3."""
+    parameters = read_rope_parameters(config)
+    base = float(parameters["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
+    rope_type = parameters["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(parameters["factor"])
+    if rope_type == "llama3":
+        factor = float(parameters["factor"])
+        low_freq_factor = float(parameters["low_freq_factor"])
+        high_freq_factor = float(parameters["high_freq_factor"])
+        old_context_len = float(parameters["original_max_position_embeddings"])
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"Draft rope type {rope_type!r} is not supported (supported: default, linear, llama3).")
+
+
+class DFlashRotaryEmbedding(nn.Module):
+    """Rotary position embedding at absolute positions, with the draft config's rope settings."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # A plain float32 attribute (not a buffer): it survives meta-device init and dtype casts.
+        self.inv_freq = rope_inverse_frequencies(config, head_dim)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != position_ids.device:
+            self.inv_freq = self.inv_freq.to(position_ids.device)
+        freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, D/2]
+        angles = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Rotates half the hidden dims of the input."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, heads, T, D] by cos/sin [B, T, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+def eager_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain softmax attention with GQA; returns ([B, T, heads, D], weights)."""
+    groups = module.num_key_value_groups
+    key = key.repeat_interleave(groups, dim=1)  # [B, heads, S, D]
+    value = value.repeat_interleave(groups, dim=1)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # [B, heads, T, S]
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            weights = weights.masked_fill(~attention_mask, torch.finfo(weights.dtype).min)
+        else:
+            weights = weights + attention_mask
+    weights = nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    output = torch.matmul(weights, value).transpose(1, 2).contiguous()
+    return output, weights
+
+
+def attention_function(implementation: str | None) -> Callable[..., tuple[torch.Tensor, Any]]:
+    """Attention kernel from Transformers' backend table (sdpa, flash_attention_2, ...), or local eager."""
+    if implementation in (None, "eager"):
+        return eager_attention
+    return ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+class DraftContextCache:
+    """Per-layer K/V of the draft's CONTEXT rows (post k_norm and rope); block rows are never stored."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def append(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new context K/V [B, kv_heads, T_new, D] for a layer and return all of them."""
+        if self.keys[layer_idx] is not None:
+            key = torch.cat((self.keys[layer_idx], key), dim=2)
+            value = torch.cat((self.values[layer_idx], value), dim=2)
+        self.keys[layer_idx], self.values[layer_idx] = key, value
+        return key, value
+
+    def get_seq_length(self) -> int:
+        """Number of context positions stored."""
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+
+class DFlashAttention(nn.Module):
+    """Non-causal attention of block queries over [context ; block] keys and values."""
+
+    def __init__(self, config: DFlashConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = False
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = DFlashRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = DFlashRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def _keys_values(
+        self, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, length, _ = rows.shape
+        shape = (batch, length, self.num_key_value_heads, self.head_dim)
+        key = self.k_norm(self.k_proj(rows).view(shape)).transpose(1, 2)  # [B, kv_heads, T, D]
+        value = self.v_proj(rows).view(shape).transpose(1, 2)
+        return apply_rotary(key, cos, sin), value
+
+    def forward(
+        self,
+        block_states: torch.Tensor,
+        context: torch.Tensor,
+        block_rope: tuple[torch.Tensor, torch.Tensor],
+        context_rope: tuple[torch.Tensor, torch.Tensor],
+        cache: DraftContextCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        batch, block_length, _ = block_states.shape  # block_states: [B, T, H], normalised
+        query = self.q_proj(block_states).view(batch, block_length, self.num_heads, self.head_dim)
+        query = apply_rotary(self.q_norm(query).transpose(1, 2), *block_rope)  # [B, heads, T, D]
+
+        context_key, context_value = self._keys_values(context, *context_rope)  # context: [B, C, H]
+        if cache is not None:
+            context_key, context_value = cache.append(self.layer_idx, context_key, context_value)
+        block_key, block_value = self._keys_values(block_states, *block_rope)
+        key = torch.cat((context_key, block_key), dim=2)  # [B, kv_heads, C + T, D]
+        value = torch.cat((context_value, block_value), dim=2)
+
+        attend = attention_function(self.config._attn_implementation)
+        output, _ = attend(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            is_causal=False,
+        )
+        return self.o_proj(output.reshape(batch, block_length, -1))  # [B, T, H]
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Qwen3 decoder layer whose attention also reads the fused target context."""
+
+    def __init__(self, config: DFlashConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = DFlashMLP(config)
+        self.input_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        block_rope: tuple[torch.Tensor, torch.Tensor],
+        context_rope: tuple[torch.Tensor, torch.Tensor],
+        cache: DraftContextCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        attended = self.self_attn(
+            self.input_layernorm(hidden_states), context, block_rope, context_rope, cache, attention_mask
+        )
+        hidden_states = hidden_states + attended
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class DFlashDraftModel(PreTrainedModel):
+    """DFlash draft: fuses target hidden states (`fc`, `hidden_norm`) and denoises a block of masks.
+
+    Weight names and config keys are those of the published `z-lab/*-DFlash*` checkpoints.
+    `spec_generate` runs lossless speculative decoding with a target model.
+    """
+
+    config_class = DFlashConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["DFlashDecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flash_attn_2 = True
+    _supports_attention_backend = True
+
+    def __init__(self, config: DFlashConfig) -> None:
+        normalize_dflash_config(config)
+        super().__init__(config)
+        num_features = len(config.dflash_config["target_layer_ids"])
+        self.fc = nn.Linear(num_features * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = DFlashRotaryEmbedding(config)
+        self.post_init()
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per drafted block the draft was trained for (including the known first token)."""
+        return self.config.block_size
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        """Target decoder layers whose outputs feed the draft."""
+        return list(self.config.dflash_config["target_layer_ids"])
+
+    @property
+    def mask_token_id(self) -> int | None:
+        """Mask token id in the target vocabulary, or None when the config names it only as a string."""
+        mask_token_id = self.config.dflash_config.get("mask_token_id")
+        return None if mask_token_id is None else int(mask_token_id)
+
+    def new_cache(self) -> DraftContextCache:
+        """An empty context cache for one generation."""
+        return DraftContextCache(len(self.layers))
+
+    def forward(
+        self,
+        block_embeddings: torch.Tensor,
+        target_hidden: torch.Tensor,
+        block_position_ids: torch.Tensor,
+        context_position_ids: torch.Tensor,
+        cache: DraftContextCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final normalised hidden states [B, T, H] of the block rows.
+
+        block_embeddings [B, T, H]: target embeddings of [t0, MASK, ...]; target_hidden [B, C, L*H]:
+        concatenated target layer outputs of the (new) context positions; position ids are absolute.
+        attention_mask (optional, [B, 1, T, cached C + C + T], bool or additive) restricts what each
+        block row sees; without it every block row sees all context rows and the whole block.
+        """
+        context = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))  # [B, C, H]
+        hidden_states = block_embeddings.to(self.fc.weight.dtype)
+        block_rope = self.rotary_emb(block_position_ids, hidden_states.dtype)
+        context_rope = self.rotary_emb(context_position_ids, hidden_states.dtype)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, context, block_rope, context_rope, cache, attention_mask)
+        return self.norm(hidden_states)
+
+    @torch.no_grad()
+    def spec_generate(
+        self,
+        target: PreTrainedModel,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        stop_token_ids: list[int] | int | None = None,
+        block_size: int | None = None,
+        generator: torch.Generator | None = None,
+        seed: int | None = None,
+        mask_token_id: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+        return_stats: bool = False,
+    ) -> torch.Tensor | SpecGenerateOutput:
+        """Lossless speculative decoding of `target` with this draft; see `decoding.spec_generate`."""
+        return spec_generate(
+            self,
+            target,
+            input_ids,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            stop_token_ids=stop_token_ids,
+            block_size=block_size,
+            generator=generator,
+            seed=seed,
+            mask_token_id=mask_token_id,
+            attention_mask=attention_mask,
+            return_stats=return_stats,
+        )
+
+
+DFlashConfig.register_for_auto_class()
+DFlashDraftModel.register_for_auto_class("AutoModel")

@@ -1,0 +1,98 @@
+"""Tiny seeded models and test doubles shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from dflash_hf import DFlashConfig, DFlashDraftModel, DraftStep
+
+VOCAB_SIZE = 128
+HIDDEN_SIZE = 64
+TARGET_LAYERS = 4
+
+
+def make_target(arch: str = "qwen3", seed: int = 0, vocab_size: int = VOCAB_SIZE, init_std: float = 0.1,
+                max_position_embeddings: int = 256) -> torch.nn.Module:
+    """A tiny random float32 Qwen3 or Llama causal LM in eval mode."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab_size, hidden_size=HIDDEN_SIZE, intermediate_size=128, num_hidden_layers=TARGET_LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=max_position_embeddings,
+        initializer_range=init_std, tie_word_embeddings=False,
+    )
+    if arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    elif arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=500000.0))
+    else:
+        raise ValueError(arch)
+    return model.eval()
+
+
+def draft_config(block_size: int = 8, num_layers: int = 2, mask_token_id: int | None = None,
+                 vocab_size: int = VOCAB_SIZE, **overrides) -> DFlashConfig:
+    """A tiny draft config in the published layout."""
+    settings = dict(
+        vocab_size=vocab_size, hidden_size=HIDDEN_SIZE, intermediate_size=96, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        rope_theta=1e6, block_size=block_size, num_target_layers=TARGET_LAYERS, initializer_range=0.1,
+        dflash_config={"mask_token_id": vocab_size - 1 if mask_token_id is None else mask_token_id},
+        architectures=["DFlashDraftModel"],
+    )
+    settings.update(overrides)
+    return DFlashConfig(**settings)
+
+
+def make_draft(seed: int = 0, **config_kwargs) -> DFlashDraftModel:
+    """A tiny random float32 draft in eval mode."""
+    torch.manual_seed(seed)
+    return DFlashDraftModel(draft_config(**config_kwargs)).eval()
+
+
+def plain_greedy(target: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
+                 stop_token_ids: list[int] | None = None) -> torch.Tensor:
+    """The target's own greedy decode (Transformers generate), ids [1, prompt + new]."""
+    return target.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+        min_new_tokens=0 if stop_token_ids else max_new_tokens, do_sample=False,
+        eos_token_id=stop_token_ids, pad_token_id=0,
+    )
+
+
+class ReferenceProposer:
+    """Proposes a known continuation (the target's own greedy output), optionally wrong after a random offset.
+
+    It also checks the features the loop hands it: positions must continue exactly where the
+    previous step stopped, and the features must equal the target's hidden states there.
+    """
+
+    def __init__(self, reference_ids: torch.Tensor, target: torch.nn.Module | None = None,
+                 corrupt_seed: int | None = None) -> None:
+        self.reference_ids = reference_ids
+        self.target = target
+        self.target_layer_ids = [0, TARGET_LAYERS - 1] if target is not None else None
+        self.rng = None if corrupt_seed is None else torch.Generator().manual_seed(corrupt_seed)
+        self.next_position = 0
+        self.num_calls = 0
+
+    def propose(self, step: DraftStep) -> torch.Tensor:
+        self.num_calls += 1
+        start = step.output_ids.shape[1] - 1
+        committed = self.reference_ids[:, : start + 1].to(step.output_ids.device)
+        assert torch.equal(step.output_ids, committed), "loop committed a token the target would not produce"
+        if self.target is not None:
+            positions = step.context_position_ids[0].tolist()
+            assert positions == list(range(self.next_position, start)), (positions, self.next_position, start)
+            self.next_position = start
+            with torch.no_grad():
+                full = self.target(step.output_ids, output_hidden_states=True).hidden_states
+            expected = torch.cat([full[i + 1] for i in self.target_layer_ids], dim=-1)[:, positions]
+            torch.testing.assert_close(step.target_hidden, expected, rtol=1e-4, atol=1e-4)
+        proposals = self.reference_ids[0, start + 1 : start + step.block_size].tolist()  # any device
+        proposals += [0] * (step.block_size - 1 - len(proposals))
+        if self.rng is not None:
+            wrong_from = int(torch.randint(0, step.block_size, (1,), generator=self.rng))
+            for i in range(wrong_from, len(proposals)):
+                proposals[i] = (proposals[i] + 1) % VOCAB_SIZE
+        return torch.tensor([proposals])

@@ -1,0 +1,172 @@
+"""The published checkpoint layout (design doc section 1) loads unchanged and round-trips."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_hf import DFlashConfig, DFlashDraftModel
+from dflash_hf.configuration_dflash import default_target_layer_ids
+from helpers import make_target
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def published_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes exactly as the design doc lists them."""
+    hidden, head_dim = config["hidden_size"], config["head_dim"]
+    heads, kv_heads, inter = config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"]
+    num_features = len(config["dflash_config"]["target_layer_ids"])
+    shapes = {"fc.weight": (hidden, num_features * hidden), "hidden_norm.weight": (hidden,), "norm.weight": (hidden,)}
+    for i in range(config["num_hidden_layers"]):
+        prefix = f"layers.{i}."
+        shapes.update({
+            prefix + "input_layernorm.weight": (hidden,),
+            prefix + "post_attention_layernorm.weight": (hidden,),
+            prefix + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+            prefix + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+            prefix + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+            prefix + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            prefix + "self_attn.q_norm.weight": (head_dim,),
+            prefix + "self_attn.k_norm.weight": (head_dim,),
+            prefix + "mlp.gate_proj.weight": (inter, hidden),
+            prefix + "mlp.up_proj.weight": (inter, hidden),
+            prefix + "mlp.down_proj.weight": (hidden, inter),
+        })
+    return shapes
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.json")), ids=lambda p: p.stem)
+def test_published_configs_build_with_the_documented_weights(path):
+    config_dict = json.loads(path.read_text())
+    with torch.device("meta"):
+        draft = DFlashDraftModel(DFlashConfig.from_json_file(str(path)))
+    actual = {name: tuple(p.shape) for name, p in draft.state_dict().items()}
+    assert actual == published_shapes(config_dict)
+    assert draft.block_size == config_dict["block_size"]
+    assert draft.target_layer_ids == config_dict["dflash_config"]["target_layer_ids"]
+    assert draft.mask_token_id == config_dict["dflash_config"]["mask_token_id"]
+
+
+def test_qwen3_8b_config_matches_the_design_doc():
+    config = json.loads((CONFIGS / "Qwen3-8B-DFlash-b16.json").read_text())
+    assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"],
+            config["intermediate_size"], config["rms_norm_eps"], config["rope_theta"], config["rope_scaling"],
+            config["max_position_embeddings"], config["vocab_size"]) == (4096, 32, 8, 128, 12288, 1e-6, 1e6, None, 40960, 151936)
+    assert (config["block_size"], config["num_target_layers"], config["num_hidden_layers"]) == (16, 36, 5)
+    assert config["dflash_config"] == {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}
+
+
+def test_default_target_layer_ids():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(32, 5) == [1, 8, 15, 22, 29]
+    assert default_target_layer_ids(28, 1) == [14]
+    assert default_target_layer_ids(4, 2) == [1, 1]
+
+
+TINY = {
+    "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "model_type": "qwen3",
+    "block_size": 8, "num_target_layers": 4, "dflash_config": {"mask_token_id": 127, "target_layer_ids": [0, 2]},
+    "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "intermediate_size": 96, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_scaling": None,
+    "max_position_embeddings": 256, "vocab_size": 128, "layer_types": ["full_attention", "full_attention"],
+    "sliding_window": None, "use_sliding_window": False, "attention_bias": False, "torch_dtype": "float32",
+}
+
+
+def write_published_folder(folder: Path, config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A folder as published on the Hub: config.json + model.safetensors, weights named as in the doc."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    generator = torch.Generator().manual_seed(seed)
+    full = dict(config, dflash_config={**config["dflash_config"], "target_layer_ids": config["dflash_config"].get(
+        "target_layer_ids") or default_target_layer_ids(config["num_target_layers"], config["num_hidden_layers"])})
+    weights = {name: torch.randn(shape, generator=generator) * 0.1 for name, shape in published_shapes(full).items()}
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return weights
+
+
+def load_and_check(folder: Path, weights: dict[str, torch.Tensor]) -> DFlashDraftModel:
+    draft, info = DFlashDraftModel.from_pretrained(str(folder), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    state = draft.state_dict()
+    for name, value in weights.items():
+        assert torch.equal(state[name], value), name
+    return draft.eval()
+
+
+VARIANTS = {
+    "as_published": {},
+    "block_size_in_dflash_config": {"block_size": None, "dflash_config": {"mask_token_id": 127, "target_layer_ids": [0, 2], "block_size": 8}},
+    "target_layer_ids_absent": {"dflash_config": {"mask_token_id": 127}},
+    "mask_token_as_string": {"dflash_config": {"mask_token": "<|MASK|>", "target_layer_ids": [0, 2]}},
+    "rope_parameters": {"rope_theta": None, "rope_scaling": None, "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}},
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_published_variants_load_without_missing_or_unexpected_keys(tmp_path, variant):
+    config = {k: v for k, v in {**TINY, **VARIANTS[variant]}.items() if v is not None}
+    weights = write_published_folder(tmp_path / "draft", config)
+    draft = load_and_check(tmp_path / "draft", weights)
+    assert draft.block_size == 8
+    expected_layers = [0, 2] if variant != "target_layer_ids_absent" else default_target_layer_ids(4, 2)
+    assert draft.target_layer_ids == expected_layers
+    target = make_target("qwen3", seed=0)
+    input_ids = torch.tensor([[3, 5, 7]])
+    if variant == "mask_token_as_string":
+        assert draft.mask_token_id is None
+        with pytest.raises(ValueError, match="mask_token_id"):
+            draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=4)
+        output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=4, mask_token_id=127)
+    else:
+        assert draft.mask_token_id == 127
+        output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=4)
+    assert output.shape == (1, 7)
+
+
+def test_rope_parameters_variant_gives_the_same_draft_as_rope_theta(tmp_path):
+    weights = write_published_folder(tmp_path / "a", TINY)
+    variant = {k: v for k, v in {**TINY, **VARIANTS["rope_parameters"]}.items() if v is not None}
+    write_published_folder(tmp_path / "b", variant)
+    classic, modern = load_and_check(tmp_path / "a", weights), load_and_check(tmp_path / "b", weights)
+    assert torch.equal(classic.rotary_emb.inv_freq, modern.rotary_emb.inv_freq)
+
+
+def test_save_pretrained_round_trip_is_hub_ready(tmp_path):
+    weights = write_published_folder(tmp_path / "published", TINY)
+    draft = load_and_check(tmp_path / "published", weights)
+    draft.save_pretrained(tmp_path / "saved")
+    files = {p.name for p in (tmp_path / "saved").iterdir()}
+    assert {"config.json", "model.safetensors", "modeling_dflash.py", "configuration_dflash.py", "decoding.py"} <= files
+    saved_config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert saved_config["auto_map"] == {"AutoConfig": "configuration_dflash.DFlashConfig",
+                                        "AutoModel": "modeling_dflash.DFlashDraftModel"}
+    assert saved_config["architectures"] == ["DFlashDraftModel"]
+    assert saved_config["model_type"] == "qwen3"
+    assert saved_config["block_size"] == 8 and saved_config["num_target_layers"] == 4
+    assert saved_config["dflash_config"] == {"mask_token_id": 127, "target_layer_ids": [0, 2]}
+    assert set(load_file(str(tmp_path / "saved" / "model.safetensors"))) == set(weights)
+    reloaded = load_and_check(tmp_path / "saved", weights)
+    target = make_target("llama", seed=1)
+    input_ids = torch.tensor([[9, 8, 7, 6]])
+    first = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=12, return_stats=True)
+    second = reloaded.spec_generate(target=target, input_ids=input_ids, max_new_tokens=12, return_stats=True)
+    assert torch.equal(first.output_ids, second.output_ids)
+    assert first.acceptance_lengths == second.acceptance_lengths
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"architectures": ["DFlash2DraftModel"]}, "out of scope"),
+    ({"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True, "sliding_window": 16}, "sliding"),
+    ({"block_size": None}, "block_size"),
+])
+def test_unsupported_drafts_are_refused(tmp_path, change, message):
+    config = {k: v for k, v in {**TINY, **change}.items() if v is not None}
+    write_published_folder(tmp_path / "draft", config)
+    with pytest.raises(ValueError, match=message):
+        DFlashDraftModel.from_pretrained(str(tmp_path / "draft"))

@@ -1,0 +1,85 @@
+"""Bad input raises a clear error naming the problem; nothing silent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3Model
+
+from helpers import make_draft, make_target, plain_greedy
+
+PROMPT = torch.tensor([[3, 1, 4, 1, 5]])
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target("qwen3", seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return make_draft(0, block_size=8)
+
+
+@pytest.mark.parametrize("draft_kwargs,message", [
+    ({"hidden_size": 32, "head_dim": 8}, "hidden_size 32 does not match"),
+    ({"vocab_size": 100, "mask_token_id": 5}, "vocab_size 100 does not match"),
+    ({"dflash_config": {"mask_token_id": 127, "target_layer_ids": [1, 6]}}, r"target_layer_ids \[6\] are outside"),
+    ({"num_target_layers": 36}, "trained for a target with 36 layers"),
+    ({"mask_token_id": 500}, "mask_token_id 500 is outside"),
+])
+def test_draft_target_mismatch(target, draft_kwargs, message):
+    draft = make_draft(0, **draft_kwargs)
+    with pytest.raises(ValueError, match=message):
+        draft.spec_generate(target=target, input_ids=PROMPT, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    ({"input_ids": torch.zeros((1, 0), dtype=torch.long)}, ValueError, "prompt is empty"),
+    ({"input_ids": PROMPT.repeat(2, 1)}, ValueError, "Batch size 2 is not supported"),
+    ({"input_ids": PROMPT[0]}, ValueError, "shape"),
+    ({"input_ids": PROMPT.float()}, TypeError, "integer"),
+    ({"max_new_tokens": 0}, ValueError, "max_new_tokens must be an integer >= 1"),
+    ({"max_new_tokens": -3}, ValueError, "max_new_tokens must be an integer >= 1"),
+    ({"max_new_tokens": 252}, ValueError, "exceeds the target's position limit"),
+    ({"block_size": 0}, ValueError, "block_size must be an integer from 1"),
+    ({"block_size": 9}, ValueError, "trained size 8"),
+    ({"temperature": -0.5}, ValueError, "temperature"),
+    ({"temperature": 1.0, "top_p": 1.5}, ValueError, "top_p"),
+    ({"temperature": 1.0, "top_k": 0}, ValueError, "top_k"),
+    ({"attention_mask": torch.tensor([[0, 1, 1, 1, 1]])}, ValueError, "padding"),
+])
+def test_bad_generation_arguments(target, draft, kwargs, error, message):
+    arguments = {"target": target, "input_ids": PROMPT, "max_new_tokens": 4, **kwargs}
+    with pytest.raises(error, match=message):
+        draft.spec_generate(**arguments)
+
+
+def test_draft_position_limit(target):
+    draft = make_draft(0, max_position_embeddings=16)
+    with pytest.raises(ValueError, match="draft's max_position_embeddings=16"):
+        draft.spec_generate(target=target, input_ids=PROMPT, max_new_tokens=12)
+
+
+def test_draft_and_target_on_different_devices(target):
+    draft = make_draft(0).to("meta")
+    with pytest.raises(ValueError, match="Draft is on meta but the target's embedding is on cpu"):
+        draft.spec_generate(target=target, input_ids=PROMPT, max_new_tokens=4)
+
+
+def test_target_without_lm_head(draft):
+    base = Qwen3Model(Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    with pytest.raises(ValueError, match="no input embedding or LM head"):
+        draft.spec_generate(target=base, input_ids=PROMPT, max_new_tokens=4)
+
+
+def test_full_attention_mask_is_accepted(target, draft):
+    out = draft.spec_generate(target=target, input_ids=PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=6)
+    assert torch.equal(out, plain_greedy(target, PROMPT, 6))
+
+
+def test_mixed_float_dtypes_are_cast_and_stay_lossless(target):
+    draft = make_draft(0).to(torch.bfloat16)
+    out = draft.spec_generate(target=target, input_ids=PROMPT, max_new_tokens=20)
+    assert torch.equal(out, plain_greedy(target, PROMPT, 20))

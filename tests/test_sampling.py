@@ -1,0 +1,125 @@
+"""At temperature > 0, spec_generate samples exactly the target's own distribution."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from dflash_hf import DraftStep, speculative_decode
+from dflash_hf.decoding import DFlashProposer
+from helpers import make_draft, make_target
+
+VOCAB = 6
+NUM_NEW = 3
+NUM_SAMPLES = 1000
+
+
+class TargetGreedyProposer:
+    """Proposes the target's greedy continuation of the current prefix: often accepted at low entropy."""
+
+    target_layer_ids = None
+
+    def __init__(self, target):
+        self.target = target
+
+    def propose(self, step: DraftStep) -> torch.Tensor:
+        ids = step.output_ids
+        for _ in range(step.block_size - 1):
+            ids = torch.cat((ids, self.target(ids).logits[:, -1:].argmax(-1)), dim=1)
+        return ids[:, -(step.block_size - 1):]
+
+
+def warpers(temperature, top_k, top_p) -> LogitsProcessorList:
+    chain = [TemperatureLogitsWarper(temperature)]
+    if top_k is not None:
+        chain.append(TopKLogitsWarper(top_k))
+    if top_p is not None:
+        chain.append(TopPLogitsWarper(top_p))
+    return LogitsProcessorList(chain)
+
+
+@torch.no_grad()
+def exact_joint(target, input_ids, temperature, top_k, top_p) -> dict[tuple[int, ...], float]:
+    """P(x1, x2, x3) under plain sampling from the target with Transformers' own warpers."""
+    process = warpers(temperature, top_k, top_p)
+    probabilities = {(): 1.0}
+    for _ in range(NUM_NEW):
+        prefixes = list(probabilities)
+        batch = torch.cat((input_ids.repeat(len(prefixes), 1), torch.tensor([list(p) for p in prefixes],
+                                                                              dtype=torch.long).reshape(len(prefixes), -1)), dim=1)
+        logits = target(batch).logits[:, -1].float()
+        next_probabilities = process(batch, logits).softmax(-1)
+        probabilities = {prefix + (token,): probabilities[prefix] * float(next_probabilities[row, token])
+                         for row, prefix in enumerate(prefixes) for token in range(VOCAB)}
+    return probabilities
+
+
+def chi_square_p_value(counts: dict, expected: dict, num_samples: int) -> float:
+    """Chi-square goodness of fit, cells with expected count < 5 pooled into one."""
+    observed_cells, expected_cells, pooled_observed, pooled_expected = [], [], 0, 0.0
+    for cell, probability in expected.items():
+        if probability * num_samples >= 5:
+            observed_cells.append(counts.get(cell, 0))
+            expected_cells.append(probability * num_samples)
+        else:
+            pooled_observed += counts.get(cell, 0)
+            pooled_expected += probability * num_samples
+    if pooled_expected > 0:
+        observed_cells.append(pooled_observed)
+        expected_cells.append(pooled_expected)
+    elif pooled_observed > 0:
+        return 0.0  # a sequence of probability zero was sampled
+    scale = num_samples / sum(expected_cells)  # absorb float rounding of the exact probabilities
+    expected_cells = [value * scale for value in expected_cells]
+    return float(chisquare(observed_cells, expected_cells).pvalue)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = make_target("llama", seed=11, vocab_size=VOCAB, init_std=0.4)
+    input_ids = torch.tensor([[1, 4, 2, 5]])
+    return target, input_ids
+
+
+@pytest.mark.parametrize("proposer_kind,temperature,top_k,top_p", [
+    ("dflash", 1.0, None, None),
+    ("dflash", 0.8, 3, None),
+    ("dflash", 1.2, None, 0.8),
+    ("target_greedy", 1.0, None, None),
+])
+def test_sampled_sequences_follow_the_target_distribution(setup, proposer_kind, temperature, top_k, top_p):
+    target, input_ids = setup
+    draft = make_draft(12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
+    generator = torch.Generator().manual_seed(1234)
+    counts: dict[tuple[int, ...], int] = {}
+    accepted_drafts = 0
+    with torch.no_grad():
+        for _ in range(NUM_SAMPLES):
+            proposer = DFlashProposer(draft, target, VOCAB - 1) if proposer_kind == "dflash" else TargetGreedyProposer(target)
+            result = speculative_decode(target, proposer, input_ids, max_new_tokens=NUM_NEW, block_size=4,
+                                        temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+            cell = tuple(result.new_token_ids[0].tolist())
+            counts[cell] = counts.get(cell, 0) + 1
+            accepted_drafts += sum(a - 1 for a in result.acceptance_lengths)
+    assert accepted_drafts > NUM_SAMPLES // 10  # proposals were accepted: the acceptance path was tested
+    expected = exact_joint(target, input_ids, temperature, top_k, top_p)
+    p_value = chi_square_p_value(counts, expected, NUM_SAMPLES)
+    # the same statistic has power: it rejects a nearby wrong distribution
+    wrong = exact_joint(target, input_ids, temperature * 1.5, top_k, top_p)
+    p_value_wrong = chi_square_p_value(counts, wrong, NUM_SAMPLES)
+    print(proposer_kind, temperature, top_k, top_p, "accepted", accepted_drafts, "p", p_value, "p_wrong", p_value_wrong)
+    assert p_value > 1e-3
+    assert p_value_wrong < 1e-3
+
+
+def test_seed_makes_sampling_reproducible(setup):
+    target, input_ids = setup
+    draft = make_draft(12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
+    runs = [draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=12, temperature=1.0, seed=s)
+            for s in (7, 7, 8)]
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
