@@ -96,10 +96,12 @@ def pick_tokens(
     return torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)  # [N]
 
 
-def count_accepted(proposals: torch.Tensor, target_tokens: torch.Tensor) -> int:
-    """Leading proposals [B-1] equal to the target's tokens [B] at the same positions."""
-    matches = proposals == target_tokens[: proposals.shape[0]]
-    return int(matches.long().cumprod(dim=0).sum().item())
+def count_accepted(proposals: list[int], target_tokens: list[int]) -> int:
+    """Number of leading proposals (B-1) equal to the target's tokens (B) at the same positions."""
+    accepted = 0
+    while accepted < len(proposals) and proposals[accepted] == target_tokens[accepted]:
+        accepted += 1
+    return accepted
 
 
 def first_stop_index(tokens: list[int], stop_token_ids: set[int]) -> int | None:
@@ -387,8 +389,13 @@ def speculative_decode(
             output_hidden_states=want_hidden,
         )
         target_tokens = pick(verify.logits[0])  # [b]: target's token for positions s+1 .. s+b
-        accepted = 0 if proposals is None else count_accepted(proposals[0], target_tokens)
-        new_tokens = (proposals[0, :accepted].tolist() if accepted else []) + [int(target_tokens[accepted])]
+        if proposals is None:
+            accepted, new_tokens = 0, target_tokens.tolist()
+        else:
+            proposed_and_target = torch.cat((proposals[0], target_tokens)).tolist()  # one device sync
+            proposed, target_list = proposed_and_target[: step_block - 1], proposed_and_target[step_block - 1 :]
+            accepted = count_accepted(proposed, target_list)
+            new_tokens = proposed[:accepted] + [target_list[accepted]]
         crop_cache(cache, start + accepted + 1)
         if want_hidden:
             pending_features.append(select_features(verify.hidden_states, layer_ids)[:, : accepted + 1])
@@ -413,6 +420,7 @@ def speculative_decode(
     )
 
 
+@torch.no_grad()
 def spec_generate(
     draft: DFlashDraftModel,
     target: torch.nn.Module,

@@ -19,7 +19,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_dflash import DFlashConfig, normalize_dflash_config, read_rope_parameters
-from .decoding import SpecGenerateOutput, spec_generate
+from .decoding import spec_generate
 
 
 class DFlashRMSNorm(nn.Module):
@@ -321,40 +321,8 @@ class DFlashDraftModel(PreTrainedModel):
             hidden_states = layer(hidden_states, context, block_rope, context_rope, cache, attention_mask)
         return self.norm(hidden_states)
 
-    @torch.no_grad()
-    def spec_generate(
-        self,
-        target: PreTrainedModel,
-        input_ids: torch.Tensor,
-        max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        stop_token_ids: list[int] | int | None = None,
-        block_size: int | None = None,
-        generator: torch.Generator | None = None,
-        seed: int | None = None,
-        mask_token_id: int | None = None,
-        attention_mask: torch.Tensor | None = None,
-        return_stats: bool = False,
-    ) -> torch.Tensor | SpecGenerateOutput:
-        """Lossless speculative decoding of `target` with this draft; see `decoding.spec_generate`."""
-        return spec_generate(
-            self,
-            target,
-            input_ids,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            stop_token_ids=stop_token_ids,
-            block_size=block_size,
-            generator=generator,
-            seed=seed,
-            mask_token_id=mask_token_id,
-            attention_mask=attention_mask,
-            return_stats=return_stats,
-        )
+    # Lossless speculative decoding with a target: `draft.spec_generate(target=..., input_ids=..., ...)`.
+    spec_generate = spec_generate
 
 
 DFlashConfig.register_for_auto_class()

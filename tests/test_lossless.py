@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflash_hf import speculative_decode
-from helpers import ReferenceProposer, VOCAB_SIZE, make_draft, make_target, plain_greedy
+from helpers import ReferenceProposer, VOCAB_SIZE, assert_equal_up_to_near_tie, make_draft, make_target, plain_greedy
 
 ARCHS = ["qwen3", "llama"]
 
@@ -137,3 +137,15 @@ def test_other_decoder_only_targets_work():
     for block_size in (1, 4, 8):
         assert torch.equal(draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=25,
                                                block_size=block_size), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_half_precision_on_cpu_is_equal_up_to_near_ties(arch, dtype):
+    target = make_target(arch, seed=10).to(dtype)
+    draft = make_draft(10).to(dtype)
+    input_ids = prompt(10, 8)
+    expected = plain_greedy(target, input_ids, max_new_tokens=30)
+    for block_size in (1, 4, 8):
+        output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=30, block_size=block_size)
+        assert_equal_up_to_near_tie(target, output, expected)

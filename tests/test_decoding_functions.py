@@ -1,0 +1,47 @@
+"""The loop's small pure functions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from dflash_hf.decoding import count_accepted, first_stop_index, pick_tokens, process_logits
+
+
+@pytest.mark.parametrize("proposals,target_tokens,expected", [
+    ([1, 2, 3], [1, 2, 4, 9], 2),
+    ([1, 2, 3], [1, 2, 3, 9], 3),
+    ([7, 2], [1, 2, 3], 0),
+    ([], [5], 0),
+])
+def test_count_accepted_counts_the_leading_matches(proposals, target_tokens, expected):
+    assert count_accepted(proposals, target_tokens) == expected
+
+
+def test_first_stop_index():
+    assert first_stop_index([4, 5, 6, 5], {5}) == 1
+    assert first_stop_index([4, 6], {5}) is None
+    assert first_stop_index([4, 6], set()) is None
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.7, 5, None), (1.3, None, 0.9), (0.9, 20, 0.5)])
+def test_process_logits_matches_transformers_warpers(temperature, top_k, top_p):
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3
+    chain = [TemperatureLogitsWarper(temperature)]
+    chain += [TopKLogitsWarper(top_k)] if top_k else []
+    chain += [TopPLogitsWarper(top_p)] if top_p else []
+    expected = LogitsProcessorList(chain)(torch.zeros(3, 1, dtype=torch.long), logits.clone())
+    actual = process_logits(logits, temperature, top_k, top_p)
+    assert torch.equal(torch.isinf(actual), torch.isinf(expected))
+    torch.testing.assert_close(actual.softmax(-1), expected.softmax(-1))
+
+
+def test_pick_tokens_greedy_is_argmax_and_sampling_respects_top_k():
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(pick_tokens(logits), logits.argmax(-1))
+    generator = torch.Generator().manual_seed(2)
+    allowed = logits.topk(3, dim=-1).indices
+    for _ in range(50):
+        picked = pick_tokens(logits, temperature=2.0, top_k=3, generator=generator)
+        assert bool((allowed == picked[:, None]).any(-1).all())
