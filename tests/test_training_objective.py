@@ -1,0 +1,102 @@
+"""The training objective: the sparse block mask, labels, and a few dozen steps that teach the draft."""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_hf.decoding import select_features
+from dflash_hf.training import build_blocks, dflash_loss, position_weights, sample_anchors
+from helpers import VOCAB_SIZE, make_draft, make_target, plain_greedy
+
+MASK = VOCAB_SIZE - 1
+
+
+def test_block_mask_sees_exactly_the_context_before_the_anchor_and_its_own_block():
+    length, block_size = 20, 4
+    anchors = torch.tensor([0, 3, 10, 18])  # the first block has no context; the last runs past the end
+    blocks = build_blocks(torch.arange(length), torch.ones(length), anchors, block_size, MASK)
+    assert blocks.attention_mask.shape == (4 * block_size, length + 4 * block_size)
+    for row in range(4 * block_size):
+        block = row // block_size
+        for column in range(length + 4 * block_size):
+            if column < length:
+                expected = column < int(anchors[block])
+            else:
+                expected = (column - length) // block_size == block
+            assert bool(blocks.attention_mask[row, column]) == expected, (row, column)
+
+
+def test_block_inputs_and_labels():
+    input_ids = torch.arange(100, 120)
+    loss_mask = torch.zeros(20)
+    loss_mask[6:] = 1  # prompt is positions 0..5
+    blocks = build_blocks(input_ids, loss_mask, torch.tensor([4, 17]), 4, MASK)
+    assert blocks.block_ids.tolist() == [104, MASK, MASK, MASK, 117, MASK, MASK, MASK]
+    assert blocks.block_position_ids.tolist() == [4, 5, 6, 7, 17, 18, 19, 20]
+    assert blocks.labels.tolist() == [[105, 106, 107], [118, 119, 0]]
+    assert blocks.label_mask.tolist() == [[False, True, True], [True, True, False]]
+
+
+def test_anchors_are_distinct_and_precede_a_label():
+    loss_mask = torch.zeros(30)
+    loss_mask[10:25] = 1
+    anchors = sample_anchors(loss_mask, 100, torch.Generator().manual_seed(0))
+    assert anchors.tolist() == list(range(9, 24))
+    assert len(sample_anchors(loss_mask, 5, torch.Generator().manual_seed(0))) == 5
+
+
+def test_position_weights_decay():
+    weights = position_weights(16)
+    assert weights[0] == 1.0 and torch.allclose(weights[7], torch.exp(torch.tensor(-1.0)))
+
+
+def test_all_blocks_in_one_pass_equal_one_block_at_a_time():
+    target, draft = make_target("qwen3", seed=0), make_draft(0, block_size=4)
+    input_ids = torch.randint(0, MASK, (24,), generator=torch.Generator().manual_seed(0))
+    anchors = torch.tensor([2, 9, 20])
+    blocks = build_blocks(input_ids, torch.ones(24), anchors, 4, MASK)
+    with torch.no_grad():
+        features = select_features(target(input_ids[None], output_hidden_states=True).hidden_states, draft.target_layer_ids)
+        embeddings = target.get_input_embeddings()(blocks.block_ids)[None]
+        together = draft(embeddings, features, blocks.block_position_ids[None], torch.arange(24)[None],
+                         attention_mask=blocks.attention_mask[None, None])
+        for k, anchor in enumerate(anchors.tolist()):
+            rows = slice(4 * k, 4 * k + 4)
+            alone = draft(embeddings[:, rows], features[:, :anchor], blocks.block_position_ids[None, rows],
+                          torch.arange(anchor)[None])
+            torch.testing.assert_close(together[:, rows], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_a_few_dozen_steps_lower_the_loss_and_raise_acceptance():
+    target = make_target("llama", seed=1)
+    for parameter in target.parameters():
+        parameter.requires_grad_(False)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, MASK, (1, 6), generator=generator) for _ in range(6)]
+    sequences = [plain_greedy(target, p, max_new_tokens=40)[0] for p in prompts]  # the target's own answers
+    loss_masks = [torch.cat((torch.zeros(6), torch.ones(40))) for _ in sequences]
+    draft = make_draft(1, block_size=4)
+
+    def mean_tau(model):
+        taus = [model.spec_generate(target=target, input_ids=p, max_new_tokens=40, return_stats=True).tau
+                for p in prompts[:3]]
+        return sum(taus) / len(taus)
+
+    untrained_tau = mean_tau(draft.eval())
+    draft.train()
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=3e-3)
+    anchor_generator = torch.Generator().manual_seed(2)
+    losses = []
+    for step in range(48):
+        index = step % len(sequences)
+        result = dflash_loss(draft, target, sequences[index], loss_masks[index], num_anchors=16,
+                             generator=anchor_generator)
+        optimizer.zero_grad()
+        result.loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        optimizer.step()
+        losses.append(float(result.loss.detach()))
+    trained_tau = mean_tau(draft.eval())
+    assert sum(losses[-6:]) / 6 < 0.7 * sum(losses[:6]) / 6
+    print("tau untrained", untrained_tau, "trained", trained_tau, "loss", losses[:3], losses[-3:])
+    assert trained_tau > untrained_tau + 0.3, (untrained_tau, trained_tau)
