@@ -19,7 +19,7 @@ DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's gamma per block size
 
 
 def loss_decay_gamma(block_size: int) -> float:
-    """Gamma of the position-decayed loss: the paper's value for B = 16/10/8, else interpolated as B / 2 - 1."""
+    """Gamma of the position-decayed loss: the paper's value for B = 16/10/8, else B / 2 - 1 (at least 1)."""
     return DECAY_GAMMA.get(block_size, max(block_size / 2 - 1, 1.0))
 
 
