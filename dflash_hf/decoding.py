@@ -201,8 +201,8 @@ class DFlashProposer:
             step.context_position_ids,
             cache=self.cache,
         )
-        logits = self.lm_head(hidden[:, 1:].to(self.lm_head.weight.dtype))  # [1, B-1, V]
-        return logits.argmax(dim=-1)
+        proposal_states = hidden[0, 1:].contiguous().to(self.lm_head.weight.dtype)  # [B-1, H]
+        return self.lm_head(proposal_states).argmax(dim=-1)[None]  # [1, B-1]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -111,3 +111,16 @@ def assert_equal_up_to_near_tie(target: torch.nn.Module, output: torch.Tensor, e
         logits = target(expected[:, :index]).logits[0, -1].float()
     best, second = logits.topk(2).values.tolist()
     assert best - second <= relative_gap * max(abs(best), 1.0), f"divergence at {index} was not a near-tie"
+
+
+def make_tokenizer(vocab_size: int = VOCAB_SIZE):
+    """A word-level tokenizer over 'w0' .. 'w{V-1}' with a chat template; id 1 is the end-of-turn token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w2"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="w0", eos_token="w1", unk_token="w2")
+    tokenizer.chat_template = "{% for m in messages %}w3 {{ m['content'] }} w1 {% endfor %}{% if add_generation_prompt %}w4{% endif %}"
+    return tokenizer

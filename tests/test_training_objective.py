@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dflash_hf.decoding import select_features
@@ -100,3 +101,48 @@ def test_a_few_dozen_steps_lower_the_loss_and_raise_acceptance():
     assert sum(losses[-6:]) / 6 < 0.7 * sum(losses[:6]) / 6
     print("tau untrained", untrained_tau, "trained", trained_tau, "loss", losses[:3], losses[-3:])
     assert trained_tau > untrained_tau + 0.3, (untrained_tau, trained_tau)
+
+
+def _tiny_rows(target, count=4, seed=3):
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(count):
+        prompt_ids = torch.randint(0, MASK, (1, 5), generator=generator)
+        response = plain_greedy(target, prompt_ids, max_new_tokens=24)[0, 5:]
+        rows.append({"prompt_ids": prompt_ids[0].tolist(), "response_ids": response.tolist()})
+    return rows
+
+
+def test_training_resumes_from_its_checkpoint_exactly(tmp_path):
+    from dflash_hf.training.trainer import TrainingSettings, train_draft
+
+    target = make_target("qwen3", seed=4)
+    rows = _tiny_rows(target)
+    settings = TrainingSettings(epochs=2, learning_rate=2e-3, num_anchors=8, checkpoint_every=3, distill=True)
+    straight = make_draft(5, block_size=4)
+    log = train_draft(straight, target, rows, settings, tmp_path / "straight", progress=False)
+    assert log.steps == 8 and len(log.losses) == 8 and len(log.position_accuracy) == 3
+
+    interrupted = make_draft(5, block_size=4)
+    train_draft(interrupted, target, rows, settings, tmp_path / "resumed", progress=False, max_steps=5)
+    resumed = make_draft(6, block_size=4)  # a fresh process: the weights come from the checkpoint
+    resumed_log = train_draft(resumed, target, rows, settings, tmp_path / "resumed", progress=False)
+    assert resumed_log.steps == 8
+    assert resumed_log.losses == pytest.approx(log.losses, rel=1e-5)
+    for name, value in straight.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_top1_teacher_on_greedy_data_equals_the_hard_label_loss():
+    """Distillation reads the target's distribution at p for the token at p + 1: with a top-1 teacher
+    on the target's own greedy continuation it must give exactly the hard-label loss."""
+    from dflash_hf.training.objective import target_signals
+
+    target, draft = make_target("qwen3", seed=7), make_draft(7, block_size=4)
+    sequence = plain_greedy(target, torch.tensor([[5, 6, 7, 8]]), max_new_tokens=20)[0]
+    loss_mask = torch.cat((torch.zeros(4), torch.ones(20)))
+    hard = dflash_loss(draft, target, sequence, loss_mask, 12, torch.Generator().manual_seed(0))
+    signals = target_signals(target, sequence, draft.target_layer_ids, teacher_top_k=1)
+    soft = dflash_loss(draft, target, sequence, loss_mask, 12, torch.Generator().manual_seed(0), signals)
+    torch.testing.assert_close(soft.loss, hard.loss)
+    assert torch.equal(soft.correct, hard.correct)

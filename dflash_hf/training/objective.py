@@ -86,25 +86,47 @@ class StepResult:
     counted: torch.Tensor  # [B-1]: labels per block position
 
 
+@dataclass
+class TargetSignals:
+    """What the frozen target gives a training sequence: features, and its top-k next-token distribution."""
+
+    hidden: torch.Tensor  # [T, L*H]: concatenated outputs of the target layers feeding the draft
+    teacher_probs: torch.Tensor | None = None  # [T, k]: top-k probabilities of the token at p + 1 (renormalised)
+    teacher_ids: torch.Tensor | None = None  # [T, k]
+
+
+@torch.no_grad()
+def target_signals(
+    target: torch.nn.Module, input_ids: torch.Tensor, target_layer_ids: list[int], teacher_top_k: int | None = None
+) -> TargetSignals:
+    """Run the frozen target once over a sequence [T]; keep the features and, if asked, its top-k."""
+    outputs = target(input_ids[None], output_hidden_states=True)
+    hidden = select_features(outputs.hidden_states, target_layer_ids)[0]
+    if teacher_top_k is None:
+        return TargetSignals(hidden)
+    top = outputs.logits[0].float().topk(teacher_top_k, dim=-1)
+    return TargetSignals(hidden, top.values.softmax(-1), top.indices)
+
+
 def dflash_loss(
-    draft: DFlashDraftModel,
+    draft: DFlashDraftModel | torch.nn.Module,
     target: torch.nn.Module,
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
     num_anchors: int,
     generator: torch.Generator | None = None,
-    target_hidden: torch.Tensor | None = None,
+    signals: TargetSignals | None = None,
 ) -> StepResult:
-    """Decayed cross-entropy of the draft on one sequence [T], all blocks in one forward.
+    """Position-decayed loss of the draft on one sequence [T], all blocks in one forward.
 
-    target_hidden [T, L*H] (the concatenated target layer outputs) may be given from a cache;
-    otherwise the frozen target computes it.
+    `signals` (from `target_signals`, possibly cached) default to one target forward without a teacher.
+    With a teacher the loss is the cross-entropy to the target's top-k distribution (distillation);
+    without, to the sequence's own tokens.
     """
-    block_size, mask_token_id = draft.block_size, draft.mask_token_id
-    if target_hidden is None:
-        with torch.no_grad():
-            hidden_states = target(input_ids[None], output_hidden_states=True).hidden_states
-        target_hidden = select_features(hidden_states, draft.target_layer_ids)[0]
+    model = getattr(draft, "module", draft)  # the draft itself under a DistributedDataParallel wrapper
+    block_size, mask_token_id = model.block_size, model.mask_token_id
+    if signals is None:
+        signals = target_signals(target, input_ids, model.target_layer_ids)
     anchors = sample_anchors(loss_mask, num_anchors, generator)
     if len(anchors) == 0:
         raise ValueError("The sequence has no response token to train on (loss_mask is empty after position 0).")
@@ -114,14 +136,22 @@ def dflash_loss(
         block_embeddings = embed_tokens(blocks.block_ids)[None]  # [1, K*B, H]
     hidden = draft(
         block_embeddings,
-        target_hidden[None],
+        signals.hidden[None],
         blocks.block_position_ids[None],
         torch.arange(input_ids.shape[0], device=input_ids.device)[None],
         attention_mask=blocks.attention_mask[None, None],
     )  # [1, K*B, H]
     hidden = hidden.view(len(anchors), block_size, -1)[:, 1:]  # [K, B-1, H]: positions that predict
-    logits = lm_head(hidden.to(lm_head.weight.dtype)).float()  # [K, B-1, V]
-    token_loss = F.cross_entropy(logits.flatten(0, 1), blocks.labels.flatten(), reduction="none").view_as(blocks.labels)
+    # a contiguous 2-D input keeps the LM head on one matrix multiply (a strided 3-D one falls back to bmm)
+    logits = lm_head(hidden.reshape(-1, hidden.shape[-1]).to(lm_head.weight.dtype)).float()
+    logits = logits.view(len(anchors), block_size - 1, -1)  # [K, B-1, V]
+    if signals.teacher_probs is not None:
+        # the target's distribution for the token at p + 1 is its output at position p
+        positions = blocks.block_position_ids.view(len(anchors), block_size)[:, :-1].clamp(max=input_ids.shape[0] - 1)
+        log_probs = logits.log_softmax(-1).gather(-1, signals.teacher_ids[positions])  # [K, B-1, k]
+        token_loss = -(signals.teacher_probs[positions] * log_probs).sum(-1)
+    else:
+        token_loss = F.cross_entropy(logits.flatten(0, 1), blocks.labels.flatten(), reduction="none").view_as(blocks.labels)
     weights = position_weights(block_size).to(logits.device)[None, :] * blocks.label_mask  # [K, B-1]
     loss = (token_loss * weights).sum() / weights.sum().clamp(min=1e-8)
     correct = ((logits.argmax(-1) == blocks.labels) & blocks.label_mask).sum(0)

@@ -1,0 +1,50 @@
+"""The main job in one call: SmolLM2-135M-Instruct with the shipped DFlash draft, on a CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SHIPPED_DRAFT = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-instruct"
+DEMO_PROMPTS = [  # held out: gsm8k test questions (the draft trained on gsm8k train) and a coding request
+    "Janet\u2019s ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her "
+    "friends every day with four. She sells the remainder at the farmers' market daily for $2 per fresh duck egg. "
+    "How much in dollars does she make every day at the farmers' market?",
+    "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total does it take?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+]
+
+
+def load_demo(dtype: torch.dtype = torch.bfloat16, draft_path: str | Path | None = None):
+    """(target, tokenizer, draft): SmolLM2-135M-Instruct and the shipped draft, in `dtype`, eval mode."""
+    from .modeling_dflash import DFlashDraftModel
+    from .smollm2 import load_smollm2
+
+    path = Path(draft_path) if draft_path is not None else SHIPPED_DRAFT
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"No draft at {path}; train one with `dflash-hf train --output runs/smollm2`.")
+    target, tokenizer = load_smollm2(dtype)
+    draft = DFlashDraftModel.from_pretrained(path, dtype=dtype).eval()
+    return target, tokenizer, draft
+
+
+def run_demo(max_new_tokens: int = 256, dtype: torch.dtype = torch.bfloat16, draft_path: str | Path | None = None) -> dict:
+    """Answer the demo prompts with spec_generate; print answers, tau, tokens/s and the speedup over generate."""
+    from .smollm2 import chat_prompt_ids
+    from .training.recipe import evaluate_draft
+
+    target, tokenizer, draft = load_demo(dtype, draft_path)
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}]) for prompt in DEMO_PROMPTS]
+
+    def show(index: int, result) -> None:
+        print(f"\n### {DEMO_PROMPTS[index]}\n{tokenizer.decode(result.new_token_ids[0], skip_special_tokens=True)}")
+        print(f"[tau {result.tau:.2f}, {result.num_output_tokens} tokens]", flush=True)
+
+    summary = evaluate_draft(draft, target, prompts, max_new_tokens, stop_token_ids=[tokenizer.eos_token_id],
+                             on_result=show)
+    rates = summary["tokens_per_s"]
+    print(f"\ntau {summary['tau']:.2f} | target.generate {rates['plain']:.1f} tokens/s | spec_generate "
+          f"{rates['dflash']:.1f} tokens/s | speedup {summary['speedup']:.2f}x | identical to generate: "
+          f"{summary['lossless']} ({dtype}, block size {draft.block_size}, {torch.get_num_threads()} threads)")
+    return summary

