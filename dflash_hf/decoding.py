@@ -151,6 +151,18 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def draft_logits(lm_head: torch.nn.Module, states: torch.Tensor) -> torch.Tensor:
+    """LM-head logits [N, V] of a few draft rows [N, H].
+
+    For a plain Linear head this computes (W @ states^T)^T: a GEMM with a few columns, which CPU BLAS
+    runs about twice as fast as a few rows times W^T (measured on AVX2 with MKL; same cost on GPU).
+    """
+    if type(lm_head) is not torch.nn.Linear:
+        return lm_head(states)
+    logits = (lm_head.weight @ states.T).T  # [N, V]
+    return logits if lm_head.bias is None else logits + lm_head.bias
+
+
 # --------------------------------------------------------------------------------------------------
 # Proposers
 # --------------------------------------------------------------------------------------------------
@@ -202,7 +214,7 @@ class DFlashProposer:
             cache=self.cache,
         )
         proposal_states = hidden[0, 1:].contiguous().to(self.lm_head.weight.dtype)  # [B-1, H]
-        return self.lm_head(proposal_states).argmax(dim=-1)[None]  # [1, B-1]
+        return draft_logits(self.lm_head, proposal_states).argmax(dim=-1)[None]  # [1, B-1]
 
 
 # --------------------------------------------------------------------------------------------------

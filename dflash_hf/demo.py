@@ -16,8 +16,12 @@ DEMO_PROMPTS = [  # held out: gsm8k test questions (the draft trained on gsm8k t
 ]
 
 
-def load_demo(dtype: torch.dtype = torch.bfloat16, draft_path: str | Path | None = None):
-    """(target, tokenizer, draft): SmolLM2-135M-Instruct and the shipped draft, in `dtype`, eval mode."""
+def load_demo(dtype: torch.dtype = torch.float32, draft_path: str | Path | None = None):
+    """(target, tokenizer, draft): SmolLM2-135M-Instruct and the shipped draft, in `dtype`, eval mode.
+
+    float32 is the default: on CPUs without native bfloat16 matrix kernels, verifying a block in bfloat16 costs
+    several one-token steps, which cancels the speculative gain.
+    """
     from .modeling_dflash import DFlashDraftModel
     from .smollm2 import load_smollm2
 
@@ -29,7 +33,7 @@ def load_demo(dtype: torch.dtype = torch.bfloat16, draft_path: str | Path | None
     return target, tokenizer, draft
 
 
-def run_demo(max_new_tokens: int = 256, dtype: torch.dtype = torch.bfloat16, draft_path: str | Path | None = None) -> dict:
+def run_demo(max_new_tokens: int = 256, dtype: torch.dtype = torch.float32, draft_path: str | Path | None = None) -> dict:
     """Answer the demo prompts with spec_generate; print answers, tau, tokens/s and the speedup over generate."""
     from .smollm2 import chat_prompt_ids
     from .training.recipe import evaluate_draft

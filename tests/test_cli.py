@@ -20,6 +20,7 @@ def test_train_command_writes_a_hub_ready_draft(tmp_path):
     argv = ["train", "--target", str(tmp_path / "target"), "--output", str(run), "--prompts", str(prompts),
             "--num-prompts", "4", "--gen-batch-size", "2", "--gen-max-new-tokens", "12", "--block-size", "4",
             "--draft-layers", "1", "--mask-token", "w127", "--epochs", "2", "--num-anchors", "6", "--distill",
+            "--init-from-target",
             "--eval-prompts", str(prompts), "--num-eval", "2", "--eval-max-new-tokens", "10", "--eval-dtype", "float32"]
     main(argv)
     assert len((run / "responses.jsonl").read_text().splitlines()) == 4

@@ -84,6 +84,7 @@ class StepResult:
     loss: torch.Tensor  # scalar, differentiable
     correct: torch.Tensor  # [B-1]: correct argmax predictions per block position
     counted: torch.Tensor  # [B-1]: labels per block position
+    leading_correct: torch.Tensor  # [K]: correct predictions before the first miss, per block (its tau - 1)
 
 
 @dataclass
@@ -154,5 +155,7 @@ def dflash_loss(
         token_loss = F.cross_entropy(logits.flatten(0, 1), blocks.labels.flatten(), reduction="none").view_as(blocks.labels)
     weights = position_weights(block_size).to(logits.device)[None, :] * blocks.label_mask  # [K, B-1]
     loss = (token_loss * weights).sum() / weights.sum().clamp(min=1e-8)
-    correct = ((logits.argmax(-1) == blocks.labels) & blocks.label_mask).sum(0)
-    return StepResult(loss=loss, correct=correct.detach(), counted=blocks.label_mask.sum(0))
+    hits = (logits.argmax(-1) == blocks.labels) & blocks.label_mask  # [K, B-1]
+    leading_correct = hits.long().cumprod(dim=1).sum(dim=1)  # what greedy verification would accept
+    return StepResult(loss=loss, correct=hits.sum(0).detach(), counted=blocks.label_mask.sum(0),
+                      leading_correct=leading_correct.detach())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -48,6 +47,60 @@ def draft_config_for(
         },
         tie_word_embeddings=False,
     )
+
+
+def source_layer_ids(target: torch.nn.Module, draft: DFlashDraftModel) -> list[int]:
+    """Target layers a draft copies when initialised from the target: those right after its deepest feature."""
+    num_target_layers = target_text_config(target).num_hidden_layers
+    num_draft_layers = len(draft.layers)
+    start = min(max(draft.target_layer_ids) + 1, num_target_layers - num_draft_layers)
+    return list(range(start, start + num_draft_layers))
+
+
+@torch.no_grad()
+def initialize_from_target(draft: DFlashDraftModel, target: torch.nn.Module, calibration_ids: torch.Tensor) -> list[int]:
+    """Start the draft as the target's top layers reading its deepest feature; returns the copied layer ids.
+
+    Each draft layer takes the weights of one target layer (same shapes, as `draft_config_for` builds them),
+    `norm` the target's final norm, `fc` passes the deepest feature through and `hidden_norm` is the first
+    copied layer's input norm. Targets without q/k norms (Llama) get q_norm/k_norm set to the mean RMS of
+    their queries/keys on `calibration_ids` [T], so attention logits start at the target's scale.
+    """
+    decoder = target.get_decoder()
+    target_layers = decoder.layers
+    layer_ids = source_layer_ids(target, draft)
+    query_key_rms: dict[tuple[int, str], list[torch.Tensor]] = {}
+    hooks = []
+    for draft_index, layer_id in enumerate(layer_ids):
+        attention = target_layers[layer_id].self_attn
+        for name in ("q_proj", "k_proj"):
+            def record(module, inputs, output, key=(draft_index, name)):
+                heads = output.float().view(*output.shape[:-1], -1, draft.layers[0].self_attn.head_dim)
+                query_key_rms.setdefault(key, []).append(heads.pow(2).mean(-1).sqrt().mean())
+            hooks.append(getattr(attention, name).register_forward_hook(record))
+    try:
+        target(calibration_ids[None].to(target.device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for draft_index, layer_id in enumerate(layer_ids):
+        source = target_layers[layer_id].state_dict()
+        destination = draft.layers[draft_index]
+        for name, tensor in destination.state_dict().items():
+            if name in source and source[name].shape == tensor.shape:
+                tensor.copy_(source[name])
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                projection = "q_proj" if name.endswith("q_norm.weight") else "k_proj"
+                tensor.fill_(float(torch.stack(query_key_rms[(draft_index, projection)]).mean()))
+            else:
+                raise ValueError(f"Target layer {layer_id} has no weight matching draft weight {name!r} {tuple(tensor.shape)}.")
+    draft.norm.weight.copy_(decoder.norm.weight)
+    draft.hidden_norm.weight.copy_(target_layers[layer_ids[0]].input_layernorm.weight)
+    hidden_size = draft.config.hidden_size
+    deepest = draft.target_layer_ids.index(max(draft.target_layer_ids))
+    draft.fc.weight.zero_()
+    draft.fc.weight[:, deepest * hidden_size : (deepest + 1) * hidden_size] = torch.eye(hidden_size)
+    return layer_ids
 
 
 @torch.no_grad()
@@ -97,30 +150,3 @@ def evaluate_draft(
         "speedup": dflash_rate / plain_rate,
         "lossless": lossless,
     }
-
-
-def write_model_card(folder: str | Path, base_model: str, details: dict[str, Any]) -> None:
-    """A README.md model card stub: what the draft is for, how it was trained, what it measured."""
-    lines = [
-        "---",
-        "library_name: transformers",
-        "pipeline_tag: text-generation",
-        f"base_model: {base_model}",
-        "tags: [dflash, speculative-decoding, block-diffusion]",
-        "---",
-        "",
-        f"# DFlash draft for {base_model}",
-        "",
-        "A block-diffusion draft for lossless speculative decoding with [dflash-hf](https://pypi.org/project/dflash-hf/).",
-        "",
-        "```python",
-        "from transformers import AutoModel",
-        "draft = AutoModel.from_pretrained('<this folder>', trust_remote_code=True).eval()",
-        "out = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=256)",
-        "```",
-        "",
-        "## Training and evaluation",
-        "",
-    ]
-    lines += [f"- **{key}**: {value}" for key, value in details.items()]
-    Path(folder, "README.md").write_text("\n".join(lines) + "\n", encoding="utf-8")

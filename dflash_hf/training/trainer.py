@@ -45,6 +45,7 @@ class TrainingLog:
 
     losses: list[float] = field(default_factory=list)
     position_accuracy: list[float] = field(default_factory=list)
+    block_tau: float = 0.0  # last epoch: 1 + mean correct predictions before the first miss (greedy tau estimate)
     steps: int = 0
     seconds: float = 0.0
 
@@ -125,6 +126,7 @@ def train_draft(
     bar = tqdm(total=total_steps, initial=log.steps, disable=not (progress and accelerator.is_main_process), desc="training")
     block_size = accelerator.unwrap_model(draft).block_size
     correct, counted = torch.zeros(block_size - 1), torch.zeros(block_size - 1)
+    leading_correct, blocks = 0.0, 0
     order_epoch, order = -1, []
     while log.steps < last:
         epoch, index = divmod(log.steps, steps_per_epoch)
@@ -132,6 +134,7 @@ def train_draft(
             order_epoch, order = epoch, _epoch_order(steps_per_epoch, epoch, settings.seed)
             correct.zero_()
             counted.zero_()
+            leading_correct, blocks = 0.0, 0
         sequence = order[index]
         input_ids, loss_mask = (t.to(accelerator.device) for t in shard[sequence])
         anchors_generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + log.steps)
@@ -147,8 +150,11 @@ def train_draft(
         correct += result.correct.cpu()
         counted += result.counted.cpu()
         log.position_accuracy = (correct / counted.clamp(min=1)).tolist()
+        leading_correct += float(result.leading_correct.sum())
+        blocks += len(result.leading_correct)
+        log.block_tau = 1.0 + leading_correct / max(blocks, 1)
         accuracy = " ".join(f"{a:.2f}" for a in log.position_accuracy[:4])
-        bar.set_postfix_str(f"loss {log.losses[-1]:.3f} acc@1..4 {accuracy}")
+        bar.set_postfix_str(f"loss {log.losses[-1]:.3f} acc@1..4 {accuracy} block tau {log.block_tau:.2f}")
         bar.update(1)
         if log.steps % settings.checkpoint_every == 0 or log.steps == last:
             save_checkpoint()

@@ -1,0 +1,433 @@
+"""`dflash-hf bench`: DFlash against plain decoding and prompt lookup, per dataset, in one process.
+
+For every prompt (every turn of a multi-turn conversation) the same target runs plain `generate`,
+DFlash `spec_generate` and Transformers' prompt-lookup decoding; a dataset's summary holds tau, the
+acceptance-length histogram, tokens/s of each method, the speedup, the cost-model bound measured on
+the same machine, and whether every DFlash output equalled the plain greedy output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .decoding import (
+    DFlashProposer,
+    DraftStep,
+    cache_keyword,
+    crop_cache,
+    returned_cache,
+    select_features,
+)
+from .modeling_dflash import DFlashDraftModel
+from .smollm2 import chat_prompt_ids
+
+METHODS = ("plain", "dflash", "prompt_lookup")
+
+
+def default_data_dir() -> Path:
+    """$DFLASH_HF_DATA_DIR, else the first `shared/data` beside the working folder or beside this checkout."""
+    if os.environ.get("DFLASH_HF_DATA_DIR"):
+        return Path(os.environ["DFLASH_HF_DATA_DIR"])
+    candidates = [Path.cwd().parent / "shared" / "data", Path(__file__).resolve().parents[2] / "shared" / "data"]
+    return next((path for path in candidates if path.is_dir()), candidates[0])
+
+
+@dataclass(frozen=True)
+class DatasetSource:
+    """Where a benchmark's prompts live: a local JSONL file, and the Hub copy for online users."""
+
+    file_name: str
+    field: str  # the prompt field; "turns" holds a list of user turns
+    hub: tuple[str, str | None, str]  # (dataset id, config, split) for `datasets.load_dataset`
+    hub_field: str
+
+
+DATASETS = {
+    "gsm8k": DatasetSource("gsm8k_test.jsonl", "question", ("openai/gsm8k", "main", "test"), "question"),
+    "math500": DatasetSource("math500.jsonl", "problem", ("HuggingFaceH4/MATH-500", None, "test"), "problem"),
+    "humaneval": DatasetSource("humaneval.jsonl", "prompt", ("openai/openai_humaneval", None, "test"), "prompt"),
+    "mbpp": DatasetSource("mbpp_sanitized_test.jsonl", "prompt", ("google-research-datasets/mbpp", "sanitized", "test"),
+                          "prompt"),
+    "mt-bench": DatasetSource("mt_bench.jsonl", "turns", ("HuggingFaceH4/mt_bench_prompts", None, "train"), "prompt"),
+}
+
+
+def _turns(record: dict[str, Any], field_name: str) -> list[str]:
+    value = record[field_name]
+    turns = [value] if isinstance(value, str) else list(value)
+    if not turns or not all(isinstance(turn, str) and turn for turn in turns):
+        raise ValueError(f"A record's {field_name!r} must be a non-empty string or list of strings, got {value!r}.")
+    return turns
+
+
+def read_prompt_file(path: str | Path, limit: int | None = None) -> list[list[str]]:
+    """Conversations from a JSONL file with one `{"turns": [...]}` object per line."""
+    conversations = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if "turns" not in record:
+                raise ValueError(f"{path}:{number}: expected an object with a 'turns' list, got keys {sorted(record)}.")
+            conversations.append(_turns(record, "turns"))
+            if limit is not None and len(conversations) >= limit:
+                break
+    return conversations
+
+
+def load_conversations(dataset: str, data_dir: str | Path, limit: int | None = None) -> list[list[str]]:
+    """User turns of a benchmark's first `limit` prompts: the local copy in `data_dir`, else the Hub."""
+    if dataset not in DATASETS:
+        raise ValueError(f"Unknown dataset {dataset!r}; choose from {', '.join(DATASETS)} or pass --prompts FILE.jsonl.")
+    source = DATASETS[dataset]
+    path = Path(data_dir) / source.file_name
+    if path.exists():
+        conversations = []
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                conversations.append(_turns(json.loads(line), source.field))
+                if limit is not None and len(conversations) >= limit:
+                    break
+        return conversations
+    try:
+        from datasets import load_dataset
+    except ImportError as error:
+        raise FileNotFoundError(f"{path} does not exist and the `datasets` package is not installed to fetch "
+                                f"{source.hub[0]}; pass --data-dir.") from error
+    name, config, split = source.hub
+    rows = load_dataset(name, config, split=split)
+    rows = rows.select(range(min(limit, len(rows)))) if limit is not None else rows
+    return [_turns(row, source.hub_field) for row in rows]
+
+
+# --------------------------------------------------------------------------------------------------
+# Measurement
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TurnRecord:
+    """One prompt (one turn) measured with every method."""
+
+    new_tokens: dict[str, list[int]]  # method -> generated ids (prompt excluded)
+    seconds: dict[str, float]  # method -> wall time of its generation
+    acceptance_lengths: list[int] = field(default_factory=list)  # DFlash: tokens committed per step
+
+
+@dataclass
+class BenchSettings:
+    """What every prompt is run with."""
+
+    max_new_tokens: int = 256
+    block_size: int | None = None  # None: the draft's trained block size
+    temperature: float = 0.0
+    prompt_lookup_tokens: int | None = 10  # None: skip prompt-lookup decoding
+    seed: int = 0
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def stop_token_ids_of(target: torch.nn.Module, tokenizer: Any) -> list[int]:
+    """The ids that end a response: the tokenizer's EOS and the target's generation-config EOS ids."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    configured = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    ids.update([configured] if isinstance(configured, int) else (configured or []))
+    return sorted(ids)
+
+
+@torch.no_grad()
+def measure_turn(
+    draft: DFlashDraftModel,
+    target: torch.nn.Module,
+    input_ids: torch.Tensor,
+    settings: BenchSettings,
+    stop_token_ids: list[int],
+    mask_token_id: int | None = None,
+) -> TurnRecord:
+    """Generate from one prompt [1, T] with plain `generate`, DFlash and prompt lookup, timing each."""
+    device = input_ids.device
+    sampling = {"do_sample": True, "temperature": settings.temperature, "top_k": 0, "top_p": 1.0} \
+        if settings.temperature > 0 else {"do_sample": False}
+    common = {"attention_mask": torch.ones_like(input_ids), "max_new_tokens": settings.max_new_tokens,
+              "eos_token_id": stop_token_ids, "pad_token_id": stop_token_ids[0], **sampling}
+    record = TurnRecord(new_tokens={}, seconds={})
+
+    def timed(method: str, run: Callable[[], torch.Tensor]) -> None:
+        torch.manual_seed(settings.seed)
+        _synchronize(device)
+        started = time.perf_counter()
+        output_ids = run()
+        _synchronize(device)
+        record.seconds[method] = time.perf_counter() - started
+        record.new_tokens[method] = output_ids[0, input_ids.shape[1] :].tolist()
+
+    timed("plain", lambda: target.generate(input_ids, **common))
+    result = None
+
+    def dflash() -> torch.Tensor:
+        nonlocal result
+        result = draft.spec_generate(
+            target=target, input_ids=input_ids, max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature, stop_token_ids=stop_token_ids, block_size=settings.block_size,
+            seed=settings.seed if settings.temperature > 0 else None, mask_token_id=mask_token_id, return_stats=True,
+        )
+        return result.output_ids
+
+    timed("dflash", dflash)
+    record.acceptance_lengths = list(result.acceptance_lengths)
+    if settings.prompt_lookup_tokens:
+        timed("prompt_lookup", lambda: target.generate(input_ids, prompt_lookup_num_tokens=settings.prompt_lookup_tokens,
+                                                       **common))
+    return record
+
+
+@torch.no_grad()
+def measure_step_costs(
+    draft: DFlashDraftModel,
+    target: torch.nn.Module,
+    context_ids: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+    repeats: int = 5,
+) -> dict[str, float]:
+    """Median seconds of the cost model's terms after a context [1, T]: one target token, a B-token verify, a draft pass."""
+    device = context_ids.device
+    keyword = cache_keyword(target)
+    length = context_ids.shape[1]
+    prefill = target(input_ids=context_ids, use_cache=True, output_hidden_states=True)
+    cache = returned_cache(prefill)
+    features = select_features(prefill.hidden_states, draft.target_layer_ids)  # [1, T, L*H]
+    next_ids = context_ids[:, -block_size:] if length >= block_size else context_ids[:, :1].repeat(1, block_size)
+
+    def target_step(num_tokens: int, hidden: bool) -> float:
+        _synchronize(device)
+        started = time.perf_counter()
+        target(input_ids=next_ids[:, :num_tokens], position_ids=torch.arange(length, length + num_tokens, device=device)[None],
+               use_cache=True, output_hidden_states=hidden, **{keyword: cache})
+        _synchronize(device)
+        elapsed = time.perf_counter() - started
+        crop_cache(cache, length)
+        return elapsed
+
+    def draft_step() -> float:
+        proposer = DFlashProposer(draft, target, mask_token_id)
+        new = min(2, length - 1)  # a typical step hands over a few new context positions
+        proposer.propose(DraftStep(context_ids[:, : length - new], features[:, : length - new - 1],
+                                   torch.arange(length - new - 1, device=device)[None], block_size))
+        step = DraftStep(context_ids, features[:, length - new - 1 : length - 1],
+                         torch.arange(length - new - 1, length - 1, device=device)[None], block_size)
+        _synchronize(device)
+        started = time.perf_counter()
+        proposer.propose(step)
+        _synchronize(device)
+        return time.perf_counter() - started
+
+    def median(measure: Callable[[], float]) -> float:
+        measure()  # warm-up
+        return statistics.median(measure() for _ in range(repeats))
+
+    return {
+        "target_1": median(lambda: target_step(1, False)),
+        "target_block": median(lambda: target_step(block_size, True)),
+        "draft": median(draft_step),
+    }
+
+
+def cost_model_bound(tau: float, step_costs: dict[str, float]) -> float:
+    """Speedup the cost model allows: tau * t(1 token) / (t(B-token verify) + t(draft))."""
+    return tau * step_costs["target_1"] / (step_costs["target_block"] + step_costs["draft"])
+
+
+def acceptance_histogram(acceptance_lengths: list[int], block_size: int) -> list[int]:
+    """Steps per acceptance length: entry k-1 counts the steps that committed k tokens (k = 1..B)."""
+    histogram = [0] * block_size
+    for length in acceptance_lengths:
+        if not 1 <= length <= block_size:
+            raise ValueError(f"acceptance length {length} is outside 1..{block_size}")
+        histogram[length - 1] += 1
+    return histogram
+
+
+def summarize(
+    dataset: str,
+    records: list[TurnRecord],
+    num_prompts: int,
+    block_size: int,
+    step_costs: dict[str, float] | None,
+    greedy: bool,
+) -> dict[str, Any]:
+    """One dataset's results: tau, histogram, tokens/s per method, speedup, bound, lossless."""
+    methods = [m for m in METHODS if all(m in record.seconds for record in records)]
+    tokens_per_s = {}
+    for method in methods:
+        tokens = sum(len(record.new_tokens[method]) for record in records)
+        seconds = sum(record.seconds[method] for record in records)
+        tokens_per_s[method] = tokens / seconds if seconds > 0 else 0.0
+    lengths = [length for record in records for length in record.acceptance_lengths]
+    tau = sum(lengths) / len(lengths) if lengths else 0.0
+    plain = tokens_per_s.get("plain", 0.0)
+    # sampled outputs differ from run to run by design: equality is only a check of greedy decoding
+    lossless = all(record.new_tokens["dflash"] == record.new_tokens["plain"] for record in records) if greedy else None
+    return {
+        "dataset": dataset,
+        "num_prompts": num_prompts,
+        "num_turns": len(records),
+        "block_size": block_size,
+        "tau": tau,
+        "acceptance_histogram": acceptance_histogram(lengths, block_size),
+        "tokens_per_s": tokens_per_s,
+        "speedup": tokens_per_s["dflash"] / plain if plain > 0 else 0.0,
+        "speedup_prompt_lookup": tokens_per_s["prompt_lookup"] / plain if plain > 0 and "prompt_lookup" in tokens_per_s else None,
+        "bound": cost_model_bound(tau, step_costs) if step_costs else None,
+        "step_costs_ms": {k: v * 1000 for k, v in step_costs.items()} if step_costs else None,
+        "lossless": lossless,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# A whole run
+# --------------------------------------------------------------------------------------------------
+
+
+def resolve_mask_token_id(draft: DFlashDraftModel, tokenizer: Any) -> int:
+    """The draft's mask id, looked up in the tokenizer when the config names the mask token as a string."""
+    if draft.mask_token_id is not None:
+        return draft.mask_token_id
+    name = draft.config.dflash_config.get("mask_token")
+    mask_token_id = tokenizer.convert_tokens_to_ids(name) if name is not None else None
+    if mask_token_id is None or mask_token_id == tokenizer.unk_token_id:
+        raise ValueError(f"The draft's mask token {name!r} is not in the target tokenizer's vocabulary.")
+    return int(mask_token_id)
+
+
+@torch.no_grad()
+def run_benchmark(
+    draft: DFlashDraftModel,
+    target: torch.nn.Module,
+    tokenizer: Any,
+    datasets: dict[str, list[list[str]]],
+    settings: BenchSettings,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Measure every conversation of every dataset with each method; one summary per dataset.
+
+    Under `accelerate launch` the conversations are sharded over the processes and the records gathered.
+    """
+    from tqdm.auto import tqdm
+
+    process_index, num_processes, gather = _distributed()
+    device = target.get_input_embeddings().weight.device
+    block_size = settings.block_size or draft.block_size
+    mask_token_id = resolve_mask_token_id(draft, tokenizer)
+    stop_token_ids = stop_token_ids_of(target, tokenizer)
+    first_prompt = next(iter(datasets.values()))[0][0]
+    warm_up_ids = torch.tensor([chat_prompt_ids(tokenizer, [{"role": "user", "content": first_prompt}])], device=device)
+    measure_turn(draft, target, warm_up_ids, BenchSettings(8, settings.block_size, settings.temperature,
+                                                           settings.prompt_lookup_tokens, settings.seed), stop_token_ids,
+                 mask_token_id)
+    total_turns = sum(len(turns) for conversations in datasets.values() for turns in conversations[process_index::num_processes])
+    bar = tqdm(total=total_turns, desc="bench", disable=not progress or process_index != 0)
+    results = []
+    for name, conversations in datasets.items():
+        records: list[TurnRecord] = []
+        step_costs = None
+        for turns in conversations[process_index::num_processes]:
+            messages: list[dict[str, str]] = []
+            for turn in turns:
+                messages.append({"role": "user", "content": turn})
+                input_ids = torch.tensor([chat_prompt_ids(tokenizer, messages)], device=device)
+                record = measure_turn(draft, target, input_ids, settings, stop_token_ids, mask_token_id)
+                records.append(record)
+                if step_costs is None:  # the cost model, at a typical context: the prompt and half an answer
+                    half = record.new_tokens["plain"][: max(len(record.new_tokens["plain"]) // 2, 1)]
+                    context = torch.cat((input_ids, torch.tensor([half], device=device)), dim=1)
+                    step_costs = measure_step_costs(draft, target, context, block_size, mask_token_id)
+                # the next turn sees the model's own answer (the plain greedy one: every method's prompt is the same)
+                answer = tokenizer.decode([t for t in record.new_tokens["plain"] if t not in stop_token_ids],
+                                          skip_special_tokens=True)
+                messages.append({"role": "assistant", "content": answer})
+                bar.update(1)
+                bar.set_postfix_str(f"{name} tau {_running_tau(records):.2f}")
+        records = gather(records)
+        step_costs = gather([step_costs])[0]
+        results.append(summarize(name, records, len(conversations), block_size, step_costs, settings.temperature == 0))
+    bar.close()
+    return results
+
+
+def _running_tau(records: list[TurnRecord]) -> float:
+    lengths = [length for record in records for length in record.acceptance_lengths]
+    return sum(lengths) / len(lengths) if lengths else 0.0
+
+
+def _distributed() -> tuple[int, int, Callable[[list], list]]:
+    """(process index, process count, gather of Python lists) under Accelerate; a single process otherwise."""
+    try:
+        from accelerate import PartialState
+        from accelerate.utils import gather_object
+    except ImportError:
+        return 0, 1, lambda items: items
+    state = PartialState(cpu=not torch.cuda.is_available())
+    if state.num_processes == 1:
+        return 0, 1, lambda items: items
+    return state.process_index, state.num_processes, gather_object
+
+
+# --------------------------------------------------------------------------------------------------
+# Reporting
+# --------------------------------------------------------------------------------------------------
+
+
+def markdown_table(results: list[dict[str, Any]]) -> str:
+    """The results as a Markdown table (one row per dataset)."""
+    lines = [
+        "| dataset | prompts | B | tau | plain tok/s | DFlash tok/s | prompt lookup tok/s | speedup | bound | lossless |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for result in results:
+        rates = result["tokens_per_s"]
+        lookup = f"{rates['prompt_lookup']:.1f}" if "prompt_lookup" in rates else "-"
+        bound = f"{result['bound']:.2f}x" if result["bound"] is not None else "-"
+        lossless = {True: "yes", False: "NO", None: "n/a (sampling)"}[result["lossless"]]
+        lines.append(
+            f"| {result['dataset']} | {result['num_prompts']} | {result['block_size']} | {result['tau']:.2f} | "
+            f"{rates['plain']:.1f} | {rates['dflash']:.1f} | {lookup} | {result['speedup']:.2f}x | {bound} | {lossless} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_results(results: list[dict[str, Any]], path: str | Path) -> None:
+    """A PNG: speedup (measured, cost-model bound, prompt lookup) and tau per dataset."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [result["dataset"] for result in results]
+    positions = range(len(names))
+    figure, (speed_axis, tau_axis) = plt.subplots(1, 2, figsize=(4 + 2 * len(names), 4))
+    width = 0.27
+    speed_axis.bar([p - width for p in positions], [r["speedup"] for r in results], width, label="DFlash (measured)")
+    speed_axis.bar(list(positions), [r["bound"] or 0.0 for r in results], width, label="cost-model bound")
+    speed_axis.bar([p + width for p in positions], [r["speedup_prompt_lookup"] or 0.0 for r in results], width,
+                   label="prompt lookup")
+    speed_axis.axhline(1.0, color="gray", linewidth=0.8)
+    speed_axis.set(xticks=list(positions), xticklabels=names, ylabel="speedup over target.generate")
+    speed_axis.legend(fontsize=8, loc="lower left", framealpha=0.9)
+    tau_axis.bar(list(positions), [r["tau"] for r in results], 0.5, color="tab:green")
+    tau_axis.set(xticks=list(positions), xticklabels=names, ylabel="tau (tokens per target forward)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

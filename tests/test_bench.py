@@ -1,0 +1,163 @@
+"""`dflash-hf bench`: summaries are consistent, the lossless flag can fail, multi-turn feeding, prompt files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import dflash_hf.benchmark as benchmark
+from dflash_hf.benchmark import (
+    BenchSettings,
+    TurnRecord,
+    acceptance_histogram,
+    cost_model_bound,
+    load_conversations,
+    markdown_table,
+    read_prompt_file,
+    run_benchmark,
+    summarize,
+)
+from dflash_hf.cli import main
+from dflash_hf.smollm2 import chat_prompt_ids
+from helpers import make_draft, make_target, make_tokenizer
+
+STEP_COSTS = {"target_1": 0.010, "target_block": 0.015, "draft": 0.005}
+
+
+def record(plain: list[int], dflash: list[int], lengths: list[int], seconds=(2.0, 1.0, 1.5)) -> TurnRecord:
+    return TurnRecord(new_tokens={"plain": plain, "dflash": dflash, "prompt_lookup": plain},
+                      seconds=dict(zip(("plain", "dflash", "prompt_lookup"), seconds)), acceptance_lengths=lengths)
+
+
+def test_summary_values_are_consistent():
+    records = [record([5, 6, 7, 8], [5, 6, 7, 8], [3, 1]), record([9, 9], [9, 9], [2], seconds=(1.0, 0.5, 1.0))]
+    summary = summarize("gsm8k", records, num_prompts=2, block_size=4, step_costs=STEP_COSTS, greedy=True)
+    rates = summary["tokens_per_s"]
+    assert rates["plain"] == pytest.approx(6 / 3.0) and rates["dflash"] == pytest.approx(6 / 1.5)
+    assert summary["speedup"] == pytest.approx(rates["dflash"] / rates["plain"])
+    assert summary["speedup_prompt_lookup"] == pytest.approx(rates["prompt_lookup"] / rates["plain"])
+    assert summary["acceptance_histogram"] == [1, 1, 1, 0]
+    assert sum(summary["acceptance_histogram"]) == 3  # one entry per draft/verify step
+    assert summary["tau"] == pytest.approx(6 / 3)
+    assert summary["bound"] == pytest.approx(2.0 * 0.010 / (0.015 + 0.005))
+    assert summary["lossless"] is True
+    json.dumps(summary)  # the --json file can hold it
+
+
+def test_lossless_flag_turns_false_when_an_output_differs():
+    records = [record([5, 6, 7], [5, 6, 7], [3]), record([5, 6, 7], [5, 6, 8], [2, 1])]
+    assert summarize("x", records, 2, 4, STEP_COSTS, greedy=True)["lossless"] is False
+    assert summarize("x", records, 2, 4, STEP_COSTS, greedy=False)["lossless"] is None  # sampling: not an equality check
+    assert "NO" in markdown_table([summarize("x", records, 2, 4, STEP_COSTS, greedy=True)])
+
+
+def test_histogram_refuses_impossible_lengths():
+    with pytest.raises(ValueError, match="outside 1..4"):
+        acceptance_histogram([5], 4)
+    assert cost_model_bound(3.0, STEP_COSTS) == pytest.approx(1.5)
+
+
+def test_prompt_files_and_datasets(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"turns": ["first question", "and a follow-up"]}\n\n{"turns": ["one turn"]}\n')
+    assert read_prompt_file(path) == [["first question", "and a follow-up"], ["one turn"]]
+    assert read_prompt_file(path, limit=1) == [["first question", "and a follow-up"]]
+    path.write_text('{"question": "no turns here"}\n')
+    with pytest.raises(ValueError, match="'turns' list"):
+        read_prompt_file(path)
+    with pytest.raises(ValueError, match="Unknown dataset 'squad'"):
+        load_conversations("squad", tmp_path)
+    (tmp_path / "mt_bench.jsonl").write_text('{"question_id": 81, "turns": ["a", "b"]}\n{"question_id": 82, "turns": ["c", "d"]}\n')
+    (tmp_path / "gsm8k_test.jsonl").write_text('{"question": "q1", "answer": "x"}\n{"question": "q2", "answer": "y"}\n')
+    assert load_conversations("mt-bench", tmp_path, limit=1) == [["a", "b"]]
+    assert load_conversations("gsm8k", tmp_path) == [["q1"], ["q2"]]
+
+
+@pytest.fixture(scope="module")
+def tiny_models():
+    target = make_target("llama", seed=1)
+    draft = make_draft(seed=2, block_size=4, mask_token_id=127)
+    return target, draft, make_tokenizer()
+
+
+def test_multi_turn_feeds_back_the_models_own_answer(tiny_models, monkeypatch):
+    target, draft, tokenizer = tiny_models
+    seen: list[tuple[list[int], TurnRecord]] = []
+    measure = benchmark.measure_turn
+
+    def spy(draft, target, input_ids, *args, **kwargs):
+        result = measure(draft, target, input_ids, *args, **kwargs)
+        seen.append((input_ids[0].tolist(), result))
+        return result
+
+    monkeypatch.setattr(benchmark, "measure_turn", spy)
+    turns = ["w10 w11 w12", "w20 w21"]
+    results = run_benchmark(draft, target, tokenizer, {"mt-bench": [turns]}, BenchSettings(max_new_tokens=6), progress=False)
+    first_prompt, first = seen[1]  # seen[0] is the warm-up
+    second_prompt, _ = seen[2]
+    assert first_prompt == chat_prompt_ids(tokenizer, [{"role": "user", "content": turns[0]}])
+    answer = tokenizer.decode([t for t in first.new_tokens["plain"] if t != tokenizer.eos_token_id], skip_special_tokens=True)
+    assert second_prompt == chat_prompt_ids(tokenizer, [{"role": "user", "content": turns[0]},
+                                                        {"role": "assistant", "content": answer},
+                                                        {"role": "user", "content": turns[1]}])
+    assert results[0]["num_prompts"] == 1 and results[0]["num_turns"] == 2
+    assert results[0]["lossless"] is True  # a random draft is still lossless
+
+
+@pytest.fixture
+def saved_models(tiny_models, tmp_path):
+    """The tiny target (with its tokenizer) and draft saved as folders, as `--target` / `--draft` take them."""
+    target, draft, tokenizer = tiny_models
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    draft.save_pretrained(tmp_path / "draft")
+    return ["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft")]
+
+
+def test_bench_command_end_to_end(saved_models, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"turns": ["w5 w6 w7"]}\n{"turns": ["w8 w9", "w30 w31"]}\n')
+    out = tmp_path / "bench.json"
+    main(["bench", *saved_models, "--prompts", str(prompts),
+          "--max-new-tokens", "5", "--block-size", "3", "--json", str(out), "--plot", str(tmp_path / "bench.png")])
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["dataset"] == "prompts" and result["num_prompts"] == 2 and result["num_turns"] == 3
+    assert result["block_size"] == 3 and len(result["acceptance_histogram"]) == 3
+    assert set(result["tokens_per_s"]) == {"plain", "dflash", "prompt_lookup"}
+    assert result["lossless"] is True and result["bound"] > 0
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_command_needs_target_and_draft_together(tmp_path):
+    with pytest.raises(SystemExit, match="both --target and --draft"):
+        main(["bench", "--target", str(tmp_path)])
+
+
+def test_measured_step_costs_are_positive(tiny_models):
+    target, draft, _ = tiny_models
+    costs = benchmark.measure_step_costs(draft, target, torch.arange(5, 25)[None], block_size=4, mask_token_id=127, repeats=2)
+    assert set(costs) == {"target_1", "target_block", "draft"} and all(v > 0 for v in costs.values())
+
+
+def test_data_parallel_processes_shard_prompts_and_gather_results(saved_models, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"turns": ["w{5 + i} w{6 + i}"]}}\n' for i in range(5)))
+    out = tmp_path / "bench.json"
+    # two CPU processes (torchrun; `accelerate launch` starts the same kind of processes on GPUs)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "dflash_hf.cli", "bench",
+               *saved_models,
+               "--prompts", str(prompts),
+               "--max-new-tokens", "4", "--block-size", "3", "--json", str(out), "--plot", ""]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment, check=False)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["num_prompts"] == 5 and result["num_turns"] == 5  # both shards gathered: 3 + 2 prompts
+    assert result["lossless"] is True
+    assert completed.stdout.count("| dataset |") == 1  # one process reports

