@@ -19,7 +19,7 @@ def hub_ready_folder(folder: str | Path, staging: str | Path) -> Path:
     from .modeling_dflash import DFlashDraftModel
 
     staging = Path(staging)
-    DFlashDraftModel.from_pretrained(folder).save_pretrained(staging)
+    DFlashDraftModel.from_pretrained(folder, dtype="auto").save_pretrained(staging)  # keep the stored dtype
     for extra in ("README.md", "dflash_card.json"):
         if (folder / extra).exists():
             shutil.copy(folder / extra, staging / extra)
