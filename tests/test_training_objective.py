@@ -102,6 +102,18 @@ def test_a_few_dozen_steps_lower_the_loss_and_raise_acceptance():
     print("tau untrained", untrained_tau, "trained", trained_tau, "loss", losses[:3], losses[-3:])
     assert trained_tau > untrained_tau + 0.3, (untrained_tau, trained_tau)
 
+    # leading_correct of a training block is what greedy verification accepts at that anchor while decoding
+    with torch.no_grad():
+        for prompt, sequence, loss_mask in zip(prompts[:3], sequences, loss_masks, strict=False):
+            result = draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=40, return_stats=True)
+            blocks = dflash_loss(draft, target, sequence, loss_mask, num_anchors=len(sequence))  # every anchor
+            anchors = sample_anchors(loss_mask, len(sequence))
+            leading = dict(zip(anchors.tolist(), blocks.leading_correct.tolist(), strict=True))
+            start = prompt.shape[1]  # the pending token of the first step sits right after the prompt
+            for accepted in result.acceptance_lengths[:-1]:  # the last step may be cut by max_new_tokens
+                assert leading[start] == accepted - 1, (start, leading[start], accepted)
+                start += accepted
+
 
 def _tiny_rows(target, count=4, seed=3):
     generator = torch.Generator().manual_seed(seed)
