@@ -21,6 +21,7 @@ import torch
 from .decoding import (
     DFlashProposer,
     DraftStep,
+    _synchronize,
     cache_keyword,
     crop_cache,
     returned_cache,
@@ -132,11 +133,6 @@ class BenchSettings:
     temperature: float = 0.0
     prompt_lookup_tokens: int | None = 10  # None: skip prompt-lookup decoding
     seed: int = 0
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def stop_token_ids_of(target: torch.nn.Module, tokenizer: Any) -> list[int]:
