@@ -8,6 +8,7 @@ the same machine, and whether every DFlash output equalled the plain greedy outp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -24,6 +25,7 @@ from .decoding import (
     _synchronize,
     cache_keyword,
     crop_cache,
+    left_pad,
     returned_cache,
     select_features,
 )
@@ -133,6 +135,8 @@ class BenchSettings:
     temperature: float = 0.0
     prompt_lookup_tokens: int | None = 10  # None: skip prompt-lookup decoding
     seed: int = 0
+    batch_size: int = 1  # prompts per generate / spec_generate call (left-padded); > 1 skips prompt lookup
+    auto_block_size: bool = False  # per dataset: calibrate on its first prompt, then take choose_block_size's pick
 
 
 def stop_token_ids_of(target: torch.nn.Module, tokenizer: Any) -> list[int]:
@@ -182,11 +186,72 @@ def measure_turn(
         return result.output_ids
 
     timed("dflash", dflash)
-    record.acceptance_lengths = list(result.acceptance_lengths)
+    record.acceptance_lengths = list(result.acceptance_lengths[0])
     if settings.prompt_lookup_tokens:
         timed("prompt_lookup", lambda: target.generate(input_ids, prompt_lookup_num_tokens=settings.prompt_lookup_tokens,
                                                        **common))
     return record
+
+
+def new_tokens_until_stop(tokens: list[int], stop_token_ids: list[int]) -> list[int]:
+    """A generated row cut after its first stop token (batched `generate` pads finished rows after it)."""
+    for index, token in enumerate(tokens):
+        if token in stop_token_ids:
+            return tokens[: index + 1]
+    return tokens
+
+
+@torch.no_grad()
+def measure_batch(
+    draft: DFlashDraftModel,
+    target: torch.nn.Module,
+    prompts: list[list[int]],
+    settings: BenchSettings,
+    stop_token_ids: list[int],
+    mask_token_id: int | None = None,
+) -> list[TurnRecord]:
+    """Generate from N prompts at once (left-padded) with batched `generate` and batched DFlash.
+
+    One record per row; each row carries 1/N of the batch's wall time, so summed seconds are wall time.
+    """
+    device = target.get_input_embeddings().weight.device
+    pad_id = stop_token_ids[0]
+    input_ids, attention_mask = left_pad(prompts, pad_id, device)  # [N, T]
+    width = input_ids.shape[1]
+    sampling = {"do_sample": True, "temperature": settings.temperature, "top_k": 0, "top_p": 1.0} \
+        if settings.temperature > 0 else {"do_sample": False}
+    new_tokens: dict[str, list[list[int]]] = {}
+    seconds: dict[str, float] = {}
+    result = None
+
+    def dflash() -> list[list[int]]:
+        nonlocal result
+        result = draft.spec_generate(
+            target=target, input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature, stop_token_ids=stop_token_ids, block_size=settings.block_size,
+            seed=settings.seed if settings.temperature > 0 else None, mask_token_id=mask_token_id, return_stats=True,
+        )
+        return [result.new_tokens(row) for row in range(len(prompts))]
+
+    def plain() -> list[list[int]]:
+        output_ids = target.generate(input_ids, attention_mask=attention_mask, max_new_tokens=settings.max_new_tokens,
+                                     eos_token_id=stop_token_ids, pad_token_id=pad_id, **sampling)
+        return [new_tokens_until_stop(row, stop_token_ids) for row in output_ids[:, width:].tolist()]
+
+    for method, run in (("plain", plain), ("dflash", dflash)):
+        torch.manual_seed(settings.seed)
+        _synchronize(device)
+        started = time.perf_counter()
+        new_tokens[method] = run()
+        _synchronize(device)
+        seconds[method] = time.perf_counter() - started
+    share = 1.0 / len(prompts)
+    return [
+        TurnRecord(new_tokens={method: rows[row] for method, rows in new_tokens.items()},
+                   seconds={method: total * share for method, total in seconds.items()},
+                   acceptance_lengths=list(result.acceptance_lengths[row]))
+        for row in range(len(prompts))
+    ]
 
 
 @torch.no_grad()
@@ -197,14 +262,19 @@ def measure_step_costs(
     block_size: int,
     mask_token_id: int,
     repeats: int = 5,
+    batch_size: int = 1,
 ) -> dict[str, float]:
-    """Median seconds of the cost model's terms after a context [1, T]: one target token, a B-token verify, a draft pass."""
+    """Median seconds of the cost model's terms after a context [1, T] copied to `batch_size` rows.
+
+    The terms: one target token per row, a B-token verify per row, a draft pass over the rows.
+    """
     device = context_ids.device
     keyword = cache_keyword(target)
+    context_ids = context_ids.repeat(batch_size, 1)  # [N, T]
     length = context_ids.shape[1]
     prefill = target(input_ids=context_ids, use_cache=True, output_hidden_states=True)
     cache = returned_cache(prefill)
-    features = select_features(prefill.hidden_states, draft.target_layer_ids)  # [1, T, L*H]
+    features = select_features(prefill.hidden_states, draft.target_layer_ids)  # [N, T, L*H]
     next_ids = context_ids[:, -block_size:] if length >= block_size else context_ids[:, :1].repeat(1, block_size)
 
     def target_step(num_tokens: int, hidden: bool) -> float:
@@ -220,10 +290,12 @@ def measure_step_costs(
     def draft_step() -> float:
         proposer = DFlashProposer(draft, target, mask_token_id)
         new = min(2, length - 1)  # a typical step hands over a few new context positions
-        proposer.propose(DraftStep(context_ids[:, : length - new], features[:, : length - new - 1],
-                                   torch.arange(length - new - 1, device=device)[None], block_size))
-        step = DraftStep(context_ids, features[:, length - new - 1 : length - 1],
-                         torch.arange(length - new - 1, length - 1, device=device)[None], block_size)
+        tokens, rows = context_ids[0].tolist(), list(range(batch_size))
+        positions = torch.arange(length - 1, device=device)[None].expand(batch_size, -1)  # [N, T-1]
+        proposer.propose(DraftStep([tokens[: length - new]] * batch_size, features[:, : length - new - 1],
+                                   positions[:, : length - new - 1], None, block_size, rows))
+        step = DraftStep([tokens] * batch_size, features[:, length - new - 1 : length - 1],
+                         positions[:, length - new - 1 :], None, block_size, rows)
         _synchronize(device)
         started = time.perf_counter()
         proposer.propose(step)
@@ -237,13 +309,44 @@ def measure_step_costs(
     return {
         "target_1": median(lambda: target_step(1, False)),
         "target_block": median(lambda: target_step(block_size, True)),
-        "draft": median(draft_step),
+        "draft": median(draft_step) if block_size > 1 else 0.0,  # a block of 1 drafts nothing
     }
 
 
 def cost_model_bound(tau: float, step_costs: dict[str, float]) -> float:
     """Speedup the cost model allows: tau * t(1 token) / (t(B-token verify) + t(draft))."""
     return tau * step_costs["target_1"] / (step_costs["target_block"] + step_costs["draft"])
+
+
+def truncated_tau(acceptance_histogram: list[int], block_size: int) -> float:
+    """tau at a smaller block, from a histogram measured at the full block: the sum over k <= B of P(length >= k)."""
+    total = sum(acceptance_histogram)
+    if total == 0:
+        raise ValueError("the acceptance histogram is empty: no draft/verify step was measured")
+    return sum(sum(acceptance_histogram[k - 1 :]) for k in range(1, block_size + 1)) / total
+
+
+@torch.no_grad()
+def choose_block_size(
+    draft: DFlashDraftModel,
+    target: torch.nn.Module,
+    context_ids: torch.Tensor,
+    acceptance_histogram: list[int],
+    batch_size: int,
+    mask_token_id: int,
+) -> tuple[int, dict[int, float]]:
+    """The block size with the best predicted speedup for `batch_size` rows on this machine, and every prediction.
+
+    Prediction for B: truncated_tau(B) * t(1 token) / (t(B-token verify) + t(draft)), timed here at N rows;
+    B = 1 is plain decoding by the same loop (1.0). Drafting shorter blocks is assumed to keep the acceptance
+    of the positions it keeps.
+    """
+    candidates = sorted({b for b in (2, 3, 4, 6, 8, 12, 16) if b <= draft.block_size} | {draft.block_size})
+    predictions = {1: 1.0}
+    for block_size in candidates:
+        costs = measure_step_costs(draft, target, context_ids, block_size, mask_token_id, batch_size=batch_size)
+        predictions[block_size] = cost_model_bound(truncated_tau(acceptance_histogram, block_size), costs)
+    return max(predictions, key=predictions.get), predictions
 
 
 def acceptance_histogram(acceptance_lengths: list[int], block_size: int) -> list[int]:
@@ -263,8 +366,9 @@ def summarize(
     block_size: int,
     step_costs: dict[str, float] | None,
     greedy: bool,
+    batch_size: int = 1,
 ) -> dict[str, Any]:
-    """One dataset's results: tau, histogram, tokens/s per method, speedup, bound, lossless."""
+    """One dataset's results: tau, histogram, tokens/s per method (all rows), speedup, bound, lossless."""
     methods = [m for m in METHODS if all(m in record.seconds for record in records)]
     tokens_per_s = {}
     for method in methods:
@@ -280,6 +384,7 @@ def summarize(
         "dataset": dataset,
         "num_prompts": num_prompts,
         "num_turns": len(records),
+        "batch_size": batch_size,
         "block_size": block_size,
         "tau": tau,
         "acceptance_histogram": acceptance_histogram(lengths, block_size),
@@ -325,42 +430,81 @@ def run_benchmark(
 
     process_index, num_processes, gather = _distributed()
     device = target.get_input_embeddings().weight.device
-    block_size = settings.block_size or draft.block_size
     mask_token_id = resolve_mask_token_id(draft, tokenizer)
     stop_token_ids = stop_token_ids_of(target, tokenizer)
     first_prompt = next(iter(datasets.values()))[0][0]
-    warm_up_ids = torch.tensor([chat_prompt_ids(tokenizer, [{"role": "user", "content": first_prompt}])], device=device)
-    measure_turn(draft, target, warm_up_ids, BenchSettings(8, settings.block_size, settings.temperature,
-                                                           settings.prompt_lookup_tokens, settings.seed), stop_token_ids,
-                 mask_token_id)
+    warm_up_prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": first_prompt}])
+    warm_up = dataclasses.replace(settings, max_new_tokens=8)
+    if settings.batch_size == 1:
+        measure_turn(draft, target, torch.tensor([warm_up_prompt], device=device), warm_up, stop_token_ids, mask_token_id)
+    else:
+        measure_batch(draft, target, [warm_up_prompt] * settings.batch_size, warm_up, stop_token_ids, mask_token_id)
     total_turns = sum(len(turns) for conversations in datasets.values() for turns in conversations[process_index::num_processes])
     bar = tqdm(total=total_turns, desc="bench", disable=not progress or process_index != 0)
     results = []
     for name, conversations in datasets.items():
         records: list[TurnRecord] = []
         step_costs = None
-        for turns in conversations[process_index::num_processes]:
-            messages: list[dict[str, str]] = []
-            for turn in turns:
-                messages.append({"role": "user", "content": turn})
-                input_ids = torch.tensor([chat_prompt_ids(tokenizer, messages)], device=device)
-                record = measure_turn(draft, target, input_ids, settings, stop_token_ids, mask_token_id)
-                records.append(record)
+        dataset_settings, predictions = settings, None
+        if settings.auto_block_size:
+            prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": conversations[0][0]}])
+            block_size, predictions = calibrate_block_size(draft, target, prompt, settings, stop_token_ids, mask_token_id)
+            dataset_settings = dataclasses.replace(settings, block_size=block_size)
+        block_size = dataset_settings.block_size or draft.block_size
+        shard = conversations[process_index::num_processes]
+        for group in [shard[i : i + settings.batch_size] for i in range(0, len(shard), settings.batch_size)]:
+            histories: list[list[dict[str, str]]] = [[] for _ in group]
+            for turn_index in range(max(len(turns) for turns in group)):
+                rows = [row for row, turns in enumerate(group) if turn_index < len(turns)]
+                for row in rows:
+                    histories[row].append({"role": "user", "content": group[row][turn_index]})
+                prompts = [chat_prompt_ids(tokenizer, histories[row]) for row in rows]
+                if settings.batch_size == 1:
+                    input_ids = torch.tensor(prompts, device=device)
+                    turn_records = [measure_turn(draft, target, input_ids, dataset_settings, stop_token_ids, mask_token_id)]
+                else:
+                    turn_records = measure_batch(draft, target, prompts, dataset_settings, stop_token_ids, mask_token_id)
+                records.extend(turn_records)
                 if step_costs is None:  # the cost model, at a typical context: the prompt and half an answer
-                    half = record.new_tokens["plain"][: max(len(record.new_tokens["plain"]) // 2, 1)]
-                    context = torch.cat((input_ids, torch.tensor([half], device=device)), dim=1)
-                    step_costs = measure_step_costs(draft, target, context, block_size, mask_token_id)
+                    answer = turn_records[0].new_tokens["plain"]
+                    context = torch.tensor([prompts[0] + answer[: max(len(answer) // 2, 1)]], device=device)
+                    step_costs = measure_step_costs(draft, target, context, block_size, mask_token_id,
+                                                    batch_size=len(prompts))
                 # the next turn sees the model's own answer (the plain greedy one: every method's prompt is the same)
-                answer = tokenizer.decode([t for t in record.new_tokens["plain"] if t not in stop_token_ids],
-                                          skip_special_tokens=True)
-                messages.append({"role": "assistant", "content": answer})
-                bar.update(1)
+                for row, record in zip(rows, turn_records):
+                    answer = tokenizer.decode([t for t in record.new_tokens["plain"] if t not in stop_token_ids],
+                                              skip_special_tokens=True)
+                    histories[row].append({"role": "assistant", "content": answer})
+                bar.update(len(rows))
                 bar.set_postfix_str(f"{name} tau {_running_tau(records):.2f}")
         records = gather(records)
         step_costs = gather([step_costs])[0]
-        results.append(summarize(name, records, len(conversations), block_size, step_costs, settings.temperature == 0))
+        results.append(summarize(name, records, len(conversations), block_size, step_costs, settings.temperature == 0,
+                                 settings.batch_size))
+        if predictions is not None:
+            results[-1]["block_size_predictions"] = predictions
     bar.close()
     return results
+
+
+@torch.no_grad()
+def calibrate_block_size(
+    draft: DFlashDraftModel,
+    target: torch.nn.Module,
+    prompt: list[int],
+    settings: BenchSettings,
+    stop_token_ids: list[int],
+    mask_token_id: int,
+) -> tuple[int, dict[int, float]]:
+    """Run one prompt at the draft's full block for its acceptance histogram, then `choose_block_size` for N rows."""
+    device = target.get_input_embeddings().weight.device
+    result = draft.spec_generate(target=target, input_ids=torch.tensor([prompt], device=device),
+                                 max_new_tokens=settings.max_new_tokens, stop_token_ids=stop_token_ids,
+                                 mask_token_id=mask_token_id, return_stats=True)
+    histogram = acceptance_histogram(result.acceptance_lengths[0], draft.block_size)
+    answer = result.new_tokens(0)
+    context = torch.tensor([prompt + answer[: max(len(answer) // 2, 1)]], device=device)
+    return choose_block_size(draft, target, context, histogram, settings.batch_size, mask_token_id)
 
 
 def _running_tau(records: list[TurnRecord]) -> float:
@@ -389,8 +533,8 @@ def _distributed() -> tuple[int, int, Callable[[list], list]]:
 def markdown_table(results: list[dict[str, Any]]) -> str:
     """The results as a Markdown table (one row per dataset)."""
     lines = [
-        "| dataset | prompts | B | tau | plain tok/s | DFlash tok/s | prompt lookup tok/s | speedup | bound | lossless |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| dataset | prompts | N | B | tau | plain tok/s | DFlash tok/s | prompt lookup tok/s | speedup | bound | lossless |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for result in results:
         rates = result["tokens_per_s"]
@@ -398,7 +542,8 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
         bound = f"{result['bound']:.2f}x" if result["bound"] is not None else "-"
         lossless = {True: "yes", False: "NO", None: "n/a (sampling)"}[result["lossless"]]
         lines.append(
-            f"| {result['dataset']} | {result['num_prompts']} | {result['block_size']} | {result['tau']:.2f} | "
+            f"| {result['dataset']} | {result['num_prompts']} | {result.get('batch_size', 1)} | {result['block_size']} | "
+            f"{result['tau']:.2f} | "
             f"{rates['plain']:.1f} | {rates['dflash']:.1f} | {lookup} | {result['speedup']:.2f}x | {bound} | {lossless} |"
         )
     return "\n".join(lines)

@@ -140,6 +140,15 @@ def _device_description(model: torch.nn.Module) -> str:
     return f"CPU, {torch.get_num_threads()} threads"
 
 
+def block_size_choice(text: str) -> int | str:
+    """A --block-size value: a positive integer or 'auto'."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"block size must be a positive integer or 'auto', got {text!r}")
+    return int(text)
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     from .benchmark import DATASETS
 
@@ -148,7 +157,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR), help="folder of the benchmark JSONL files")
     parser.add_argument("--num-prompts", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--block-size", type=int, default=None, help="default: the draft's trained block size")
+    parser.add_argument("--block-size", type=block_size_choice, nargs="+", default=[None],
+                        help="default: the draft's trained block size; 'auto': the best predicted for each batch size "
+                             "on this machine (calibrated on each dataset's first prompt); several values run in turn")
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[1],
+                        help="prompts per call (left-padded); several values run one after the other, e.g. 1 2 4 8")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                         help="auto: float32 on CPU (few-row bfloat16 matmuls are slow without native bf16), bfloat16 on GPU")
@@ -190,9 +203,15 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     else:
         names = list(DATASETS) if "all" in args.dataset else args.dataset
         datasets = {name: load_conversations(name, args.data_dir, args.num_prompts) for name in names}
-    settings = BenchSettings(args.max_new_tokens, args.block_size, args.temperature, args.prompt_lookup_tokens or None,
-                             args.seed)
-    results = run_benchmark(draft, target, tokenizer, datasets, settings, progress=is_main_process)
+    if any(batch_size < 1 for batch_size in args.batch_size):
+        raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}")
+    results = []
+    for batch_size in args.batch_size:
+        for block_size in args.block_size:
+            auto = block_size == "auto"
+            settings = BenchSettings(args.max_new_tokens, None if auto else block_size, args.temperature,
+                                     args.prompt_lookup_tokens or None, args.seed, batch_size, auto_block_size=auto)
+            results += run_benchmark(draft, target, tokenizer, datasets, settings, progress=is_main_process)
     if not is_main_process:  # under `accelerate launch` every process holds the gathered results; one reports
         return results
     print(markdown_table(results))

@@ -19,7 +19,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_dflash import DFlashConfig, normalize_dflash_config, read_rope_parameters
-from .decoding import spec_generate
+from .decoding import gather_columns, spec_generate
 
 
 class DFlashRMSNorm(nn.Module):
@@ -158,6 +158,16 @@ class DraftContextCache:
     def get_seq_length(self) -> int:
         """Number of context positions stored."""
         return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep the batch rows `index` [n] (rows that finished leave the batch)."""
+        self.keys = [None if key is None else key[index] for key in self.keys]
+        self.values = [None if value is None else value[index] for value in self.values]
+
+    def reorder_columns(self, index: torch.Tensor) -> None:
+        """Per-row column order [N, W'] (compaction: drop unused columns, keep each row's positions in order)."""
+        self.keys = [None if key is None else gather_columns(key, index) for key in self.keys]
+        self.values = [None if value is None else gather_columns(value, index) for value in self.values]
 
 
 class DFlashAttention(nn.Module):
@@ -310,8 +320,9 @@ class DFlashDraftModel(PreTrainedModel):
 
         block_embeddings [B, T, H]: target embeddings of [t0, MASK, ...]; target_hidden [B, C, L*H]:
         concatenated target layer outputs of the (new) context positions; position ids are absolute.
-        attention_mask (optional, [B, 1, T, cached C + C + T], bool or additive) restricts what each
-        block row sees; without it every block row sees all context rows and the whole block.
+        attention_mask (optional, broadcastable to [B, 1, T, cached C + C + T], bool or additive) restricts what
+        each block row sees (a batch hides padding and rejected columns); without it every block row sees all
+        context rows and the whole block.
         """
         context = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))  # [B, C, H]
         hidden_states = block_embeddings.to(self.fc.weight.dtype)

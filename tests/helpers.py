@@ -61,41 +61,53 @@ def plain_greedy(target: torch.nn.Module, input_ids: torch.Tensor, max_new_token
 
 
 class ReferenceProposer:
-    """Proposes a known continuation (the target's own greedy output), optionally wrong after a random offset.
+    """Proposes known continuations (the target's own greedy output), optionally wrong after a random offset.
 
-    It also checks the features the loop hands it: positions must continue exactly where the
-    previous step stopped, and the features must equal the target's hidden states there.
+    `reference_ids` is [1, L] for one row, or a list of [1, L_i] (unpadded prompt + continuation) per batch
+    row. It also checks what the loop hands it: committed tokens, positions that continue exactly where
+    the previous step stopped, and features equal to the target's hidden states there.
     """
 
-    def __init__(self, reference_ids: torch.Tensor, target: torch.nn.Module | None = None,
-                 corrupt_seed: int | None = None) -> None:
-        self.reference_ids = reference_ids
+    def __init__(self, reference_ids: torch.Tensor | list[torch.Tensor], target: torch.nn.Module | None = None,
+                 corrupt_seed: int | None = None, corrupt_rows: set[int] | None = None) -> None:
+        references = reference_ids if isinstance(reference_ids, list) else [reference_ids]
+        self.references = [reference[0].tolist() for reference in references]
         self.target = target
         self.target_layer_ids = [0, TARGET_LAYERS - 1] if target is not None else None
         self.rng = None if corrupt_seed is None else torch.Generator().manual_seed(corrupt_seed)
-        self.next_position = 0
+        self.corrupt_rows = corrupt_rows
+        self.next_position: dict[int, int] = {}
         self.num_calls = 0
+
+    def _check_features(self, step: DraftStep, index: int, row: int, sequence: list[int]) -> None:
+        start = len(sequence) - 1
+        valid = torch.ones(step.target_hidden.shape[1], dtype=torch.bool) if step.context_valid is None \
+            else step.context_valid[index].cpu()
+        positions = step.context_position_ids[index].cpu()[valid].tolist()
+        assert positions == list(range(self.next_position.get(row, 0), start)), (row, positions, start)
+        self.next_position[row] = start
+        with torch.no_grad():
+            full = self.target(torch.tensor([sequence]), output_hidden_states=True).hidden_states
+        expected = torch.cat([full[i + 1] for i in self.target_layer_ids], dim=-1)[0, positions]
+        torch.testing.assert_close(step.target_hidden[index].cpu()[valid], expected, rtol=1e-4, atol=1e-4)
 
     def propose(self, step: DraftStep) -> torch.Tensor:
         self.num_calls += 1
-        start = step.output_ids.shape[1] - 1
-        committed = self.reference_ids[:, : start + 1].to(step.output_ids.device)
-        assert torch.equal(step.output_ids, committed), "loop committed a token the target would not produce"
-        if self.target is not None:
-            positions = step.context_position_ids[0].tolist()
-            assert positions == list(range(self.next_position, start)), (positions, self.next_position, start)
-            self.next_position = start
-            with torch.no_grad():
-                full = self.target(step.output_ids, output_hidden_states=True).hidden_states
-            expected = torch.cat([full[i + 1] for i in self.target_layer_ids], dim=-1)[:, positions]
-            torch.testing.assert_close(step.target_hidden, expected, rtol=1e-4, atol=1e-4)
-        proposals = self.reference_ids[0, start + 1 : start + step.block_size].tolist()  # any device
-        proposals += [0] * (step.block_size - 1 - len(proposals))
-        if self.rng is not None:
-            wrong_from = int(torch.randint(0, step.block_size, (1,), generator=self.rng))
-            for i in range(wrong_from, len(proposals)):
-                proposals[i] = (proposals[i] + 1) % VOCAB_SIZE
-        return torch.tensor([proposals])
+        rows = []
+        for index, row in enumerate(step.row_ids):
+            sequence, reference = step.sequences[index], self.references[row]
+            start = len(sequence) - 1
+            assert sequence == reference[: start + 1], "loop committed a token the target would not produce"
+            if self.target is not None:
+                self._check_features(step, index, row, sequence)
+            proposals = reference[start + 1 : start + step.block_size]
+            proposals += [0] * (step.block_size - 1 - len(proposals))
+            if self.rng is not None and (self.corrupt_rows is None or row in self.corrupt_rows):
+                wrong_from = int(torch.randint(0, step.block_size, (1,), generator=self.rng))
+                for i in range(wrong_from, len(proposals)):
+                    proposals[i] = (proposals[i] + 1) % VOCAB_SIZE
+            rows.append(proposals)
+        return torch.tensor(rows)
 
 
 def assert_equal_up_to_near_tie(target: torch.nn.Module, output: torch.Tensor, expected: torch.Tensor,

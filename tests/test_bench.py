@@ -161,3 +161,59 @@ def test_data_parallel_processes_shard_prompts_and_gather_results(saved_models, 
     assert result["num_prompts"] == 5 and result["num_turns"] == 5  # both shards gathered: 3 + 2 prompts
     assert result["lossless"] is True
     assert completed.stdout.count("| dataset |") == 1  # one process reports
+
+
+def test_batched_measurement_is_per_row_and_shares_the_wall_time(tiny_models):
+    target, draft, tokenizer = tiny_models
+    prompts = [[3, 10, 11, 4], [3, 20, 4], [3, 30, 31, 32, 33, 4]]
+    settings = BenchSettings(max_new_tokens=12, block_size=4, batch_size=3)
+    stop = [tokenizer.eos_token_id]
+    records = benchmark.measure_batch(draft, target, prompts, settings, stop, mask_token_id=127)
+    assert len(records) == 3
+    for prompt, record in zip(prompts, records):
+        alone = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=stop,
+                                pad_token_id=0)[0, len(prompt):].tolist()
+        assert record.new_tokens["plain"] == record.new_tokens["dflash"] == alone
+        assert sum(record.acceptance_lengths) == len(record.new_tokens["dflash"]) - 1
+        assert set(record.seconds) == {"plain", "dflash"}  # prompt lookup takes one row: not in batches
+    for method in ("plain", "dflash"):  # each row carries an equal share of the batch's wall time
+        assert len({record.seconds[method] for record in records}) == 1
+
+
+def test_bench_command_with_several_batch_sizes(saved_models, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"turns": ["w5 w6 w7"]}\n{"turns": ["w8 w9", "w30 w31"]}\n{"turns": ["w40"]}\n')
+    out = tmp_path / "bench.json"
+    main(["bench", *saved_models, "--prompts", str(prompts), "--batch-size", "1", "2",
+          "--max-new-tokens", "5", "--block-size", "3", "--json", str(out), "--plot", ""])
+    single, batched = json.loads(out.read_text())["results"]
+    assert (single["batch_size"], batched["batch_size"]) == (1, 2)
+    assert single["num_turns"] == batched["num_turns"] == 4  # the second turn of prompt 2 runs in the batch too
+    assert set(batched["tokens_per_s"]) == {"plain", "dflash"}
+    assert batched["lossless"] is True and single["lossless"] is True
+    assert batched["acceptance_histogram"] and sum(batched["acceptance_histogram"]) > 0
+
+
+def test_truncated_tau_and_the_block_size_choice(tiny_models):
+    histogram = [2, 1, 1]  # lengths 1, 1, 2, 3
+    assert benchmark.truncated_tau(histogram, 3) == pytest.approx(7 / 4)  # the measured mean
+    assert benchmark.truncated_tau(histogram, 2) == pytest.approx(6 / 4)
+    assert benchmark.truncated_tau(histogram, 1) == 1.0
+    target, draft, _ = tiny_models
+    best, predictions = benchmark.choose_block_size(draft, target, torch.arange(5, 25)[None], [0, 0, 0, 10],
+                                                    batch_size=2, mask_token_id=127)
+    assert set(predictions) == {1, 2, 3, 4} and predictions[1] == 1.0
+    assert predictions[best] == max(predictions.values())
+    assert predictions[4] > predictions[2]  # a draft always accepted in full gains from the longest block
+
+
+def test_bench_command_auto_block_size(saved_models, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"turns": ["w5 w6 w7"]}\n{"turns": ["w8 w9"]}\n')
+    out = tmp_path / "bench.json"
+    main(["bench", *saved_models, "--prompts", str(prompts), "--batch-size", "2", "--block-size", "auto",
+          "--max-new-tokens", "5", "--json", str(out), "--plot", ""])
+    (result,) = json.loads(out.read_text())["results"]
+    predictions = {int(block): value for block, value in result["block_size_predictions"].items()}
+    assert result["block_size"] == max(predictions, key=predictions.get)
+    assert result["lossless"] is True

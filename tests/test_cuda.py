@@ -36,4 +36,4 @@ def test_cuda_perfect_proposer_float32():
     expected = plain_greedy(target, input_ids, max_new_tokens=33)
     result = speculative_decode(target, ReferenceProposer(expected), input_ids, max_new_tokens=33, block_size=8)
     assert torch.equal(result.output_ids, expected)
-    assert result.acceptance_lengths == [8, 8, 8, 8]
+    assert result.acceptance_lengths == [[8, 8, 8, 8]]

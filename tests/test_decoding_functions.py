@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from dflash_hf.decoding import count_accepted, first_stop_index, pick_tokens, process_logits
+from dflash_hf.decoding import commit_block, count_accepted, first_stop_index, left_pad, pick_tokens, process_logits
 
 
 @pytest.mark.parametrize("proposals,target_tokens,expected", [
@@ -23,6 +23,23 @@ def test_first_stop_index():
     assert first_stop_index([4, 5, 6, 5], {5}) == 1
     assert first_stop_index([4, 6], {5}) is None
     assert first_stop_index([4, 6], set()) is None
+
+
+@pytest.mark.parametrize("proposed,target_tokens,limit,stops,expected", [
+    ([1, 2, 3], [1, 2, 4, 9], 4, set(), (2, [1, 2, 4], False)),  # two accepted, then the target's own token
+    ([1, 2, 3], [1, 2, 3, 9], 4, set(), (3, [1, 2, 3, 9], False)),  # all accepted plus the bonus token
+    ([1, 2, 3], [1, 2, 3, 9], 2, set(), (1, [1, 2], False)),  # max_new_tokens leaves room for two
+    ([1, 2, 3], [1, 2, 3, 9], 4, {2}, (3, [1, 2], True)),  # a stop token cuts the committed tokens
+    ([5, 2], [1, 2, 3], 3, {1}, (0, [1], True)),
+])
+def test_commit_block(proposed, target_tokens, limit, stops, expected):
+    assert commit_block(proposed, target_tokens, limit, stops) == expected
+
+
+def test_left_pad():
+    input_ids, attention_mask = left_pad([[5, 6, 7], [8]], pad_token_id=0)
+    assert input_ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert attention_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.7, 5, None), (1.3, None, 0.9), (0.9, 20, 0.5)])

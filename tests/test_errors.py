@@ -36,7 +36,14 @@ def test_draft_target_mismatch(target, draft_kwargs, message):
 
 @pytest.mark.parametrize("kwargs,error,message", [
     ({"input_ids": torch.zeros((1, 0), dtype=torch.long)}, ValueError, "prompt is empty"),
-    ({"input_ids": PROMPT.repeat(2, 1)}, ValueError, "Batch size 2 is not supported"),
+    ({"attention_mask": torch.tensor([[1, 1, 1, 1, 0]])}, ValueError, "pads row 0 on the right"),
+    ({"attention_mask": torch.tensor([[0, 0, 0, 0, 0]])}, ValueError, "prompt of row 0 is empty"),
+    ({"attention_mask": torch.tensor([[1, 1, 1]])}, ValueError, "attention_mask has shape"),
+    ({"attention_mask": torch.tensor([[2, 1, 1, 1, 1]])}, ValueError, "only 0"),
+    ({"input_ids": PROMPT[:0]}, ValueError, "batch is empty"),
+    ({"streamer": object()}, TypeError, "lacks put"),
+    ({"streamer": [None, None]}, ValueError, "2 streamer"),
+    ({"temperature": 1.0, "generator": [torch.Generator()] * 3}, ValueError, "3 generators for a batch of 1"),
     ({"input_ids": PROMPT[0]}, ValueError, "shape"),
     ({"input_ids": PROMPT.float()}, TypeError, "integer"),
     ({"max_new_tokens": 0}, ValueError, "max_new_tokens must be an integer >= 1"),
@@ -47,7 +54,6 @@ def test_draft_target_mismatch(target, draft_kwargs, message):
     ({"temperature": -0.5}, ValueError, "temperature"),
     ({"temperature": 1.0, "top_p": 1.5}, ValueError, "top_p"),
     ({"temperature": 1.0, "top_k": 0}, ValueError, "top_k"),
-    ({"attention_mask": torch.tensor([[0, 1, 1, 1, 1]])}, ValueError, "padding"),
 ])
 def test_bad_generation_arguments(target, draft, kwargs, error, message):
     arguments = {"target": target, "input_ids": PROMPT, "max_new_tokens": 4, **kwargs}

@@ -25,10 +25,13 @@ class TargetGreedyProposer:
         self.target = target
 
     def propose(self, step: DraftStep) -> torch.Tensor:
-        ids = step.output_ids
-        for _ in range(step.block_size - 1):
-            ids = torch.cat((ids, self.target(ids).logits[:, -1:].argmax(-1)), dim=1)
-        return ids[:, -(step.block_size - 1):]
+        rows = []
+        for sequence in step.sequences:
+            ids = torch.tensor([sequence])
+            for _ in range(step.block_size - 1):
+                ids = torch.cat((ids, self.target(ids).logits[:, -1:].argmax(-1)), dim=1)
+            rows.append(ids[0, -(step.block_size - 1):])
+        return torch.stack(rows)
 
 
 def warpers(temperature, top_k, top_p) -> LogitsProcessorList:
@@ -102,7 +105,7 @@ def test_sampled_sequences_follow_the_target_distribution(setup, proposer_kind, 
                                         temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
             cell = tuple(result.new_token_ids[0].tolist())
             counts[cell] = counts.get(cell, 0) + 1
-            accepted_drafts += sum(a - 1 for a in result.acceptance_lengths)
+            accepted_drafts += sum(a - 1 for a in result.acceptance_lengths[0])
     assert accepted_drafts > NUM_SAMPLES // 10  # proposals were accepted: the acceptance path was tested
     expected = exact_joint(target, input_ids, temperature, top_k, top_p)
     p_value = chi_square_p_value(counts, expected, NUM_SAMPLES)
@@ -121,3 +124,47 @@ def test_seed_makes_sampling_reproducible(setup):
             for s in (7, 7, 8)]
     assert torch.equal(runs[0], runs[1])
     assert not torch.equal(runs[0], runs[2])
+
+
+@pytest.mark.parametrize("per_row_generators", [False, True])
+def test_batched_sampling_follows_each_rows_distribution(setup, per_row_generators):
+    """Rows 0 and 2 share a prompt, row 1 has a shorter one (left-padded): each row samples its own distribution."""
+    target, prompt = setup
+    other = torch.tensor([[3, 2]])
+    input_ids = torch.cat((prompt, torch.cat((torch.zeros(1, 2, dtype=torch.long), other), dim=1), prompt))
+    attention_mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1], [1, 1, 1, 1]])
+    draft = make_draft(12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
+    shared = torch.Generator().manual_seed(99)
+    counts: list[dict[tuple[int, ...], int]] = [{}, {}]  # per prompt
+    num_calls, accepted_drafts = 600, 0
+    with torch.no_grad():
+        for call in range(num_calls):
+            generator = [torch.Generator().manual_seed(10_000 + 3 * call + row) for row in range(3)] \
+                if per_row_generators else shared
+            result = speculative_decode(target, DFlashProposer(draft, target, VOCAB - 1), input_ids, max_new_tokens=NUM_NEW,
+                                        block_size=4, temperature=1.0, generator=generator, attention_mask=attention_mask)
+            for row, which in enumerate((0, 1, 0)):
+                cell = tuple(result.new_tokens(row))
+                counts[which][cell] = counts[which].get(cell, 0) + 1
+                accepted_drafts += sum(a - 1 for a in result.acceptance_lengths[row])
+    assert accepted_drafts > num_calls // 10  # proposals were accepted in the batch
+    for which, (row_prompt, num_samples) in enumerate(((prompt, 2 * num_calls), (other, num_calls))):
+        p_value = chi_square_p_value(counts[which], exact_joint(target, row_prompt, 1.0, None, None), num_samples)
+        p_value_wrong = chi_square_p_value(counts[which], exact_joint(target, row_prompt, 1.5, None, None), num_samples)
+        print("prompt", which, "p", p_value, "p_wrong", p_value_wrong)
+        assert p_value > 1e-3
+        assert p_value_wrong < 1e-3
+
+
+def test_per_row_generators_reproduce_each_row_alone(setup):
+    target, prompt = setup
+    draft = make_draft(12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
+    other = torch.tensor([[0, 3, 2, 2]])
+    batch = draft.spec_generate(target=target, input_ids=torch.cat((prompt, other)), max_new_tokens=12,
+                                temperature=1.0, generator=[torch.Generator().manual_seed(s) for s in (5, 6)],
+                                return_stats=True)
+    for row, (row_prompt, seed) in enumerate(((prompt, 5), (other, 6))):
+        alone = draft.spec_generate(target=target, input_ids=row_prompt, max_new_tokens=12, temperature=1.0,
+                                    generator=torch.Generator().manual_seed(seed), return_stats=True)
+        assert batch.new_tokens(row) == alone.new_tokens(0)
+    assert batch.new_tokens(0) != batch.new_tokens(1)

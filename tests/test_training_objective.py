@@ -110,7 +110,7 @@ def test_a_few_dozen_steps_lower_the_loss_and_raise_acceptance():
             anchors = sample_anchors(loss_mask, len(sequence))
             leading = dict(zip(anchors.tolist(), blocks.leading_correct.tolist(), strict=True))
             start = prompt.shape[1]  # the pending token of the first step sits right after the prompt
-            for accepted in result.acceptance_lengths[:-1]:  # the last step may be cut by max_new_tokens
+            for accepted in result.acceptance_lengths[0][:-1]:  # the last step may be cut by max_new_tokens
                 assert leading[start] == accepted - 1, (start, leading[start], accepted)
                 start += accepted
 

@@ -137,7 +137,7 @@ def evaluate_draft(
                                      block_size=block_size, stop_token_ids=stop_token_ids, return_stats=True)
         dflash_seconds += time.perf_counter() - started
         dflash_tokens += result.num_output_tokens
-        acceptance_lengths += result.acceptance_lengths
+        acceptance_lengths += result.acceptance_lengths[0]
         lossless = lossless and torch.equal(result.output_ids, plain)
         if on_result is not None:
             on_result(index, result)
