@@ -25,9 +25,11 @@ from .decoding import (
     _synchronize,
     cache_keyword,
     crop_cache,
+    first_stop_index,
     left_pad,
     returned_cache,
     select_features,
+    verify_forward,
 )
 from .modeling_dflash import DFlashDraftModel
 from .smollm2 import chat_prompt_ids
@@ -195,10 +197,8 @@ def measure_turn(
 
 def new_tokens_until_stop(tokens: list[int], stop_token_ids: list[int]) -> list[int]:
     """A generated row cut after its first stop token (batched `generate` pads finished rows after it)."""
-    for index, token in enumerate(tokens):
-        if token in stop_token_ids:
-            return tokens[: index + 1]
-    return tokens
+    stop_at = first_stop_index(tokens, set(stop_token_ids))
+    return tokens if stop_at is None else tokens[: stop_at + 1]
 
 
 @torch.no_grad()
@@ -280,8 +280,10 @@ def measure_step_costs(
     def target_step(num_tokens: int, hidden: bool) -> float:
         _synchronize(device)
         started = time.perf_counter()
-        target(input_ids=next_ids[:, :num_tokens], position_ids=torch.arange(length, length + num_tokens, device=device)[None],
-               use_cache=True, output_hidden_states=hidden, **{keyword: cache})
+        forward = verify_forward if hidden else (lambda model, **inputs: model(**inputs))  # the loop's verify, or a plain step
+        forward(target, input_ids=next_ids[:, :num_tokens],
+                position_ids=torch.arange(length, length + num_tokens, device=device)[None],
+                use_cache=True, output_hidden_states=hidden, **{keyword: cache})
         _synchronize(device)
         elapsed = time.perf_counter() - started
         crop_cache(cache, length)
@@ -531,19 +533,21 @@ def _distributed() -> tuple[int, int, Callable[[list], list]]:
 
 
 def markdown_table(results: list[dict[str, Any]]) -> str:
-    """The results as a Markdown table (one row per dataset)."""
+    """The results as a Markdown table (one row per dataset, and per batch size N when some N > 1)."""
+    batched = any(result.get("batch_size", 1) > 1 for result in results)
     lines = [
-        "| dataset | prompts | N | B | tau | plain tok/s | DFlash tok/s | prompt lookup tok/s | speedup | bound | lossless |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| dataset | prompts |" + (" N |" if batched else "")
+        + " B | tau | plain tok/s | DFlash tok/s | prompt lookup tok/s | speedup | bound | lossless |",
+        "|---|---:|" + ("---:|" if batched else "") + "---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for result in results:
         rates = result["tokens_per_s"]
         lookup = f"{rates['prompt_lookup']:.1f}" if "prompt_lookup" in rates else "-"
         bound = f"{result['bound']:.2f}x" if result["bound"] is not None else "-"
         lossless = {True: "yes", False: "NO", None: "n/a (sampling)"}[result["lossless"]]
+        batch = f" {result.get('batch_size', 1)} |" if batched else ""
         lines.append(
-            f"| {result['dataset']} | {result['num_prompts']} | {result.get('batch_size', 1)} | {result['block_size']} | "
-            f"{result['tau']:.2f} | "
+            f"| {result['dataset']} | {result['num_prompts']} |{batch} {result['block_size']} | {result['tau']:.2f} | "
             f"{rates['plain']:.1f} | {rates['dflash']:.1f} | {lookup} | {result['speedup']:.2f}x | {bound} | {lossless} |"
         )
     return "\n".join(lines)

@@ -141,7 +141,7 @@ def test_memory_stays_bounded_while_rows_accept_different_lengths():
             longest = int(kwargs["position_ids"][:, 0].max())  # real positions before the longest row's pending token
             widths.append((cache.get_seq_length(), longest))
 
-    handle = target.register_forward_pre_hook(record, with_kwargs=True)
+    handle = target.model.register_forward_pre_hook(record, with_kwargs=True)  # the verify runs the base model
     try:
         proposer = ReferenceProposer(references, corrupt_seed=5, corrupt_rows={1, 2})
         result = speculative_decode(target, proposer, input_ids, max_new_tokens=200, block_size=8,

@@ -217,3 +217,13 @@ def test_bench_command_auto_block_size(saved_models, tmp_path):
     predictions = {int(block): value for block, value in result["block_size_predictions"].items()}
     assert result["block_size"] == max(predictions, key=predictions.get)
     assert result["lossless"] is True
+
+
+def test_markdown_table_shows_the_batch_size_only_for_batches():
+    single = summarize("gsm8k", [record([5, 6], [5, 6], [2])], 1, 4, STEP_COSTS, greedy=True)
+    batched = summarize("gsm8k", [record([5, 6], [5, 6], [2])], 1, 4, STEP_COSTS, greedy=True, batch_size=4)
+    assert markdown_table([single]).splitlines()[0].startswith("| dataset | prompts | B |")
+    table = markdown_table([single, batched]).splitlines()
+    assert table[0].startswith("| dataset | prompts | N | B |")
+    assert table[2].startswith("| gsm8k | 1 | 1 | 4 |") and table[3].startswith("| gsm8k | 1 | 4 | 4 |")
+    assert all(line.count("|") == table[0].count("|") for line in table)

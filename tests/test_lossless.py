@@ -149,3 +149,19 @@ def test_half_precision_on_cpu_is_equal_up_to_near_ties(arch, dtype):
     for block_size in (1, 4, 8):
         output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=30, block_size=block_size)
         assert_equal_up_to_near_tie(target, output, expected)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_verify_forward_gives_the_targets_own_logits_and_states(arch):
+    """Llama/Qwen3 verify passes run the base model and apply the LM head themselves: same logits and hidden states."""
+    from dflash_hf.decoding import verify_forward
+
+    target = make_target(arch, seed=11)
+    input_ids = prompt(11, 9)
+    with torch.no_grad():
+        expected = target(input_ids=input_ids, output_hidden_states=True)
+        logits, outputs = verify_forward(target, input_ids=input_ids, output_hidden_states=True)
+    assert outputs is not expected and not hasattr(outputs, "logits")  # the base model's outputs: the fast path ran
+    torch.testing.assert_close(logits, expected.logits, rtol=1e-5, atol=1e-5)
+    assert len(outputs.hidden_states) == len(expected.hidden_states)
+    torch.testing.assert_close(outputs.hidden_states[-1], expected.hidden_states[-1])
