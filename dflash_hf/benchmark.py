@@ -149,52 +149,6 @@ def stop_token_ids_of(target: torch.nn.Module, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
-@torch.no_grad()
-def measure_turn(
-    draft: DFlashDraftModel,
-    target: torch.nn.Module,
-    input_ids: torch.Tensor,
-    settings: BenchSettings,
-    stop_token_ids: list[int],
-    mask_token_id: int | None = None,
-) -> TurnRecord:
-    """Generate from one prompt [1, T] with plain `generate`, DFlash and prompt lookup, timing each."""
-    device = input_ids.device
-    sampling = {"do_sample": True, "temperature": settings.temperature, "top_k": 0, "top_p": 1.0} \
-        if settings.temperature > 0 else {"do_sample": False}
-    common = {"attention_mask": torch.ones_like(input_ids), "max_new_tokens": settings.max_new_tokens,
-              "eos_token_id": stop_token_ids, "pad_token_id": stop_token_ids[0], **sampling}
-    record = TurnRecord(new_tokens={}, seconds={})
-
-    def timed(method: str, run: Callable[[], torch.Tensor]) -> None:
-        torch.manual_seed(settings.seed)
-        _synchronize(device)
-        started = time.perf_counter()
-        output_ids = run()
-        _synchronize(device)
-        record.seconds[method] = time.perf_counter() - started
-        record.new_tokens[method] = output_ids[0, input_ids.shape[1] :].tolist()
-
-    timed("plain", lambda: target.generate(input_ids, **common))
-    result = None
-
-    def dflash() -> torch.Tensor:
-        nonlocal result
-        result = draft.spec_generate(
-            target=target, input_ids=input_ids, max_new_tokens=settings.max_new_tokens,
-            temperature=settings.temperature, stop_token_ids=stop_token_ids, block_size=settings.block_size,
-            seed=settings.seed if settings.temperature > 0 else None, mask_token_id=mask_token_id, return_stats=True,
-        )
-        return result.output_ids
-
-    timed("dflash", dflash)
-    record.acceptance_lengths = list(result.acceptance_lengths[0])
-    if settings.prompt_lookup_tokens:
-        timed("prompt_lookup", lambda: target.generate(input_ids, prompt_lookup_num_tokens=settings.prompt_lookup_tokens,
-                                                       **common))
-    return record
-
-
 def new_tokens_until_stop(tokens: list[int], stop_token_ids: list[int]) -> list[int]:
     """A generated row cut after its first stop token (batched `generate` pads finished rows after it)."""
     stop_at = first_stop_index(tokens, set(stop_token_ids))
@@ -202,7 +156,7 @@ def new_tokens_until_stop(tokens: list[int], stop_token_ids: list[int]) -> list[
 
 
 @torch.no_grad()
-def measure_batch(
+def measure_prompts(
     draft: DFlashDraftModel,
     target: torch.nn.Module,
     prompts: list[list[int]],
@@ -210,7 +164,7 @@ def measure_batch(
     stop_token_ids: list[int],
     mask_token_id: int | None = None,
 ) -> list[TurnRecord]:
-    """Generate from N prompts at once (left-padded) with batched `generate` and batched DFlash.
+    """Generate from N prompts at once (left-padded) with `generate`, DFlash and, for one prompt, prompt lookup.
 
     One record per row; each row carries 1/N of the batch's wall time, so summed seconds are wall time.
     """
@@ -220,9 +174,12 @@ def measure_batch(
     width = input_ids.shape[1]
     sampling = {"do_sample": True, "temperature": settings.temperature, "top_k": 0, "top_p": 1.0} \
         if settings.temperature > 0 else {"do_sample": False}
-    new_tokens: dict[str, list[list[int]]] = {}
-    seconds: dict[str, float] = {}
+    common = {"attention_mask": attention_mask, "max_new_tokens": settings.max_new_tokens,
+              "eos_token_id": stop_token_ids, "pad_token_id": pad_id, **sampling}
     result = None
+
+    def generated(output_ids: torch.Tensor) -> list[list[int]]:
+        return [new_tokens_until_stop(row, stop_token_ids) for row in output_ids[:, width:].tolist()]
 
     def dflash() -> list[list[int]]:
         nonlocal result
@@ -233,12 +190,16 @@ def measure_batch(
         )
         return [result.new_tokens(row) for row in range(len(prompts))]
 
-    def plain() -> list[list[int]]:
-        output_ids = target.generate(input_ids, attention_mask=attention_mask, max_new_tokens=settings.max_new_tokens,
-                                     eos_token_id=stop_token_ids, pad_token_id=pad_id, **sampling)
-        return [new_tokens_until_stop(row, stop_token_ids) for row in output_ids[:, width:].tolist()]
-
-    for method, run in (("plain", plain), ("dflash", dflash)):
+    methods: list[tuple[str, Callable[[], list[list[int]]]]] = [
+        ("plain", lambda: generated(target.generate(input_ids, **common))),
+        ("dflash", dflash),
+    ]
+    if settings.prompt_lookup_tokens and len(prompts) == 1:  # Transformers' prompt lookup takes one prompt
+        methods.append(("prompt_lookup", lambda: generated(target.generate(
+            input_ids, prompt_lookup_num_tokens=settings.prompt_lookup_tokens, **common))))
+    new_tokens: dict[str, list[list[int]]] = {}
+    seconds: dict[str, float] = {}
+    for method, run in methods:
         torch.manual_seed(settings.seed)
         _synchronize(device)
         started = time.perf_counter()
@@ -437,10 +398,7 @@ def run_benchmark(
     first_prompt = next(iter(datasets.values()))[0][0]
     warm_up_prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": first_prompt}])
     warm_up = dataclasses.replace(settings, max_new_tokens=8)
-    if settings.batch_size == 1:
-        measure_turn(draft, target, torch.tensor([warm_up_prompt], device=device), warm_up, stop_token_ids, mask_token_id)
-    else:
-        measure_batch(draft, target, [warm_up_prompt] * settings.batch_size, warm_up, stop_token_ids, mask_token_id)
+    measure_prompts(draft, target, [warm_up_prompt] * settings.batch_size, warm_up, stop_token_ids, mask_token_id)
     total_turns = sum(len(turns) for conversations in datasets.values() for turns in conversations[process_index::num_processes])
     bar = tqdm(total=total_turns, desc="bench", disable=not progress or process_index != 0)
     results = []
@@ -461,11 +419,7 @@ def run_benchmark(
                 for row in rows:
                     histories[row].append({"role": "user", "content": group[row][turn_index]})
                 prompts = [chat_prompt_ids(tokenizer, histories[row]) for row in rows]
-                if settings.batch_size == 1:
-                    input_ids = torch.tensor(prompts, device=device)
-                    turn_records = [measure_turn(draft, target, input_ids, dataset_settings, stop_token_ids, mask_token_id)]
-                else:
-                    turn_records = measure_batch(draft, target, prompts, dataset_settings, stop_token_ids, mask_token_id)
+                turn_records = measure_prompts(draft, target, prompts, dataset_settings, stop_token_ids, mask_token_id)
                 records.extend(turn_records)
                 if step_costs is None:  # the cost model, at a typical context: the prompt and half an answer
                     answer = turn_records[0].new_tokens["plain"]

@@ -85,14 +85,14 @@ def tiny_models():
 def test_multi_turn_feeds_back_the_models_own_answer(tiny_models, monkeypatch):
     target, draft, tokenizer = tiny_models
     seen: list[tuple[list[int], TurnRecord]] = []
-    measure = benchmark.measure_turn
+    measure = benchmark.measure_prompts
 
-    def spy(draft, target, input_ids, *args, **kwargs):
-        result = measure(draft, target, input_ids, *args, **kwargs)
-        seen.append((input_ids[0].tolist(), result))
-        return result
+    def spy(draft, target, prompts, *args, **kwargs):
+        (result,) = measure(draft, target, prompts, *args, **kwargs)
+        seen.append((prompts[0], result))
+        return [result]
 
-    monkeypatch.setattr(benchmark, "measure_turn", spy)
+    monkeypatch.setattr(benchmark, "measure_prompts", spy)
     turns = ["w10 w11 w12", "w20 w21"]
     results = run_benchmark(draft, target, tokenizer, {"mt-bench": [turns]}, BenchSettings(max_new_tokens=6), progress=False)
     first_prompt, first = seen[1]  # seen[0] is the warm-up
@@ -168,7 +168,7 @@ def test_batched_measurement_is_per_row_and_shares_the_wall_time(tiny_models):
     prompts = [[3, 10, 11, 4], [3, 20, 4], [3, 30, 31, 32, 33, 4]]
     settings = BenchSettings(max_new_tokens=12, block_size=4, batch_size=3)
     stop = [tokenizer.eos_token_id]
-    records = benchmark.measure_batch(draft, target, prompts, settings, stop, mask_token_id=127)
+    records = benchmark.measure_prompts(draft, target, prompts, settings, stop, mask_token_id=127)
     assert len(records) == 3
     for prompt, record in zip(prompts, records):
         alone = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=stop,
