@@ -9,10 +9,14 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .benchmark import default_data_dir
+
+if TYPE_CHECKING:
+    from .modeling_dflash import DFlashDraftModel
 
 DEFAULT_DATA_DIR = default_data_dir()
 SMOLLM2 = "smollm2"
@@ -42,8 +46,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gen-max-new-tokens", type=int, default=256)
     parser.add_argument("--gen-temperature", type=float, default=0.0)
     parser.add_argument("--gen-dtype", choices=DTYPES, default="float32")
-    parser.add_argument("--block-size", type=int, default=8)
-    parser.add_argument("--draft-layers", type=int, default=2)
+    parser.add_argument("--block-size", type=int, default=None, help="default 8 (or --init-from's)")
+    parser.add_argument("--draft-layers", type=int, default=None, help="default 2 (or --init-from's)")
     parser.add_argument("--target-layer-ids", type=int, nargs="*", default=None)
     parser.add_argument("--mask-token", default=None, help="mask token (string) in the target vocabulary")
     parser.add_argument("--epochs", type=int, default=6)
@@ -52,6 +56,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distill", action="store_true", help="soft labels from the target's distribution")
     parser.add_argument("--init-from-target", action="store_true",
                         help="start the draft layers as copies of the target's top layers (see initialize_from_target)")
+    parser.add_argument("--init-from", default=None,
+                        help="start from a trained draft (folder or Hub id): its architecture, new schedule, your data")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resumable)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-prompts", default=str(data / "gsm8k_test.jsonl"))
@@ -77,17 +83,23 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict:
     rows = generate_responses(target, tokenizer, prompts, output / "responses.jsonl", batch_size=args.gen_batch_size,
                               max_new_tokens=args.gen_max_new_tokens, temperature=args.gen_temperature, seed=args.seed)
 
-    mask_token = args.mask_token or (SMOLLM2_MASK_TOKEN if args.target == SMOLLM2 else None)
-    if mask_token is None:
-        raise SystemExit("--mask-token is required for this target (an existing, rarely used special token)")
-    mask_token_id = tokenizer.convert_tokens_to_ids(mask_token)
-    if mask_token_id is None or mask_token_id == tokenizer.unk_token_id:
-        raise SystemExit(f"mask token {mask_token!r} is not in the target's vocabulary")
     target = target.float()
     torch.manual_seed(args.seed)
-    config = draft_config_for(target, args.draft_layers, args.block_size, mask_token_id, args.target_layer_ids)
-    config.dflash_config["mask_token"] = mask_token
-    draft = DFlashDraftModel(config)
+    if args.init_from is not None:
+        draft = start_from_trained_draft(args, target)
+        mask_token_id = draft.mask_token_id
+        mask_token = draft.config.dflash_config.get("mask_token") or tokenizer.convert_ids_to_tokens(mask_token_id)
+    else:
+        mask_token = args.mask_token or (SMOLLM2_MASK_TOKEN if args.target == SMOLLM2 else None)
+        if mask_token is None:
+            raise SystemExit("--mask-token is required for this target (an existing, rarely used special token)")
+        mask_token_id = tokenizer.convert_tokens_to_ids(mask_token)
+        if mask_token_id is None or mask_token_id == tokenizer.unk_token_id:
+            raise SystemExit(f"mask token {mask_token!r} is not in the target's vocabulary")
+        config = draft_config_for(target, args.draft_layers or 2, args.block_size or 8, mask_token_id,
+                                  args.target_layer_ids)
+        config.dflash_config["mask_token"] = mask_token
+        draft = DFlashDraftModel(config)
     if args.init_from_target:
         initialize_from_target(draft, target, torch.tensor(rows[0]["prompt_ids"] + rows[0]["response_ids"]))
     settings = TrainingSettings(epochs=args.epochs, learning_rate=args.learning_rate, num_anchors=args.num_anchors,
@@ -110,13 +122,15 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict:
                          f"<= {args.gen_max_new_tokens} tokens)",
         "mask token": f"{mask_token!r} (id {mask_token_id}), an existing token of the target vocabulary",
         "command": f"`{command}`",
+        **({"initialisation": f"the trained draft {args.init_from}, then a new schedule on this data"}
+           if args.init_from else {}),
         "optimiser steps": str(log.steps),
         "settings": json.dumps(settings.__dict__),
         "wall time (generation + training + evaluation)": f"{(time.perf_counter() - started) / 60:.1f} min",
     }
     rates = evaluation["tokens_per_s"]
     info = card_info_for_config(
-        config, repo_id=str(draft_dir), base_model=base_model, title=f"DFlash draft for {base_model}",
+        draft.config, repo_id=str(draft_dir), base_model=base_model, title=f"DFlash draft for {base_model}",
         description=f"A DFlash draft for `{base_model}` trained with `dflash-hf train`.",
         results_source=f"Measured at the end of training: {args.num_eval} prompts of {Path(args.eval_prompts).name}, greedy, "
                        f"{args.eval_max_new_tokens} new tokens, {args.eval_dtype}, {_device_description(target)}, against "
@@ -131,6 +145,28 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict:
     (output / "evaluation.json").write_text(json.dumps(evaluation, indent=2))
     print(json.dumps(evaluation, indent=2))
     return evaluation
+
+
+def start_from_trained_draft(args: argparse.Namespace, target: torch.nn.Module) -> DFlashDraftModel:
+    """The draft of `--init-from`, in float32, after checking it fits the target and the other flags."""
+    from .decoding import check_draft_target
+    from .modeling_dflash import DFlashDraftModel
+
+    if args.init_from_target:
+        raise SystemExit("--init-from and --init-from-target both say where the weights start; pass one")
+    draft = DFlashDraftModel.from_pretrained(args.init_from, dtype=torch.float32)
+    asked = {"--block-size": (args.block_size, draft.block_size), "--draft-layers": (args.draft_layers, len(draft.layers)),
+             "--target-layer-ids": (args.target_layer_ids, draft.target_layer_ids),
+             "--mask-token": (args.mask_token, draft.config.dflash_config.get("mask_token"))}
+    conflicts = [f"{flag} {wanted} (the draft has {has})" for flag, (wanted, has) in asked.items()
+                 if wanted is not None and wanted != has]
+    if conflicts:
+        raise SystemExit(f"--init-from {args.init_from} fixes the architecture; drop or change: " + ", ".join(conflicts))
+    try:
+        check_draft_target(draft, target, None, total_length=1)
+    except ValueError as error:
+        raise SystemExit(f"--init-from {args.init_from} does not fit the target: {error}") from error
+    return draft
 
 
 def _device_description(model: torch.nn.Module) -> str:

@@ -41,9 +41,10 @@ def run_demo(max_new_tokens: int = 256, dtype: torch.dtype = torch.float32, draf
     target, tokenizer, draft = load_demo(dtype, draft_path)
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}]) for prompt in DEMO_PROMPTS]
 
-    def show(index: int, result) -> None:
-        print(f"\n### {DEMO_PROMPTS[index]}\n{tokenizer.decode(result.new_token_ids[0], skip_special_tokens=True)}")
-        print(f"[tau {result.tau:.2f}, {result.num_output_tokens} tokens]", flush=True)
+    def show(index: int, record) -> None:
+        tokens, lengths = record.new_tokens["dflash"], record.acceptance_lengths
+        print(f"\n### {DEMO_PROMPTS[index]}\n{tokenizer.decode(tokens, skip_special_tokens=True)}")
+        print(f"[tau {sum(lengths) / len(lengths):.2f}, {len(tokens)} tokens]", flush=True)
 
     summary = evaluate_draft(draft, target, prompts, max_new_tokens, stop_token_ids=[tokenizer.eos_token_id],
                              on_result=show)

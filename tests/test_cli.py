@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
 from transformers import AutoModel
 
 from dflash_hf.cli import main
@@ -36,3 +38,34 @@ def test_train_command_writes_a_hub_ready_draft(tmp_path):
     # a second run resumes: nothing is regenerated or retrained
     main(argv)
     assert json.loads((run / "training_log.json").read_text())["steps"] == 8
+
+
+def test_train_init_from_starts_at_a_trained_draft_and_keeps_its_architecture(tmp_path):
+    target, tokenizer = make_target("llama", seed=3), make_tokenizer()
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question": f"w{10 + i} w{20 + i} w{30 + i}"}) for i in range(4)))
+    common = ["--target", str(tmp_path / "target"), "--prompts", str(prompts), "--num-prompts", "3",
+              "--gen-batch-size", "3", "--gen-max-new-tokens", "10", "--num-anchors", "4", "--epochs", "1",
+              "--eval-prompts", str(prompts), "--num-eval", "1", "--eval-max-new-tokens", "6"]
+    main(["train", "--output", str(tmp_path / "first"), "--block-size", "4", "--draft-layers", "2",
+          "--target-layer-ids", "1", "3", "--mask-token", "w127", *common])
+    trained = AutoModel.from_pretrained(tmp_path / "first" / "draft", trust_remote_code=True)
+
+    # no steps: the saved draft is the trained one, with its block size, layers, target layers and mask token
+    main(["train", "--output", str(tmp_path / "second"), "--init-from", str(tmp_path / "first" / "draft"),
+          "--max-steps", "0", *common])
+    started = AutoModel.from_pretrained(tmp_path / "second" / "draft", trust_remote_code=True)
+    assert started.config.to_dict()["dflash_config"] == trained.config.to_dict()["dflash_config"]
+    assert (started.block_size, len(started.layers)) == (4, 2)
+    for name, tensor in trained.state_dict().items():
+        torch.testing.assert_close(started.state_dict()[name], tensor, rtol=0, atol=0)
+    assert "initialisation" in (tmp_path / "second" / "draft" / "README.md").read_text()
+
+    with pytest.raises(SystemExit, match="--block-size 8 \\(the draft has 4\\)"):
+        main(["train", "--output", str(tmp_path / "third"), "--init-from", str(tmp_path / "first" / "draft"),
+              "--block-size", "8", *common])
+    with pytest.raises(SystemExit, match="pass one"):
+        main(["train", "--output", str(tmp_path / "third"), "--init-from", str(tmp_path / "first" / "draft"),
+              "--init-from-target", *common])

@@ -158,3 +158,31 @@ def test_top1_teacher_on_greedy_data_equals_the_hard_label_loss():
     soft = dflash_loss(draft, target, sequence, loss_mask, 12, torch.Generator().manual_seed(0), signals)
     torch.testing.assert_close(soft.loss, hard.loss)
     assert torch.equal(soft.correct, hard.correct)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_training_blocks_predict_what_the_decoding_loop_accepts(arch):
+    """At the loop's own anchors, the training forward's leading-correct count equals each step's accepted count.
+
+    This ties the objective to decoding: same context (features strictly before the anchor), same block, same
+    positions. A small vocabulary makes the random draft right often, so the counts vary step by step.
+    """
+    vocab = 8
+    target = make_target(arch, seed=2, vocab_size=vocab, init_std=1.0)
+    draft = make_draft(4, block_size=6, vocab_size=vocab, mask_token_id=vocab - 1, initializer_range=1.0)
+    prompt = torch.randint(0, vocab - 1, (1, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        result = draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=60, return_stats=True)
+        sequence, lengths = result.output_ids[0], result.acceptance_lengths[0]
+        committed_before = 1 + torch.tensor([0, *lengths[:-1]]).cumsum(0)  # [S]: the first token comes from the prefill
+        full_blocks = int((60 - committed_before >= 6).sum())  # the last steps shrink the block to what is left
+        accepted = [length - 1 for length in lengths[:full_blocks]]
+        anchors = prompt.shape[1] + committed_before[:full_blocks] - 1  # [S]: position of each step's pending token
+        blocks = build_blocks(sequence, torch.ones_like(sequence), anchors, 6, vocab - 1)
+        features = select_features(target(sequence[None], output_hidden_states=True).hidden_states, draft.target_layer_ids)
+        hidden = draft(target.get_input_embeddings()(blocks.block_ids)[None], features, blocks.block_position_ids[None],
+                       torch.arange(len(sequence))[None], attention_mask=blocks.attention_mask[None, None])
+        predictions = target.get_output_embeddings()(hidden.view(len(anchors), 6, -1)[:, 1:]).argmax(-1)  # [S, 5]
+    leading_correct = ((predictions == blocks.labels) & blocks.label_mask).long().cumprod(1).sum(1)
+    assert leading_correct.tolist() == accepted
+    assert len(set(accepted)) >= 3  # the check saw short and long acceptances

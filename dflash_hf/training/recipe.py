@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import time
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
 
 from ..configuration_dflash import DFlashConfig, default_target_layer_ids, read_rope_parameters
-from ..decoding import SpecGenerateOutput, target_text_config
+from ..benchmark import BenchSettings, TurnRecord, measure_prompts, summarize
+from ..decoding import target_text_config
 from ..modeling_dflash import DFlashDraftModel
 
 
@@ -111,42 +112,19 @@ def evaluate_draft(
     max_new_tokens: int = 256,
     block_size: int | None = None,
     stop_token_ids: list[int] | None = None,
-    on_result: Callable[[int, SpecGenerateOutput], None] | None = None,
+    on_result: Callable[[int, TurnRecord], None] | None = None,
 ) -> dict[str, Any]:
-    """tau, tokens/s against plain `target.generate`, and whether every output equalled it (greedy).
+    """`dflash-hf bench`'s greedy measurement of prompts one at a time: tau, tokens/s against `target.generate`, lossless.
 
-    `on_result(prompt_index, result)` sees each speculative result as soon as it is measured.
+    `on_result(prompt_index, record)` sees each prompt's record as soon as it is measured.
     """
-    acceptance_lengths: list[int] = []
-    plain_seconds = dflash_seconds = 0.0
-    plain_tokens = dflash_tokens = 0
-    lossless = True
-    device = target.get_input_embeddings().weight.device
-    warm_up = torch.tensor([prompts[0]], device=device)
-    target.generate(warm_up, attention_mask=torch.ones_like(warm_up), max_new_tokens=8, do_sample=False, pad_token_id=0)
-    draft.spec_generate(target=target, input_ids=warm_up, max_new_tokens=8, block_size=block_size)
+    if not stop_token_ids:
+        raise ValueError("evaluate_draft needs stop_token_ids (the first one also pads), e.g. [tokenizer.eos_token_id].")
+    settings = BenchSettings(max_new_tokens=max_new_tokens, block_size=block_size, prompt_lookup_tokens=None)
+    measure_prompts(draft, target, prompts[:1], replace(settings, max_new_tokens=8), stop_token_ids)  # warm-up
+    records = []
     for index, prompt in enumerate(prompts):
-        input_ids = torch.tensor([prompt], device=device)
-        started = time.perf_counter()
-        plain = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                                do_sample=False, eos_token_id=stop_token_ids, pad_token_id=(stop_token_ids or [0])[0])
-        plain_seconds += time.perf_counter() - started
-        plain_tokens += plain.shape[1] - input_ids.shape[1]
-        started = time.perf_counter()
-        result = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=max_new_tokens,
-                                     block_size=block_size, stop_token_ids=stop_token_ids, return_stats=True)
-        dflash_seconds += time.perf_counter() - started
-        dflash_tokens += result.num_output_tokens
-        acceptance_lengths += result.acceptance_lengths[0]
-        lossless = lossless and torch.equal(result.output_ids, plain)
+        records += measure_prompts(draft, target, [prompt], settings, stop_token_ids)
         if on_result is not None:
-            on_result(index, result)
-    plain_rate, dflash_rate = plain_tokens / plain_seconds, dflash_tokens / dflash_seconds
-    return {
-        "num_prompts": len(prompts),
-        "block_size": block_size or draft.block_size,
-        "tau": sum(acceptance_lengths) / max(len(acceptance_lengths), 1),
-        "tokens_per_s": {"plain": plain_rate, "dflash": dflash_rate},
-        "speedup": dflash_rate / plain_rate,
-        "lossless": lossless,
-    }
+            on_result(index, records[-1])
+    return summarize("evaluation", records, len(prompts), block_size or draft.block_size, None, greedy=True)
