@@ -37,7 +37,8 @@ DEFAULT_LIMITATIONS = [
     "block verify costs about one decoding step; on CPUs without native bfloat16 matrix kernels it costs several.",
     "Output is exactly the target's own in float32; in bfloat16/float16 a block verify and a one-token step can "
     "round a near-tie differently, so outputs may differ from plain decoding from such a near-tie on.",
-    "Batch size 1 in `spec_generate`.",
+    "Batches in `spec_generate` take left-padded prompts and need an `sdpa` or `eager` draft attention; "
+    "how much a batch gains depends on the hardware (see the dflash-hf README).",
 ]
 
 
