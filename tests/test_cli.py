@@ -12,12 +12,17 @@ from dflash_hf.cli import main
 from helpers import make_target, make_tokenizer
 
 
-def test_train_command_writes_a_hub_ready_draft(tmp_path):
+def save_tiny_target_and_prompts(tmp_path, num_prompts: int):
+    """A tiny Llama target and its tokenizer in tmp_path/target; returns a JSONL file of `num_prompts` prompts."""
     target, tokenizer = make_target("llama", seed=3), make_tokenizer()
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"question": f"w{10 + i} w{20 + i} w{30 + i}"}) for i in range(6)))
+    prompts.write_text("\n".join(json.dumps({"question": f"w{10 + i} w{20 + i} w{30 + i}"}) for i in range(num_prompts)))
+    return prompts
+
+def test_train_command_writes_a_hub_ready_draft(tmp_path):
+    prompts = save_tiny_target_and_prompts(tmp_path, 6)
     run = tmp_path / "run"
     argv = ["train", "--target", str(tmp_path / "target"), "--output", str(run), "--prompts", str(prompts),
             "--num-prompts", "4", "--gen-batch-size", "2", "--gen-max-new-tokens", "12", "--block-size", "4",
@@ -41,11 +46,7 @@ def test_train_command_writes_a_hub_ready_draft(tmp_path):
 
 
 def test_train_init_from_starts_at_a_trained_draft_and_keeps_its_architecture(tmp_path):
-    target, tokenizer = make_target("llama", seed=3), make_tokenizer()
-    target.save_pretrained(tmp_path / "target")
-    tokenizer.save_pretrained(tmp_path / "target")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"question": f"w{10 + i} w{20 + i} w{30 + i}"}) for i in range(4)))
+    prompts = save_tiny_target_and_prompts(tmp_path, 4)
     common = ["--target", str(tmp_path / "target"), "--prompts", str(prompts), "--num-prompts", "3",
               "--gen-batch-size", "3", "--gen-max-new-tokens", "10", "--num-anchors", "4", "--epochs", "1",
               "--eval-prompts", str(prompts), "--num-eval", "1", "--eval-max-new-tokens", "6"]
