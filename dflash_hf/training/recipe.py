@@ -111,7 +111,8 @@ def evaluate_draft(
     prompts: list[list[int]],
     max_new_tokens: int = 256,
     block_size: int | None = None,
-    stop_token_ids: list[int] | None = None,
+    *,
+    stop_token_ids: list[int],
     on_result: Callable[[int, TurnRecord], None] | None = None,
 ) -> dict[str, Any]:
     """`dflash-hf bench`'s greedy measurement of prompts one at a time: tau, tokens/s against `target.generate`, lossless.
@@ -119,7 +120,7 @@ def evaluate_draft(
     `on_result(prompt_index, record)` sees each prompt's record as soon as it is measured.
     """
     if not stop_token_ids:
-        raise ValueError("evaluate_draft needs stop_token_ids (the first one also pads), e.g. [tokenizer.eos_token_id].")
+        raise ValueError("evaluate_draft needs a stop token (the first one also pads), e.g. [tokenizer.eos_token_id].")
     settings = BenchSettings(max_new_tokens=max_new_tokens, block_size=block_size, prompt_lookup_tokens=None)
     measure_prompts(draft, target, prompts[:1], replace(settings, max_new_tokens=8), stop_token_ids)  # warm-up
     records = []
