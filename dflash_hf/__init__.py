@@ -1,11 +1,20 @@
 """dflash-hf: DFlash block-diffusion speculative decoding for Hugging Face Transformers."""
 
-from .configuration_dflash import DFlashConfig
-from .decoding import DraftStep, SpecGenerateOutput, left_pad, speculative_decode
-from .demo import load_demo
+from .cache_dflash import left_pad
+from .configuration_dflash import DFLASH_HF_VERSION, DFlashConfig
+from .generation_dflash import SpecGenerateOutput, speculative_decode
 from .modeling_dflash import DFlashDraftModel
+from .proposer_dflash import DraftStep
+from .target_dflash import GenerationTokens, generation_tokens
 
-__version__ = "0.1.0"
+__version__ = DFLASH_HF_VERSION
 
-__all__ = ["DFlashConfig", "DFlashDraftModel", "DraftStep", "SpecGenerateOutput", "left_pad", "load_demo",
-           "speculative_decode"]
+__all__ = ["DFlashConfig", "DFlashDraftModel", "DraftStep", "GenerationTokens", "SpecGenerateOutput",
+           "generation_tokens", "left_pad", "load_demo", "speculative_decode"]
+
+
+def load_demo(*args, **kwargs):  # noqa: ANN002, ANN003 - the demo's own signature
+    """(target, tokenizer, draft): SmolLM2-135M-Instruct and the shipped draft (see `dflash_hf.demo.load_demo`)."""
+    from .demo import load_demo as load
+
+    return load(*args, **kwargs)

@@ -1,6 +1,8 @@
 """DFlash draft configuration: a Qwen3 config plus the DFlash fields of the published drafts.
 
-Hub remote code: this file imports only torch and transformers.
+The config normalises and validates itself when it is constructed or loaded, so every published
+variant (design doc section 1) reads the same way afterwards. Hub remote code: imports only
+torch and transformers.
 """
 
 from __future__ import annotations
@@ -9,14 +11,20 @@ from typing import Any
 
 from transformers import Qwen3Config
 
-
-class DFlashConfig(Qwen3Config):
-    """Qwen3 config with `block_size`, `num_target_layers` and `dflash_config` (mask token, target layers).
-
-    The class keeps `model_type = "qwen3"`, as the published drafts do, so the same `config.json`
-    is read by Transformers, vLLM and SGLang. Use `normalize_dflash_config` to read the
-    DFlash fields in any of the published variants.
-    """
+DFLASH_HF_VERSION = "0.2.0"  # the package version; exported folders record it (config field and file headers)
+# The Hub remote code: these files are copied next to the weights by `save_pretrained`.
+REMOTE_CODE_FILES = (
+    "configuration_dflash.py",
+    "modeling_dflash.py",
+    "cache_dflash.py",
+    "sampling_dflash.py",
+    "target_dflash.py",
+    "proposer_dflash.py",
+    "generation_dflash.py",
+)
+DEFAULT_BLOCK_SIZE = 16  # dflash-formats.md: `block_size` when a config names none
+# Written into every saved config.json, even where equal to the class default (readers other than Transformers).
+ALWAYS_SAVED = ("block_size", "num_target_layers", "dflash_config", "rope_parameters", "rope_theta", "rope_scaling")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -34,19 +42,59 @@ def read_rope_parameters(config: Any) -> dict[str, Any]:
         merged = dict(parameters)
     else:
         merged = dict(getattr(config, "rope_scaling", None) or {})
-        merged["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+        merged["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
     merged["rope_type"] = merged.get("rope_type", merged.get("type", "default")) or "default"
+    merged.pop("type", None)
     return merged
 
 
-def normalize_dflash_config(config: Qwen3Config) -> None:
-    """Rewrite the published variants into one canonical layout, in place.
+def dflash_field(config: Any, dflash_config: dict[str, Any], name: str, default: Any = None) -> Any:
+    """A DFlash field: `dflash_config[name]` first, then the top-level attribute, then `default` (formats doc)."""
+    if dflash_config.get(name) is not None:
+        return dflash_config[name]
+    value = getattr(config, name, None)
+    return default if value is None else value
 
-    Canonical: top-level `block_size` and `num_target_layers`; `dflash_config` holding
-    `target_layer_ids` (computed when absent), `mask_token_id` when known and `mask_token`
-    when published as a string. Transformers-4 configs get `rope_theta`/`rope_scaling` from
-    `rope_parameters`. Unsupported draft families raise a ValueError.
+
+class DFlashConfig(Qwen3Config):
+    """Qwen3 config with `block_size`, `num_target_layers` and `dflash_config` (mask token, target layers).
+
+    The class keeps `model_type = "qwen3"`, as the published drafts do, so the same `config.json` is read by
+    Transformers, vLLM and SGLang. After construction the layout is canonical: top-level `block_size` and
+    `num_target_layers`; `dflash_config` with `target_layer_ids` (computed when absent), `mask_token_id` when
+    known and `mask_token` when published as a string; rope in the installed Transformers' own style.
     """
+
+    def __init__(self, block_size: int | None = None, num_target_layers: int | None = None,
+                 dflash_config: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self.block_size = block_size
+        self.num_target_layers = num_target_layers
+        self.dflash_config = dict(dflash_config or {})
+        super().__init__(**kwargs)
+        normalize_dflash_config(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as saved: rope written both ways (`rope_parameters` and top-level `rope_theta`/`rope_scaling`).
+
+        Serving engines that read a Transformers-4 Qwen3 config look only at `rope_theta`; Transformers 5 reads
+        `rope_parameters`. Writing both keeps every reader on the draft's rope.
+        """
+        output = super().to_dict()
+        rope = read_rope_parameters(self)
+        output["rope_parameters"] = dict(rope)
+        output["rope_theta"] = rope.pop("rope_theta")
+        output["rope_scaling"] = None if rope["rope_type"] == "default" else rope
+        return output
+
+    def to_diff_dict(self) -> dict[str, Any]:
+        """What `save_pretrained` writes: the fields that differ from the defaults, plus every DFlash and rope field."""
+        output = super().to_diff_dict()
+        full = self.to_dict()
+        output.update({key: full[key] for key in ALWAYS_SAVED})
+        return output
+
+
+def _check_supported(config: Qwen3Config) -> None:
     architectures = getattr(config, "architectures", None) or []
     if any(name != "DFlashDraftModel" and "DFlash" in name for name in architectures):
         raise ValueError(
@@ -60,39 +108,44 @@ def normalize_dflash_config(config: Qwen3Config) -> None:
             "full-attention DFlash drafts only."
         )
 
-    dflash_config = dict(getattr(config, "dflash_config", None) or {})
-    block_size = getattr(config, "block_size", None)
-    if block_size is None:
-        block_size = dflash_config.pop("block_size", None)
-    else:
-        dflash_config.pop("block_size", None)
-    if block_size is None:
-        raise ValueError("Draft config has no `block_size` (top level or in `dflash_config`).")
-    if int(block_size) < 2:
-        raise ValueError(f"Draft config `block_size` must be at least 2, got {block_size}.")
-    config.block_size = int(block_size)
 
-    num_target_layers = getattr(config, "num_target_layers", None)
-    if num_target_layers is None:
-        num_target_layers = dflash_config.pop("num_target_layers", None)
-    if dflash_config.get("target_layer_ids") is None:
-        if num_target_layers is None:
-            raise ValueError("Draft config has neither `dflash_config.target_layer_ids` nor `num_target_layers`.")
-        dflash_config["target_layer_ids"] = default_target_layer_ids(
-            int(num_target_layers), config.num_hidden_layers
-        )
-    dflash_config["target_layer_ids"] = [int(i) for i in dflash_config["target_layer_ids"]]
+def normalize_dflash_config(config: Qwen3Config) -> None:
+    """Rewrite the published variants into the canonical layout (see DFlashConfig), in place; idempotent."""
+    _check_supported(config)
+    dflash_config = dict(getattr(config, "dflash_config", None) or {})
+    block_size = int(dflash_field(config, dflash_config, "block_size", DEFAULT_BLOCK_SIZE))
+    if block_size < 2:
+        raise ValueError(f"Draft config `block_size` must be at least 2, got {block_size}.")
+    num_target_layers = dflash_field(config, dflash_config, "num_target_layers")
+    for moved in ("block_size", "num_target_layers"):
+        dflash_config.pop(moved, None)
+    config.block_size = block_size
     config.num_target_layers = None if num_target_layers is None else int(num_target_layers)
 
+    target_layer_ids = dflash_field(config, dflash_config, "target_layer_ids")
+    if target_layer_ids is None and config.num_target_layers is not None:
+        target_layer_ids = default_target_layer_ids(config.num_target_layers, config.num_hidden_layers)
+    if target_layer_ids is not None:
+        target_layer_ids = [int(i) for i in target_layer_ids]
+        if not target_layer_ids or min(target_layer_ids) < 0:
+            raise ValueError(f"Draft config `target_layer_ids` must be non-negative layer indices, got {target_layer_ids}.")
+        dflash_config["target_layer_ids"] = target_layer_ids
+    mask_token_id = dflash_field(config, dflash_config, "mask_token_id")
     mask_token = dflash_config.get("mask_token")
-    if dflash_config.get("mask_token_id") is None and isinstance(mask_token, int):
-        dflash_config["mask_token_id"] = mask_token
-        dflash_config.pop("mask_token")
+    if mask_token_id is None and isinstance(mask_token, int):
+        mask_token_id = dflash_config.pop("mask_token")
+    if mask_token_id is not None:
+        dflash_config["mask_token_id"] = int(mask_token_id)
     config.dflash_config = dflash_config
+    _normalize_rope(config)
 
-    # Transformers 4.x reads `rope_theta`/`rope_scaling`; 5.x converts those itself.
-    if getattr(config, "rope_theta", None) is not None and isinstance(getattr(config, "rope_parameters", None), dict):
-        parameters = read_rope_parameters(config)
-        config.rope_theta = parameters.pop("rope_theta")
-        config.rope_scaling = None if parameters["rope_type"] == "default" else parameters
-        del config.rope_parameters
+
+def _normalize_rope(config: Qwen3Config) -> None:
+    """Transformers 4.x reads `rope_theta`/`rope_scaling`: fill them from `rope_parameters` (5.x converts itself)."""
+    parameters = getattr(config, "rope_parameters", None)
+    if "rope_theta" not in config.__dict__ or not isinstance(parameters, dict):
+        return  # Transformers 5.x: `rope_parameters` is the config's own field
+    rope = read_rope_parameters(config)
+    config.rope_theta = rope.pop("rope_theta")
+    config.rope_scaling = None if rope["rope_type"] == "default" else rope
+    del config.rope_parameters

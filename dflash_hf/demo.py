@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from .sampling_dflash import mean_acceptance_length
+
 SHIPPED_DRAFT = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-instruct"
 DEMO_PROMPTS = [  # held out: gsm8k test questions (the draft trained on gsm8k train) and a coding request
     "Janet\u2019s ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her "
@@ -35,19 +37,20 @@ def load_demo(dtype: torch.dtype = torch.float32, draft_path: str | Path | None 
 
 def run_demo(max_new_tokens: int = 256, dtype: torch.dtype = torch.float32, draft_path: str | Path | None = None) -> dict:
     """Answer the demo prompts with spec_generate; print answers, tau, tokens/s and the speedup over generate."""
-    from .smollm2 import chat_prompt_ids
-    from .training.recipe import evaluate_draft
+    from .evaluation import evaluate_draft
+    from .prompts import user_prompt_ids
+    from .target_dflash import generation_tokens
 
     target, tokenizer, draft = load_demo(dtype, draft_path)
-    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}]) for prompt in DEMO_PROMPTS]
+    prompts = [user_prompt_ids(tokenizer, prompt) for prompt in DEMO_PROMPTS]
 
     def show(index: int, record) -> None:
         tokens, lengths = record.new_tokens["dflash"], record.acceptance_lengths
         print(f"\n### {DEMO_PROMPTS[index]}\n{tokenizer.decode(tokens, skip_special_tokens=True)}")
-        print(f"[tau {sum(lengths) / len(lengths):.2f}, {len(tokens)} tokens]", flush=True)
+        print(f"[tau {mean_acceptance_length(lengths):.2f}, {len(tokens)} tokens]", flush=True)
 
-    summary = evaluate_draft(draft, target, prompts, max_new_tokens, stop_token_ids=[tokenizer.eos_token_id],
-                             on_result=show)
+    stop_token_ids = generation_tokens(target, tokenizer).stop_token_ids  # as bench and train's evaluation stop
+    summary = evaluate_draft(draft, target, prompts, max_new_tokens, stop_token_ids=stop_token_ids, on_result=show)
     rates = summary["tokens_per_s"]
     print(f"\ntau {summary['tau']:.2f} | target.generate {rates['plain']:.1f} tokens/s | spec_generate "
           f"{rates['dflash']:.1f} tokens/s | speedup {summary['speedup']:.2f}x | identical to generate: "

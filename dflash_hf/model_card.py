@@ -82,7 +82,7 @@ def read_card_info(folder: str | Path) -> CardInfo:
 
 def results_from_bench(bench: dict[str, Any], command: str) -> tuple[str, str]:
     """(results_source, results_table) for a card, from the JSON that `dflash-hf bench --json` wrote."""
-    from .benchmark import markdown_table
+    from .evaluation import markdown_table
 
     settings = bench.get("settings", {})
     setup = ", ".join(f"{key} {settings[key]}" for key in ("device", "dtype", "threads", "max_new_tokens", "temperature")
@@ -126,18 +126,17 @@ PUBLISHED = {
 
 
 def published_card_infos(configs_dir: str | Path) -> dict[str, CardInfo]:
-    """CardInfo of every published draft in `configs/`, keyed by its Hub name (z-lab/<name>)."""
-    from .configuration_dflash import DFlashConfig, normalize_dflash_config
+    """CardInfo of every published draft in `configs_dir` (`dflash_hf/published_configs/`), keyed by its Hub name."""
+    from .configuration_dflash import DFlashConfig
 
     infos = {}
     for name, (base_model, source, table) in PUBLISHED.items():
-        config = DFlashConfig.from_json_file(Path(configs_dir) / f"{name}.json")
-        normalize_dflash_config(config)
+        config = DFlashConfig.from_json_file(Path(configs_dir) / f"{name}.json")  # normalised on construction
         infos[name] = card_info_for_config(
             config, f"z-lab/{name}", base_model, license="other",
             title=f"DFlash draft for {base_model}",
             description=f"The published DFlash draft `z-lab/{name}`, described by dflash-hf. The weights are the authors'; "
-                        "the config layout is the one in dflash-hf's `configs/` (check it against the downloaded file).",
+                        "the config layout is the one in dflash-hf's `dflash_hf/published_configs/` (check it against the downloaded file).",
             results_source=source, results_table=table,
             training={"recipe": "the authors' (not released): see the DFlash paper, section 4 of dflash-hf's design notes",
                       "training data": "see the paper"},

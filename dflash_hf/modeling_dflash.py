@@ -9,17 +9,21 @@ Hub remote code: this file imports only torch, transformers and its sibling file
 
 from __future__ import annotations
 
-import math
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .configuration_dflash import DFlashConfig, normalize_dflash_config, read_rope_parameters
-from .decoding import gather_columns, spec_generate
+from .cache_dflash import DraftContextCache
+from .configuration_dflash import DFLASH_HF_VERSION, REMOTE_CODE_FILES, DFlashConfig, read_rope_parameters
+
+# The first line of every remote-code file that `save_pretrained` writes.
+REMOTE_CODE_HEADER = "# Exported by dflash-hf {version}: a copy of the package's module; change the package, not this file.\n"
 
 
 class DFlashRMSNorm(nn.Module):
@@ -52,47 +56,38 @@ class DFlashMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
-def rope_inverse_frequencies(config: DFlashConfig, head_dim: int) -> torch.Tensor:
-    """Inverse rotary frequencies [head_dim // 2] for rope types default, linear and llama3."""
-    parameters = read_rope_parameters(config)
-    base = float(parameters["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
-    rope_type = parameters["rope_type"]
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / float(parameters["factor"])
-    if rope_type == "llama3":
-        factor = float(parameters["factor"])
-        low_freq_factor = float(parameters["low_freq_factor"])
-        high_freq_factor = float(parameters["high_freq_factor"])
-        old_context_len = float(parameters["original_max_position_embeddings"])
-        low_freq_wavelen = old_context_len / low_freq_factor
-        high_freq_wavelen = old_context_len / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"Draft rope type {rope_type!r} is not supported (supported: default, linear, llama3).")
-
-
 class DFlashRotaryEmbedding(nn.Module):
-    """Rotary position embedding at absolute positions, with the draft config's rope settings."""
+    """Rotary position embedding at absolute positions, with the draft config's rope settings.
+
+    Frequencies come from Transformers' rope-init table (any rope type the installed version knows); where the table
+    has no default rope (5.x) it is computed here, as Transformers 5 models do. `inv_freq` is a non-persistent buffer.
+    """
 
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
+        self.config = config
+        self.rope_type = read_rope_parameters(config)["rope_type"]
+        known = {"default": self.compute_default_rope_parameters, **ROPE_INIT_FUNCTIONS}  # 5.x has no "default" entry
+        if self.rope_type not in known:
+            raise ValueError(f"Draft rope type {self.rope_type!r} is not known to this Transformers version "
+                             f"(known: {', '.join(known)}).")
+        rope_init = known[self.rope_type]
+        inv_freq, self.attention_scaling = rope_init(config, None)  # (config, device): both versions take it
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)  # Transformers 5 re-inits from it
+
+    @staticmethod
+    def compute_default_rope_parameters(config: DFlashConfig, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, float]:
+        """Inverse frequencies [head_dim // 2] of the original rope, and the cos/sin scaling (1.0)."""
+        base = float(read_rope_parameters(config)["rope_theta"])
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        # A plain float32 attribute (not a buffer): it survives meta-device init and dtype casts.
-        self.inv_freq = rope_inverse_frequencies(config, head_dim)
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.inv_freq.device != position_ids.device:
-            self.inv_freq = self.inv_freq.to(position_ids.device)
-        freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, D/2]
+        freqs = position_ids[..., None].float() * self.inv_freq.float()  # [B, T, D/2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -138,36 +133,6 @@ def attention_function(implementation: str | None) -> Callable[..., tuple[torch.
     if implementation in (None, "eager"):
         return eager_attention
     return ALL_ATTENTION_FUNCTIONS[implementation]
-
-
-class DraftContextCache:
-    """Per-layer K/V of the draft's CONTEXT rows (post k_norm and rope); block rows are never stored."""
-
-    def __init__(self, num_layers: int) -> None:
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
-
-    def append(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new context K/V [B, kv_heads, T_new, D] for a layer and return all of them."""
-        if self.keys[layer_idx] is not None:
-            key = torch.cat((self.keys[layer_idx], key), dim=2)
-            value = torch.cat((self.values[layer_idx], value), dim=2)
-        self.keys[layer_idx], self.values[layer_idx] = key, value
-        return key, value
-
-    def get_seq_length(self) -> int:
-        """Number of context positions stored."""
-        return 0 if self.keys[0] is None else self.keys[0].shape[2]
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        """Keep the batch rows `index` [n] (rows that finished leave the batch)."""
-        self.keys = [None if key is None else key[index] for key in self.keys]
-        self.values = [None if value is None else value[index] for value in self.values]
-
-    def reorder_columns(self, index: torch.Tensor) -> None:
-        """Per-row column order [N, W'] (compaction: drop unused columns, keep each row's positions in order)."""
-        self.keys = [None if key is None else gather_columns(key, index) for key in self.keys]
-        self.values = [None if value is None else gather_columns(value, index) for value in self.values]
 
 
 class DFlashAttention(nn.Module):
@@ -277,8 +242,9 @@ class DFlashDraftModel(PreTrainedModel):
     _supports_attention_backend = True
 
     def __init__(self, config: DFlashConfig) -> None:
-        normalize_dflash_config(config)
         super().__init__(config)
+        if config.dflash_config.get("target_layer_ids") is None:
+            raise ValueError("Draft config has neither `dflash_config.target_layer_ids` nor `num_target_layers`.")
         num_features = len(config.dflash_config["target_layer_ids"])
         self.fc = nn.Linear(num_features * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -332,8 +298,52 @@ class DFlashDraftModel(PreTrainedModel):
             hidden_states = layer(hidden_states, context, block_rope, context_rope, cache, attention_mask)
         return self.norm(hidden_states)
 
-    # Lossless speculative decoding with a target: `draft.spec_generate(target=..., input_ids=..., ...)`.
-    spec_generate = spec_generate
+    def spec_generate(self, target: nn.Module, input_ids: torch.Tensor, **generation_kwargs: Any) -> Any:
+        """Lossless speculative decoding with `target`: ids [N, prompt + new], or `SpecGenerateOutput` with stats.
+
+        Keywords: max_new_tokens, temperature, top_k, top_p, stop_token_ids, block_size, generator, seed,
+        mask_token_id, attention_mask, streamer, pad_token_id, return_stats (see `generation_dflash.spec_generate`).
+        """
+        # The loop depends on the model, never the other way, so it is imported here. Its modules are all named:
+        # Transformers 4.57 copies a local remote-code folder's files into its module cache only when the model
+        # file imports them itself.
+        from .generation_dflash import spec_generate
+        from .proposer_dflash import DFlashProposer  # noqa: F401
+        from .sampling_dflash import commit_block  # noqa: F401
+        from .target_dflash import verify_forward  # noqa: F401
+
+        return spec_generate(self, target, input_ids, **generation_kwargs)
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
+        """`PreTrainedModel.from_pretrained`, refusing a checkpoint whose weights do not match the draft one for one."""
+        wants_loading_info = kwargs.pop("output_loading_info", False)
+        try:
+            model, loading_info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        except RuntimeError as error:  # Transformers refuses weights of other shapes with a RuntimeError
+            if "size" not in str(error):
+                raise
+            raise ValueError(f"The checkpoint's weights do not match a DFlash draft of this config: {error}") from error
+        problems = {key: sorted(map(str, value)) for key, value in loading_info.items()
+                    if key in ("missing_keys", "unexpected_keys", "mismatched_keys") and value}
+        if problems:
+            details = "; ".join(f"{key}: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"
+                                for key, names in problems.items())
+            raise ValueError(f"The checkpoint's weights do not match a DFlash draft of this config ({details}). "
+                             "Is it a DFlash draft in the published layout (fc, hidden_norm, layers.*, norm)?")
+        return (model, loading_info) if wants_loading_info else model
+
+    def save_pretrained(self, save_directory: str | Path, *args: Any, **kwargs: Any) -> None:
+        """`PreTrainedModel.save_pretrained`, recording the dflash-hf version in config.json and the remote-code files."""
+        self.config.dflash_hf_version = DFLASH_HF_VERSION
+        super().save_pretrained(save_directory, *args, **kwargs)
+        header = REMOTE_CODE_HEADER.format(version=DFLASH_HF_VERSION)
+        for name in REMOTE_CODE_FILES:
+            path = Path(save_directory) / name
+            if path.exists():
+                text = path.read_text(encoding="utf-8")
+                body = text.split("\n", 1)[1] if text.startswith("# Exported by dflash-hf") else text
+                path.write_text(header + body, encoding="utf-8")
 
 
 DFlashConfig.register_for_auto_class()

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
-REMOTE_CODE_FILES = ("configuration_dflash.py", "modeling_dflash.py", "decoding.py")
+from .configuration_dflash import REMOTE_CODE_FILES
+
 REQUIRED_METADATA = ("base_model", "library_name", "pipeline_tag", "license", "tags")
+PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 def hub_ready_folder(folder: str | Path, staging: str | Path) -> Path:
@@ -26,8 +29,21 @@ def hub_ready_folder(folder: str | Path, staging: str | Path) -> Path:
     return staging
 
 
-def check_hub_folder(folder: str | Path) -> list[str]:
-    """Raise a ValueError naming what a Hub upload would miss; return the files to upload."""
+def exported_code(path: Path) -> str:
+    """A remote-code file as the package wrote it, without the export header line."""
+    text = path.read_text(encoding="utf-8")
+    return text.split("\n", 1)[1] if text.startswith("# Exported by dflash-hf") else text
+
+
+def differing_remote_code(folder: str | Path) -> list[str]:
+    """The remote-code files of `folder` that differ from the installed package's modules."""
+    folder = Path(folder)
+    return [name for name in REMOTE_CODE_FILES
+            if (folder / name).exists() and exported_code(folder / name) != (PACKAGE_DIR / name).read_text(encoding="utf-8")]
+
+
+def check_hub_folder(folder: str | Path, keep_remote_code: bool = False) -> list[str]:
+    """Raise a ValueError naming what a Hub upload would miss (or remote code not the installed package's)."""
     from huggingface_hub import ModelCard
 
     folder = Path(folder)
@@ -38,6 +54,13 @@ def check_hub_folder(folder: str | Path) -> list[str]:
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     if config.get("auto_map", {}).get("AutoModel") != "modeling_dflash.DFlashDraftModel":
         raise ValueError(f"{folder}/config.json has no auto_map to modeling_dflash.DFlashDraftModel for trust_remote_code.")
+    differing = differing_remote_code(folder)
+    if differing and not keep_remote_code:
+        raise ValueError(
+            f"{folder}: the remote code {', '.join(differing)} differs from the installed dflash-hf's "
+            f"(the folder says {config.get('dflash_hf_version', 'no version')}): re-export the draft with "
+            "save_pretrained, or pass --keep-remote-code to upload the folder's own code."
+        )
     metadata = ModelCard.load(folder / "README.md").data.to_dict()
     absent = [key for key in REQUIRED_METADATA if not metadata.get(key)]
     if absent:
@@ -46,13 +69,11 @@ def check_hub_folder(folder: str | Path) -> list[str]:
 
 
 def push_to_hub(folder: str | Path, repo_id: str, private: bool = False, dry_run: bool = False,
-                staging: str | Path | None = None) -> list[str]:
+                staging: str | Path | None = None, keep_remote_code: bool = False) -> list[str]:
     """Upload a draft folder to the Hub model repo `repo_id` (created if needed); returns the uploaded files."""
-    import tempfile
-
     with tempfile.TemporaryDirectory() as temporary:
         ready = hub_ready_folder(folder, staging or Path(temporary) / "draft")
-        files = check_hub_folder(ready)
+        files = check_hub_folder(ready, keep_remote_code)
         if dry_run:
             return files
         from huggingface_hub import HfApi

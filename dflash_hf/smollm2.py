@@ -11,6 +11,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBase
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_MASK_TOKEN = "<empty_output>"  # the shipped draft's mask: an existing special token SmolLM2 never generates in chat
 # One converted copy per Transformers major version: each writes its own config layout (rope keys differ).
 DEFAULT_CACHE = Path(os.environ.get("DFLASH_HF_CACHE", Path.home() / ".cache" / "dflash-hf")) / (
     f"smollm2-135m-instruct-transformers{transformers.__version__.split('.')[0]}"
@@ -45,9 +46,3 @@ def load_smollm2(dtype: torch.dtype = torch.bfloat16, cache_dir: str | Path | No
         partial.rename(cache)
     model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype).eval()
     return model, AutoTokenizer.from_pretrained(cache)
-
-
-def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, turns: list[dict[str, str]]) -> list[int]:
-    """Token ids of a chat rendered with the generation prompt, tokenized once (a single BOS)."""
-    ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=False)
-    return list(ids)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_hf import decoding, left_pad, speculative_decode
-from dflash_hf.decoding import CacheColumns, DFlashProposer
+from dflash_hf import cache_dflash, left_pad, speculative_decode
+from dflash_hf.cache_dflash import CacheColumns
+from dflash_hf.proposer_dflash import DFlashProposer
 from helpers import VOCAB_SIZE, ReferenceProposer, make_draft, make_target, plain_greedy
 
 ARCHS = ["qwen3", "llama"]
@@ -67,8 +68,8 @@ def test_draft_proposes_the_same_for_a_row_in_a_batch_as_alone(arch, monkeypatch
     draft = make_draft(2, block_size=6, vocab_size=vocab, mask_token_id=vocab - 1, initializer_range=1.0)
     prompts = prompts_of([5, 2, 9], seed=2, vocab_size=vocab)
     input_ids, attention_mask = left_pad_prompts(prompts)
-    for budget in (0, decoding.CACHE_HOLE_BUDGET):  # 0: the draft and target caches are compacted at every hole
-        monkeypatch.setattr(decoding, "CACHE_HOLE_BUDGET", budget)
+    for budget in (0, cache_dflash.CACHE_HOLE_BUDGET):  # 0: the draft and target caches are compacted at every hole
+        monkeypatch.setattr(cache_dflash, "CACHE_HOLE_BUDGET", budget)
         batched = RecordingProposer(draft, target, vocab - 1)
         result = speculative_decode(target, batched, input_ids, max_new_tokens=40, block_size=6,
                                     attention_mask=attention_mask)
@@ -150,20 +151,20 @@ def test_memory_stays_bounded_while_rows_accept_different_lengths():
         handle.remove()
     for row, reference in enumerate(references):
         assert result.new_tokens(row) == reference[0, prompts[row].shape[1]:].tolist()
-    assert all(width <= longest + decoding.CACHE_HOLE_BUDGET for width, longest in widths)
+    assert all(width <= longest + cache_dflash.CACHE_HOLE_BUDGET for width, longest in widths)
     assert max(width - longest for width, longest in widths) > 8  # holes did build up and were compacted
     # without compaction the holes of rows 1 and 2 would have outgrown the bound
-    assert sum(8 - a for a in result.acceptance_lengths[1][:25]) > decoding.CACHE_HOLE_BUDGET
+    assert sum(8 - a for a in result.acceptance_lengths[1][:25]) > cache_dflash.CACHE_HOLE_BUDGET
 
 
 def test_compaction_keeps_each_rows_positions_in_order(monkeypatch):
     valid = torch.tensor([[0, 1, 1, 0, 1, 0], [1, 1, 1, 1, 0, 0], [0, 0, 1, 0, 0, 1]], dtype=torch.bool)
     columns = CacheColumns(valid, [3, 4, 2])
     assert columns.compaction() is None  # 2 unused columns: within the budget
-    monkeypatch.setattr(decoding, "CACHE_HOLE_BUDGET", 1)
+    monkeypatch.setattr(cache_dflash, "CACHE_HOLE_BUDGET", 1)
     index = columns.compaction()
     states = torch.arange(6.0)[None, None, :, None].repeat(3, 2, 1, 1)  # [N, heads, W, 1]: value = column
-    compacted = decoding.gather_columns(states, index)[:, 0, :, 0]
+    compacted = cache_dflash.gather_columns(states, index)[:, 0, :, 0]
     assert compacted.shape == (3, 4)  # the longest row's 4 positions
     assert compacted[0, 1:].tolist() == [1, 2, 4] and compacted[1].tolist() == [0, 1, 2, 3]
     assert compacted[2, 2:].tolist() == [2, 5]

@@ -8,19 +8,18 @@ import pytest
 import torch
 
 import dflash_hf.benchmark as benchmark
-from dflash_hf.benchmark import (
+import dflash_hf.evaluation as evaluation
+from dflash_hf.benchmark import load_conversations, read_prompt_file, run_benchmark
+from dflash_hf.evaluation import (
     BenchSettings,
     TurnRecord,
     acceptance_histogram,
     cost_model_bound,
-    load_conversations,
     markdown_table,
-    read_prompt_file,
-    run_benchmark,
     summarize,
 )
 from dflash_hf.cli import main
-from dflash_hf.smollm2 import chat_prompt_ids
+from dflash_hf.prompts import chat_prompt_ids
 from helpers import make_draft, make_target, make_tokenizer
 
 STEP_COSTS = {"target_1": 0.010, "target_block": 0.015, "draft": 0.005}
@@ -85,7 +84,7 @@ def tiny_models():
 def test_multi_turn_feeds_back_the_models_own_answer(tiny_models, monkeypatch):
     target, draft, tokenizer = tiny_models
     seen: list[tuple[list[int], TurnRecord]] = []
-    measure = benchmark.measure_prompts
+    measure = evaluation.measure_prompts
 
     def spy(draft, target, prompts, *args, **kwargs):
         (result,) = measure(draft, target, prompts, *args, **kwargs)
@@ -137,7 +136,7 @@ def test_bench_command_needs_target_and_draft_together(tmp_path):
 
 def test_measured_step_costs_are_positive(tiny_models):
     target, draft, _ = tiny_models
-    costs = benchmark.measure_step_costs(draft, target, torch.arange(5, 25)[None], block_size=4, mask_token_id=127, repeats=2)
+    costs = evaluation.measure_step_costs(draft, target, torch.arange(5, 25)[None], block_size=4, mask_token_id=127, repeats=2)
     assert set(costs) == {"target_1", "target_block", "draft"} and all(v > 0 for v in costs.values())
 
 
@@ -168,7 +167,7 @@ def test_batched_measurement_is_per_row_and_shares_the_wall_time(tiny_models):
     prompts = [[3, 10, 11, 4], [3, 20, 4], [3, 30, 31, 32, 33, 4]]
     settings = BenchSettings(max_new_tokens=12, block_size=4, batch_size=3)
     stop = [tokenizer.eos_token_id]
-    records = benchmark.measure_prompts(draft, target, prompts, settings, stop, mask_token_id=127)
+    records = evaluation.measure_prompts(draft, target, prompts, settings, stop, mask_token_id=127)
     assert len(records) == 3
     for prompt, record in zip(prompts, records):
         alone = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=stop,
@@ -196,11 +195,11 @@ def test_bench_command_with_several_batch_sizes(saved_models, tmp_path):
 
 def test_truncated_tau_and_the_block_size_choice(tiny_models):
     histogram = [2, 1, 1]  # lengths 1, 1, 2, 3
-    assert benchmark.truncated_tau(histogram, 3) == pytest.approx(7 / 4)  # the measured mean
-    assert benchmark.truncated_tau(histogram, 2) == pytest.approx(6 / 4)
-    assert benchmark.truncated_tau(histogram, 1) == 1.0
+    assert evaluation.truncated_tau(histogram, 3) == pytest.approx(7 / 4)  # the measured mean
+    assert evaluation.truncated_tau(histogram, 2) == pytest.approx(6 / 4)
+    assert evaluation.truncated_tau(histogram, 1) == 1.0
     target, draft, _ = tiny_models
-    best, predictions = benchmark.choose_block_size(draft, target, torch.arange(5, 25)[None], [0, 0, 0, 10],
+    best, predictions = evaluation.choose_block_size(draft, target, torch.arange(5, 25)[None], [0, 0, 0, 10],
                                                     batch_size=2, mask_token_id=127)
     assert set(predictions) == {1, 2, 3, 4} and predictions[1] == 1.0
     assert predictions[best] == max(predictions.values())

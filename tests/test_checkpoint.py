@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_hf import DFlashConfig, DFlashDraftModel
-from dflash_hf.configuration_dflash import default_target_layer_ids
+from dflash_hf.configuration_dflash import REMOTE_CODE_FILES, default_target_layer_ids
 from helpers import make_target
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "dflash_hf" / "published_configs"
 
 
 def published_shapes(config: dict) -> dict[str, tuple[int, ...]]:
@@ -142,7 +142,7 @@ def test_save_pretrained_round_trip_is_hub_ready(tmp_path):
     draft = load_and_check(tmp_path / "published", weights)
     draft.save_pretrained(tmp_path / "saved")
     files = {p.name for p in (tmp_path / "saved").iterdir()}
-    assert {"config.json", "model.safetensors", "modeling_dflash.py", "configuration_dflash.py", "decoding.py"} <= files
+    assert {"config.json", "model.safetensors", *REMOTE_CODE_FILES} <= files
     saved_config = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert saved_config["auto_map"] == {"AutoConfig": "configuration_dflash.DFlashConfig",
                                         "AutoModel": "modeling_dflash.DFlashDraftModel"}
@@ -163,10 +163,17 @@ def test_save_pretrained_round_trip_is_hub_ready(tmp_path):
 @pytest.mark.parametrize("change,message", [
     ({"architectures": ["DFlash2DraftModel"]}, "out of scope"),
     ({"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True, "sliding_window": 16}, "sliding"),
-    ({"block_size": None}, "block_size"),
+    ({"block_size": 1}, "block_size"),
 ])
 def test_unsupported_drafts_are_refused(tmp_path, change, message):
     config = {k: v for k, v in {**TINY, **change}.items() if v is not None}
     write_published_folder(tmp_path / "draft", config)
     with pytest.raises(ValueError, match=message):
         DFlashDraftModel.from_pretrained(str(tmp_path / "draft"))
+
+
+def test_a_config_without_block_size_takes_the_documented_default(tmp_path):
+    """dflash-formats.md: `block_size` is read from dflash_config, then the top level, then defaults to 16."""
+    config = {k: v for k, v in TINY.items() if k != "block_size"}
+    write_published_folder(tmp_path / "draft", config)
+    assert DFlashDraftModel.from_pretrained(str(tmp_path / "draft")).block_size == 16

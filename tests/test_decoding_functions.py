@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from dflash_hf.decoding import commit_block, count_accepted, first_stop_index, left_pad, pick_tokens, process_logits
+from dflash_hf import left_pad
+from dflash_hf.sampling_dflash import commit_block, count_accepted, first_stop_index, pick_tokens, process_logits
 
 
 @pytest.mark.parametrize("proposals,target_tokens,expected", [

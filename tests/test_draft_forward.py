@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from dflash_hf import DFlashDraftModel
-from dflash_hf.modeling_dflash import rope_inverse_frequencies
+from dflash_hf.modeling_dflash import DFlashRotaryEmbedding
 from helpers import HIDDEN_SIZE, draft_config, make_draft, make_target
 
 
@@ -110,7 +110,7 @@ def test_llama3_rope_matches_transformers():
     expected = LlamaRotaryEmbedding(llama).inv_freq
     config = draft_config(hidden_size=4096, num_attention_heads=32, head_dim=128, rope_theta=500000.0,
                           rope_scaling=scaling, max_position_embeddings=131072)
-    torch.testing.assert_close(rope_inverse_frequencies(config, 128), expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(DFlashRotaryEmbedding(config).inv_freq, expected, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])

@@ -154,7 +154,7 @@ def test_half_precision_on_cpu_is_equal_up_to_near_ties(arch, dtype):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_verify_forward_gives_the_targets_own_logits_and_states(arch):
     """Llama/Qwen3 verify passes run the base model and apply the LM head themselves: same logits and hidden states."""
-    from dflash_hf.decoding import verify_forward
+    from dflash_hf.target_dflash import verify_forward
 
     target = make_target(arch, seed=11)
     input_ids = prompt(11, 9)

@@ -11,6 +11,7 @@ from helpers import make_draft
 from huggingface_hub import ModelCard
 
 from dflash_hf.cli import main
+from dflash_hf.configuration_dflash import REMOTE_CODE_FILES
 from dflash_hf.model_card import CardInfo, published_card_infos, read_card_info, render_model_card, write_model_card
 from dflash_hf.push import check_hub_folder, push_to_hub
 
@@ -22,7 +23,7 @@ def metadata(text: str) -> dict:
 
 
 def test_published_cards_are_rendered_from_the_template_and_up_to_date():
-    infos = published_card_infos(ROOT / "configs")
+    infos = published_card_infos(ROOT / "dflash_hf" / "published_configs")
     assert len(infos) == 4
     for name, info in infos.items():
         text = render_model_card(info)
@@ -57,14 +58,14 @@ def test_push_dry_run_and_upload_calls(tmp_path, monkeypatch):
     draft = make_draft(seed=1, block_size=4)
     plain = tmp_path / "plain"  # weights, config and card only, like the shipped draft folder
     draft.save_pretrained(plain)
-    for name in ("modeling_dflash.py", "configuration_dflash.py", "decoding.py"):
+    for name in REMOTE_CODE_FILES:
         (plain / name).unlink(missing_ok=True)
     with pytest.raises(ValueError, match="missing README.md"):
         push_to_hub(plain, "me/draft", dry_run=True)
     write_model_card(plain, CardInfo(repo_id="me/draft", base_model="org/target", title="T", description="D", block_size=4,
                                      num_layers=2, target_layer_ids=draft.target_layer_ids))
     files = push_to_hub(plain, "me/draft", dry_run=True)
-    assert {"config.json", "model.safetensors", "README.md", "modeling_dflash.py", "decoding.py"} <= set(files)
+    assert {"config.json", "model.safetensors", "README.md", *REMOTE_CODE_FILES} <= set(files)
 
     calls = []
     monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create", repo_id, kw)))

@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from dflash_hf import DraftStep, speculative_decode
-from dflash_hf.decoding import DFlashProposer
+from dflash_hf.proposer_dflash import DFlashProposer
 from helpers import make_draft, make_target
 
 VOCAB = 6

@@ -36,7 +36,7 @@ def test_shipped_draft_is_in_the_package():
 
 @pytest.mark.parametrize("prompt", DEMO_PROMPTS[:2])
 def test_shipped_draft_is_lossless_in_float32(models, prompt):
-    from dflash_hf.smollm2 import chat_prompt_ids
+    from dflash_hf.prompts import chat_prompt_ids
 
     target, tokenizer, draft = models
     assert draft.mask_token_id == tokenizer.convert_tokens_to_ids("<empty_output>")

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from dflash_hf.smollm2 import chat_prompt_ids
+from dflash_hf.prompts import chat_prompt_ids
 from dflash_hf.training.data import generate_responses, read_prompts
 from helpers import make_target, make_tokenizer, plain_greedy
 

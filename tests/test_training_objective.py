@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_hf.decoding import select_features
+from dflash_hf.target_dflash import select_features
 from dflash_hf.training import build_blocks, dflash_loss, position_weights, sample_anchors
 from helpers import VOCAB_SIZE, make_draft, make_target, plain_greedy
 

@@ -12,25 +12,15 @@ from typing import Iterable
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ..smollm2 import chat_prompt_ids
+from ..cache_dflash import left_pad
+from ..prompts import read_conversations, user_prompt_ids
+from ..sampling_dflash import cut_after_stop
+from ..target_dflash import generation_tokens
 
 
 def read_prompts(paths: Iterable[str | Path], limit: int | None = None) -> list[str]:
-    """User prompts from JSONL files (fields `question`, `prompt`, `problem`, `instruction` or `turns[0]`)."""
-    prompts: list[str] = []
-    for path in paths:
-        with open(path, encoding="utf-8") as handle:
-            for line in handle:
-                record = json.loads(line)
-                text = next((record[k] for k in ("question", "prompt", "problem", "instruction") if k in record), None)
-                if text is None and record.get("turns"):
-                    text = record["turns"][0]
-                if text is None:
-                    raise ValueError(f"{path}: a row has none of question/prompt/problem/instruction/turns")
-                prompts.append(text)
-                if limit is not None and len(prompts) >= limit:
-                    return prompts
-    return prompts
+    """The first user turn of every record of JSONL prompt files (fields as `prompts.PROMPT_FIELDS`), up to `limit`."""
+    return [turns[0] for turns in read_conversations(list(paths), limit=limit)]
 
 
 def read_rows(path: str | Path) -> list[dict]:
@@ -68,26 +58,23 @@ def generate_responses(
     rows = {row["index"]: row for row in read_rows(output_path)}
     todo = [i for i in range(len(prompts)) if i not in rows]
     device = target.get_input_embeddings().weight.device
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    tokens = generation_tokens(target, tokenizer)  # stop on every EOS id, as bench and the evaluation do
     if temperature > 0:
         torch.manual_seed(seed)
     bar = _progress(len(prompts), len(rows), progress, "generating responses")
     with open(output_path, "a", encoding="utf-8") as handle:
         for start in range(0, len(todo), batch_size):
             indices = todo[start : start + batch_size]
-            prompt_ids = [chat_prompt_ids(tokenizer, [{"role": "user", "content": prompts[i]}]) for i in indices]
-            width = max(len(ids) for ids in prompt_ids)
-            input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in prompt_ids], device=device)
-            attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=device)
+            prompt_ids = [user_prompt_ids(tokenizer, prompts[i]) for i in indices]
+            input_ids, attention_mask = left_pad(prompt_ids, tokens.pad_token_id, device)  # [n, T]
             output = target.generate(
-                input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
-                eos_token_id=tokenizer.eos_token_id, do_sample=temperature > 0,
+                input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                pad_token_id=tokens.pad_token_id, eos_token_id=tokens.stop_token_ids, do_sample=temperature > 0,
                 **({"temperature": temperature} if temperature > 0 else {}),
             )
-            for index, ids, generated in zip(indices, prompt_ids, output[:, width:].tolist()):
-                if tokenizer.eos_token_id in generated:
-                    generated = generated[: generated.index(tokenizer.eos_token_id) + 1]
-                row = {"index": index, "prompt_ids": ids, "response_ids": generated}
+            for index, ids, generated in zip(indices, prompt_ids, output[:, input_ids.shape[1]:].tolist()):
+                row = {"index": index, "prompt_ids": ids,
+                       "response_ids": cut_after_stop(generated, frozenset(tokens.stop_token_ids))}
                 rows[index] = row
                 handle.write(json.dumps(row) + "\n")
             handle.flush()

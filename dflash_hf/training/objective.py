@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..decoding import select_features
+from ..target_dflash import select_features
 from ..modeling_dflash import DFlashDraftModel
 
 DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's gamma per block size

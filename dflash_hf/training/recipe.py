@@ -1,15 +1,11 @@
-"""The whole recipe around the loop: a draft config for any target, evaluation of tau, the model card."""
+"""The draft a recipe starts from: a config shaped like any target, and an initialisation from its top layers."""
 
 from __future__ import annotations
-
-from dataclasses import replace
-from typing import Any, Callable
 
 import torch
 
 from ..configuration_dflash import DFlashConfig, default_target_layer_ids, read_rope_parameters
-from ..benchmark import BenchSettings, TurnRecord, measure_prompts, summarize
-from ..decoding import target_text_config
+from ..target_dflash import target_text_config
 from ..modeling_dflash import DFlashDraftModel
 
 
@@ -102,30 +98,3 @@ def initialize_from_target(draft: DFlashDraftModel, target: torch.nn.Module, cal
     draft.fc.weight.zero_()
     draft.fc.weight[:, deepest * hidden_size : (deepest + 1) * hidden_size] = torch.eye(hidden_size)
     return layer_ids
-
-
-@torch.no_grad()
-def evaluate_draft(
-    draft: DFlashDraftModel,
-    target: torch.nn.Module,
-    prompts: list[list[int]],
-    max_new_tokens: int = 256,
-    block_size: int | None = None,
-    *,
-    stop_token_ids: list[int],
-    on_result: Callable[[int, TurnRecord], None] | None = None,
-) -> dict[str, Any]:
-    """`dflash-hf bench`'s greedy measurement of prompts one at a time: tau, tokens/s against `target.generate`, lossless.
-
-    `on_result(prompt_index, record)` sees each prompt's record as soon as it is measured.
-    """
-    if not stop_token_ids:
-        raise ValueError("evaluate_draft needs a stop token (the first one also pads), e.g. [tokenizer.eos_token_id].")
-    settings = BenchSettings(max_new_tokens=max_new_tokens, block_size=block_size, prompt_lookup_tokens=None)
-    measure_prompts(draft, target, prompts[:1], replace(settings, max_new_tokens=8), stop_token_ids)  # warm-up
-    records = []
-    for index, prompt in enumerate(prompts):
-        records += measure_prompts(draft, target, [prompt], settings, stop_token_ids)
-        if on_result is not None:
-            on_result(index, records[-1])
-    return summarize("evaluation", records, len(prompts), block_size or draft.block_size, None, greedy=True)

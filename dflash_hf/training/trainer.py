@@ -8,17 +8,29 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+from safetensors.torch import load_file, save_file
+from torch.optim.lr_scheduler import LRScheduler
 from transformers import get_cosine_schedule_with_warmup
 
 from ..modeling_dflash import DFlashDraftModel
-from .objective import TargetSignals, dflash_loss, target_signals
+from .objective import StepResult, TargetSignals, dflash_loss, target_signals
 
-CHECKPOINT_FILE = "checkpoint.pt"
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+CHECKPOINT_DIR = "checkpoint"  # OUTPUT/checkpoint/: the resumable state, no pickle
+CHECKPOINT_FORMAT = 1
+DRAFT_WEIGHTS_FILE = "draft.safetensors"
+OPTIMIZER_SCHEDULER_FILE = "optimizer_scheduler.pt"  # tensors and plain types only: loads with weights_only=True
+STATE_FILE = "state.json"  # the TrainingLog and the format version; written last
+LEGACY_CHECKPOINT_FILE = "checkpoint.pt"  # the pickled checkpoint of earlier versions, refused
 
 
 @dataclass
@@ -65,6 +77,93 @@ def _epoch_order(num_sequences: int, epoch: int, seed: int) -> list[int]:
     return torch.randperm(num_sequences, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
 
 
+def _sibling(folder: Path, suffix: str) -> Path:
+    """`folder` with `suffix` added to its name, in the same parent (checkpoint -> checkpoint.tmp)."""
+    return folder.with_name(folder.name + suffix)
+
+
+def save_checkpoint(folder: str | Path, draft: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: LRScheduler, log: TrainingLog) -> None:
+    """Write draft weights, optimiser and schedule states and the log to `folder`, replacing it atomically."""
+    folder = Path(folder)
+    staging, previous = _sibling(folder, ".tmp"), _sibling(folder, ".old")
+    shutil.rmtree(staging, ignore_errors=True)  # a stale one from a save that was interrupted
+    staging.mkdir(parents=True)
+    # save_file refuses tensors that share memory; the draft has none (its embeddings and head are the target's)
+    weights = {name: tensor.detach().cpu().contiguous() for name, tensor in draft.state_dict().items()}
+    save_file(weights, staging / DRAFT_WEIGHTS_FILE, metadata={"format": "pt"})
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+               staging / OPTIMIZER_SCHEDULER_FILE)
+    (staging / STATE_FILE).write_text(json.dumps({"format": CHECKPOINT_FORMAT, **asdict(log)}))
+    if folder.exists():  # a folder cannot replace a non-empty one: move it aside first
+        shutil.rmtree(previous, ignore_errors=True)
+        folder.replace(previous)
+    staging.replace(folder)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def load_checkpoint(folder: str | Path, draft: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: LRScheduler) -> TrainingLog | None:
+    """Restore draft, optimiser and schedule from `folder` and return its log; None when there is no checkpoint."""
+    folder = Path(folder)
+    legacy = folder.parent / LEGACY_CHECKPOINT_FILE
+    if legacy.exists():
+        raise ValueError(f"{legacy} is an old pickle checkpoint that dflash-hf no longer loads: "
+                         "delete it (or start a new --output) to retrain")
+    if not (folder / STATE_FILE).exists():
+        folder = _sibling(folder, ".old")  # a save interrupted between its two renames leaves only this one
+        if not (folder / STATE_FILE).exists():
+            return None
+    state = json.loads((folder / STATE_FILE).read_text())
+    if state.pop("format", None) != CHECKPOINT_FORMAT:
+        raise ValueError(f"{folder / STATE_FILE}: unknown checkpoint format, expected {CHECKPOINT_FORMAT}")
+    draft.load_state_dict(load_file(folder / DRAFT_WEIGHTS_FILE))
+    optimizer_scheduler = torch.load(folder / OPTIMIZER_SCHEDULER_FILE, map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(optimizer_scheduler["optimizer"])
+    scheduler.load_state_dict(optimizer_scheduler["scheduler"])
+    return TrainingLog(**state)
+
+
+def _optimizer_and_schedule(draft: torch.nn.Module, settings: TrainingSettings,
+                            total_steps: int) -> tuple[torch.optim.Optimizer, LRScheduler]:
+    """AdamW over the draft's parameters and its cosine schedule with warm-up over `total_steps`."""
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay)
+    warmup_steps = math.ceil(settings.warmup_ratio * total_steps)
+    return optimizer, get_cosine_schedule_with_warmup(optimizer, warmup_steps, total_steps)
+
+
+def _optimizer_step(accelerator: Accelerator, draft: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: LRScheduler, loss: torch.Tensor, max_grad_norm: float) -> None:
+    """Back-propagate `loss`, clip the gradient norm, then step the optimiser and the schedule."""
+    optimizer.zero_grad()
+    accelerator.backward(loss)
+    accelerator.clip_grad_norm_(draft.parameters(), max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+
+
+class _EpochAccuracy:
+    """Per-position accuracy and block tau of the current epoch, accumulated step by step."""
+
+    def __init__(self, block_size: int) -> None:
+        self.correct = torch.zeros(block_size - 1)  # [B-1]: correct argmax predictions per block position
+        self.counted = torch.zeros(block_size - 1)  # [B-1]: labels per block position
+        self.leading_correct, self.blocks = 0.0, 0
+
+    def record(self, result: StepResult, log: TrainingLog) -> str:
+        """Log one finished step (count, loss, the epoch's accuracy so far) and return the progress-bar text."""
+        log.steps += 1
+        log.losses.append(float(result.loss.detach()))
+        self.correct += result.correct.cpu()
+        self.counted += result.counted.cpu()
+        self.leading_correct += float(result.leading_correct.sum())
+        self.blocks += len(result.leading_correct)
+        log.position_accuracy = (self.correct / self.counted.clamp(min=1)).tolist()
+        log.block_tau = 1.0 + self.leading_correct / max(self.blocks, 1)
+        accuracy = " ".join(f"{a:.2f}" for a in log.position_accuracy[:4])
+        return f"loss {log.losses[-1]:.3f} acc@1..4 {accuracy} block tau {log.block_tau:.2f}"
+
+
 def train_draft(
     draft: DFlashDraftModel,
     target: torch.nn.Module,
@@ -74,7 +173,7 @@ def train_draft(
     progress: bool = True,
     max_steps: int | None = None,
 ) -> TrainingLog:
-    """Train `draft` on the target's regenerated rows; resumes from `output_dir/checkpoint.pt` if present.
+    """Train `draft` on the target's regenerated rows; resumes from `output_dir/checkpoint/` if present.
 
     `max_steps` stops early (the schedule still spans all epochs), e.g. to interrupt a run on purpose.
     """
@@ -84,83 +183,44 @@ def train_draft(
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    target.requires_grad_(False)
-    target.to(accelerator.device)
-    sequences = training_sequences(rows, settings.max_length)
-    shard = sequences[accelerator.process_index :: accelerator.num_processes]
+    target.requires_grad_(False).to(accelerator.device)
+    shard = training_sequences(rows, settings.max_length)[accelerator.process_index :: accelerator.num_processes]
     steps_per_epoch = len(shard)
     total_steps = steps_per_epoch * settings.epochs
     draft.train()
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(settings.warmup_ratio * total_steps), total_steps)
-    draft, optimizer, scheduler = accelerator.prepare(draft, optimizer, scheduler)
-
-    log = TrainingLog()
-    checkpoint_path = output_dir / CHECKPOINT_FILE
-    if checkpoint_path.exists():
-        state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
-        accelerator.unwrap_model(draft).load_state_dict(state["draft"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        log = TrainingLog(**state["log"])
-    started = time.perf_counter() - log.seconds
-
-    def save_checkpoint() -> None:
-        log.seconds = time.perf_counter() - started
-        if accelerator.is_main_process:
-            state = {"draft": accelerator.unwrap_model(draft).state_dict(), "optimizer": optimizer.state_dict(),
-                     "scheduler": scheduler.state_dict(), "log": asdict(log)}
-            torch.save(state, checkpoint_path.with_suffix(".tmp"))
-            checkpoint_path.with_suffix(".tmp").replace(checkpoint_path)
-
-    last = total_steps if max_steps is None else min(total_steps, max_steps)
-    layer_ids = accelerator.unwrap_model(draft).target_layer_ids
-    top_k = settings.teacher_top_k if settings.distill else None
+    draft, optimizer, scheduler = accelerator.prepare(draft, *_optimizer_and_schedule(draft, settings, total_steps))
+    unwrapped = accelerator.unwrap_model(draft)
+    checkpoint_dir = output_dir / CHECKPOINT_DIR
+    log = load_checkpoint(checkpoint_dir, unwrapped, optimizer, scheduler) or TrainingLog()
+    started, last = time.perf_counter() - log.seconds, total_steps if max_steps is None else min(total_steps, max_steps)
 
     def signals_of(input_ids: torch.Tensor) -> TargetSignals:
-        return target_signals(target, input_ids.to(accelerator.device), layer_ids, top_k)
+        return target_signals(target, input_ids.to(accelerator.device), unwrapped.target_layer_ids,
+                              settings.teacher_top_k if settings.distill else None)
 
     cached: list[TargetSignals] | None = None
     if settings.cache_target and log.steps < last:
         cached = [signals_of(ids) for ids, _ in tqdm(shard, desc="target features", disable=not progress)]
     bar = tqdm(total=total_steps, initial=log.steps, disable=not (progress and accelerator.is_main_process), desc="training")
-    block_size = accelerator.unwrap_model(draft).block_size
-    correct, counted = torch.zeros(block_size - 1), torch.zeros(block_size - 1)
-    leading_correct, blocks = 0.0, 0
-    order_epoch, order = -1, []
+    order_epoch, order, accuracy = -1, [], _EpochAccuracy(unwrapped.block_size)
     while log.steps < last:
         epoch, index = divmod(log.steps, steps_per_epoch)
         if epoch != order_epoch:  # a new (or resumed) epoch: its order, fresh accuracy counts
             order_epoch, order = epoch, _epoch_order(steps_per_epoch, epoch, settings.seed)
-            correct.zero_()
-            counted.zero_()
-            leading_correct, blocks = 0.0, 0
-        sequence = order[index]
-        input_ids, loss_mask = (t.to(accelerator.device) for t in shard[sequence])
-        anchors_generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + log.steps)
-        signals = cached[sequence] if cached is not None else signals_of(input_ids)
-        result = dflash_loss(draft, target, input_ids, loss_mask, settings.num_anchors, anchors_generator, signals)
-        optimizer.zero_grad()
-        accelerator.backward(result.loss)
-        accelerator.clip_grad_norm_(draft.parameters(), settings.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        log.steps += 1
-        log.losses.append(float(result.loss.detach()))
-        correct += result.correct.cpu()
-        counted += result.counted.cpu()
-        log.position_accuracy = (correct / counted.clamp(min=1)).tolist()
-        leading_correct += float(result.leading_correct.sum())
-        blocks += len(result.leading_correct)
-        log.block_tau = 1.0 + leading_correct / max(blocks, 1)
-        accuracy = " ".join(f"{a:.2f}" for a in log.position_accuracy[:4])
-        bar.set_postfix_str(f"loss {log.losses[-1]:.3f} acc@1..4 {accuracy} block tau {log.block_tau:.2f}")
+            accuracy = _EpochAccuracy(unwrapped.block_size)
+        input_ids, loss_mask = (t.to(accelerator.device) for t in shard[order[index]])
+        signals = cached[order[index]] if cached is not None else signals_of(input_ids)
+        anchors = torch.Generator().manual_seed(settings.seed * 1_000_003 + log.steps)
+        result = dflash_loss(draft, target, input_ids, loss_mask, settings.num_anchors, anchors, signals)
+        _optimizer_step(accelerator, draft, optimizer, scheduler, result.loss, settings.max_grad_norm)
+        bar.set_postfix_str(accuracy.record(result, log))
         bar.update(1)
         if log.steps % settings.checkpoint_every == 0 or log.steps == last:
-            save_checkpoint()
+            log.seconds = time.perf_counter() - started
+            if accelerator.is_main_process:
+                save_checkpoint(checkpoint_dir, unwrapped, optimizer, scheduler, log)
     bar.close()
     log.seconds = time.perf_counter() - started
-    draft = accelerator.unwrap_model(draft)
-    draft.eval()
+    unwrapped.eval()
     (output_dir / "training_log.json").write_text(json.dumps({"settings": asdict(settings), **asdict(log)}))
     return log

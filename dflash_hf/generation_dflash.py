@@ -1,0 +1,486 @@
+"""The DFlash decoding loop (design doc section 3): draft a block, verify it in one target pass, keep the longest match.
+
+`speculative_decode` takes any proposer and reads as named stages: `prefill`, then per step `drop_finished`,
+`compact_caches`, `plan_step`, `propose`, `verify`, `commit` and `keep_context`, then `finish`. A `DecodeState`
+holds what one call changes; `GenerationSettings` what it was asked. `spec_generate` wires the loop to a DFlash draft.
+
+Hub remote code: imports only torch and transformers.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from .cache_dflash import (
+    CacheColumns,
+    check_cache,
+    crop_cache,
+    cache_keyword,
+    left_padded_positions,
+    reorder_cache_columns,
+    returned_cache,
+    select_cache_rows,
+)
+from .proposer_dflash import DFlashProposer, DraftStep, Proposer
+from .sampling_dflash import commit_block, mean_acceptance_length, pick_tokens
+from .target_dflash import (
+    check_draft_target,
+    check_generation_inputs,
+    default_pad_token_id,
+    select_features,
+    target_text_config,
+    verify_forward,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .modeling_dflash import DFlashDraftModel
+
+
+@dataclass
+class SpecGenerateOutput:
+    """Output ids of one speculative generation over N rows (N = 1 included), with per-row statistics.
+
+    Row i's new tokens are `output_ids[i, num_prompt_tokens : num_prompt_tokens + num_new_tokens[i]]`;
+    after them the row is padded with `pad_token_id` up to the longest row.
+    """
+
+    output_ids: torch.Tensor  # [N, T + W]: the prompts as passed (left padding kept), then the new tokens
+    num_prompt_tokens: int  # T: the prompt width, padding included
+    num_new_tokens: list[int]  # per row: generated tokens, a final stop token included
+    acceptance_lengths: list[list[int]]  # per row: tokens committed by each verify step the row took part in
+    time_to_first_token: float = 0.0  # seconds: prefill and the first token of every row
+    total_time: float = 0.0  # seconds: the whole generation
+    block_size: int = 1
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens of all rows (padding excluded)."""
+        return sum(self.num_new_tokens)
+
+    @property
+    def new_token_ids(self) -> torch.Tensor:
+        """The generated part [N, W], right-padded with pad_token_id where a row ended early."""
+        return self.output_ids[:, self.num_prompt_tokens :]
+
+    def new_tokens(self, row: int) -> list[int]:
+        """Row `row`'s generated tokens, without padding."""
+        return self.new_token_ids[row, : self.num_new_tokens[row]].tolist()
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length over every row's steps: tokens per draft/verify step (0.0 when none ran)."""
+        return mean_acceptance_length(length for row in self.acceptance_lengths for length in row)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens of all rows divided by the whole generation time."""
+        return self.num_output_tokens / self.total_time if self.total_time > 0 else 0.0
+
+    @property
+    def time_per_output_token(self) -> float:
+        """Seconds per token after the first, along the longest row."""
+        longest = max(self.num_new_tokens, default=0)
+        return (self.total_time - self.time_to_first_token) / max(longest - 1, 1)
+
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so that wall-clock times are complete."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --- What one call was asked, and what it changes ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What one call of the loop was asked (per-row generators and streamers already expanded)."""
+
+    max_new_tokens: int
+    block_size: int
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+    pad_token_id: int = 0
+    generators: tuple[torch.Generator | None, ...] = ()  # one per row
+    streamers: tuple[Any, ...] | None = None  # one per row
+
+
+@dataclass
+class TargetContext:
+    """Target features of positions the proposer has not seen yet."""
+
+    hidden: torch.Tensor  # [n, C, L*H]; zero where `valid` is False
+    position_ids: torch.Tensor  # [n, C]
+    valid: torch.Tensor | None  # [n, C] bool; None: every column is a real position
+
+    @classmethod
+    def of(cls, hidden: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor | None) -> TargetContext:
+        """Features with padding and rejected columns zeroed (they carry no signal)."""
+        return cls(hidden if valid is None else torch.where(valid[..., None], hidden, 0.0), position_ids, valid)
+
+    def select_rows(self, index: torch.Tensor) -> TargetContext:
+        """The rows `index` [n'] of this context."""
+        return TargetContext(self.hidden[index], self.position_ids[index], None if self.valid is None else self.valid[index])
+
+
+@dataclass
+class DecodeState:
+    """Everything one call of the loop changes while it runs; rows are indexed as the caller passed them."""
+
+    input_ids: torch.Tensor  # [N, T] as passed (left padding kept)
+    prompts: list[list[int]]  # per row, without padding
+    generated: list[list[int]]  # per row: committed tokens; the last one is pending
+    acceptance_lengths: list[list[int]]  # per row: tokens committed by each verify step
+    finished: list[bool]
+    active: list[int]  # rows still decoding, in the caches' row order
+    cache: Any  # the target's KV cache, shared by the active rows
+    cache_argument: str  # the forward keyword that takes it
+    columns: CacheColumns  # which of its columns are each row's positions
+    layer_ids: list[int] | None  # target layers the proposer reads (None: it needs no features)
+    context: TargetContext | None  # features the proposer has not seen yet
+    started: float  # perf_counter() at the prefill
+    first_token_time: float = 0.0
+
+    @property
+    def device(self) -> torch.device:
+        """The target's device."""
+        return self.input_ids.device
+
+
+@dataclass
+class StepPlan:
+    """One step's verify block over the active rows."""
+
+    width: int  # b: tokens verified per row (the pending token and b - 1 proposals)
+    counts: list[int]  # per row: positions it may still commit (max_new_tokens)
+    positions: torch.Tensor  # [n, b]: absolute positions s .. s + b - 1
+    pending: torch.Tensor  # [n, 1]: the pending token of each row
+
+
+# --- The stages -----------------------------------------------------------------------------------------------------
+
+
+def pick_block(logits: torch.Tensor, rows: list[int], counts: list[int], settings: GenerationSettings) -> torch.Tensor:
+    """The target's tokens [n, b] for logits [n, b, V]; row i only samples its first counts[i] positions."""
+    if settings.temperature == 0.0:
+        return logits.argmax(dim=-1)
+    picked = torch.full(logits.shape[:2], -1, dtype=torch.long, device=logits.device)
+    for index, (row, count) in enumerate(zip(rows, counts)):
+        picked[index, :count] = pick_tokens(logits[index, :count], settings.temperature, settings.top_k,
+                                            settings.top_p, settings.generators[row])
+    return picked
+
+
+def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+            layer_ids: list[int] | None, settings: GenerationSettings) -> DecodeState:
+    """Run the target over the prompts [N, T]: its cache, the first token of every row, the features of the prompts."""
+    device = target.get_input_embeddings().weight.device
+    input_ids = input_ids.to(device)
+    num_rows, width = input_ids.shape
+    padded = attention_mask is not None and not bool(attention_mask.bool().all())
+    valid = attention_mask.to(device).bool() if padded else torch.ones_like(input_ids, dtype=torch.bool)  # [N, T]
+    prompts = [ids[-length:].tolist() for ids, length in zip(input_ids, valid.sum(dim=1).tolist())]
+    for prompt, streamer in zip(prompts, settings.streamers or ()):
+        streamer.put(torch.tensor([prompt]))
+    synchronize(device)
+    started = time.perf_counter()
+    last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
+    outputs = target(input_ids=input_ids, attention_mask=valid.long() if padded else None,
+                     position_ids=left_padded_positions(valid), use_cache=True,
+                     output_hidden_states=layer_ids is not None, **last_only)
+    cache = returned_cache(outputs)
+    check_cache(cache, target, num_rows)
+    state = DecodeState(
+        input_ids=input_ids, prompts=prompts, generated=[], acceptance_lengths=[[] for _ in prompts],
+        finished=[], active=list(range(num_rows)), cache=cache, cache_argument=cache_keyword(target),
+        columns=CacheColumns(valid, [len(prompt) for prompt in prompts]), layer_ids=layer_ids,
+        context=None if layer_ids is None else prompt_context(target, outputs, layer_ids, valid, padded),
+        started=started,
+    )
+    first_tokens = pick_block(outputs.logits[:, -1:], state.active, [1] * num_rows, settings)[:, 0].tolist()
+    del outputs
+    synchronize(device)
+    state.first_token_time = time.perf_counter()
+    state.generated = [[token] for token in first_tokens]
+    state.finished = [token in settings.stop_token_ids or settings.max_new_tokens == 1 for token in first_tokens]
+    for token, streamer in zip(first_tokens, settings.streamers or ()):
+        streamer.put(torch.tensor([token]))
+    return state
+
+
+def prompt_context(target: torch.nn.Module, outputs: Any, layer_ids: list[int], valid: torch.Tensor,
+                   padded: bool) -> TargetContext:
+    """The prompts' features (the prefill's hidden states at `layer_ids`), after checking the target returned them."""
+    num_layers = target_text_config(target).num_hidden_layers
+    if len(outputs.hidden_states) != num_layers + 1:
+        raise ValueError(
+            f"Target returned {len(outputs.hidden_states)} hidden states for {num_layers} layers; "
+            "expected the embedding output plus one per layer."
+        )
+    features = select_features(outputs.hidden_states, layer_ids)  # [N, T, L*H]
+    return TargetContext.of(features, left_padded_positions(valid), valid if padded else None)
+
+
+def drop_finished(state: DecodeState, proposer: Proposer | None) -> bool:
+    """Finished rows leave the batch, its caches and the proposer; whether any row is still active."""
+    still_active = [row for row in state.active if not state.finished[row]]
+    if still_active and len(still_active) < len(state.active):
+        keep = [state.active.index(row) for row in still_active]
+        index = torch.tensor(keep, device=state.device)
+        select_cache_rows(state.cache, index)
+        state.columns.select_rows(keep, index)
+        if state.context is not None:
+            state.context = state.context.select_rows(index)
+        if hasattr(proposer, "select_rows"):
+            proposer.select_rows(keep)
+    state.active = still_active
+    return bool(still_active)
+
+
+def compact_caches(state: DecodeState) -> None:
+    """Bounded memory: drop the target cache's holes once they pass the budget (the proposer compacts its own)."""
+    order = state.columns.compaction()
+    if order is not None:
+        reorder_cache_columns(state.cache, order)
+
+
+def plan_step(state: DecodeState, settings: GenerationSettings) -> StepPlan:
+    """The step's block: as wide as the block size, or what the longest active row still needs."""
+    remaining = [settings.max_new_tokens - len(state.generated[row]) for row in state.active]
+    width = min(settings.block_size, max(remaining))
+    starts = [len(state.prompts[row]) + len(state.generated[row]) - 1 for row in state.active]
+    return StepPlan(
+        width=width,
+        counts=[min(width, left) for left in remaining],
+        positions=torch.tensor(starts, device=state.device)[:, None] + torch.arange(width, device=state.device),
+        pending=torch.tensor([[state.generated[row][-1]] for row in state.active], device=state.device),
+    )
+
+
+def propose(proposer: Proposer | None, state: DecodeState, step: StepPlan) -> torch.Tensor:
+    """The proposer's tokens [n, b - 1] for the step; it is handed the features it has not seen yet."""
+    if step.width == 1:
+        return step.pending[:, :0]
+    context = state.context
+    draft_step = DraftStep(
+        prompts=[state.prompts[row] for row in state.active],
+        generated=[state.generated[row] for row in state.active],
+        target_hidden=None if context is None else context.hidden,
+        context_position_ids=None if context is None else context.position_ids,
+        context_valid=None if context is None else context.valid,
+        block_size=step.width,
+        row_ids=list(state.active),
+    )
+    state.context = None  # handed over
+    proposals = proposer.propose(draft_step)
+    return proposals.to(device=state.device, dtype=torch.long).reshape(len(state.active), step.width - 1)
+
+
+def verify(target: torch.nn.Module, state: DecodeState, step: StepPlan, proposals: torch.Tensor,
+           settings: GenerationSettings) -> tuple[torch.Tensor, Any]:
+    """One target pass over [pending, proposals]: (the target's tokens [n, b], the forward's outputs)."""
+    mask = state.columns.attention_mask(step.width)
+    logits, outputs = verify_forward(
+        target,
+        input_ids=torch.cat((step.pending, proposals), dim=1),  # [n, b]
+        attention_mask=None if mask is None else mask.long(),
+        position_ids=step.positions,
+        use_cache=True,
+        output_hidden_states=state.layer_ids is not None and step.width > 1,
+        **{state.cache_argument: state.cache},
+    )
+    return pick_block(logits, state.active, step.counts, settings), outputs
+
+
+def commit(state: DecodeState, step: StepPlan, proposals: torch.Tensor, target_tokens: torch.Tensor,
+           settings: GenerationSettings) -> list[int]:
+    """Append each row's accepted proposals and the target's token; mark finished rows; the accepted counts."""
+    proposed_and_target = torch.cat((proposals, target_tokens), dim=1).tolist()  # one device sync
+    accepted_counts = []
+    for index, row in enumerate(state.active):
+        tokens = proposed_and_target[index]
+        accepted, new_tokens, stopped = commit_block(tokens[: step.width - 1], tokens[step.width - 1 :],
+                                                     step.counts[index], settings.stop_token_ids)
+        state.acceptance_lengths[row].append(accepted + 1)
+        state.generated[row].extend(new_tokens)
+        state.finished[row] = stopped or len(state.generated[row]) >= settings.max_new_tokens
+        accepted_counts.append(accepted)
+        if settings.streamers:
+            settings.streamers[row].put(torch.tensor(new_tokens))
+    return accepted_counts
+
+
+def keep_context(state: DecodeState, step: StepPlan, outputs: Any, accepted_counts: list[int]) -> None:
+    """Keep the verify columns of each row's pending token and accepted proposals: in the cache, and as new features."""
+    kept_width = max(accepted_counts) + 1
+    accepted = torch.tensor(accepted_counts, device=state.device)
+    kept = torch.arange(kept_width, device=state.device)[None, :] <= accepted[:, None]  # [n, kept_width]
+    state.columns.append(kept, [count + 1 for count in accepted_counts])
+    crop_cache(state.cache, state.columns.width)
+    if state.layer_ids is None or step.width == 1:
+        return  # no proposer reads features, or this was the last step
+    holes = kept_width * len(accepted_counts) != sum(accepted_counts) + len(accepted_counts)
+    features = select_features(outputs.hidden_states, state.layer_ids)[:, :kept_width]  # [n, w, L*H]
+    state.context = TargetContext.of(features, step.positions[:, :kept_width], kept if holes else None)
+
+
+def finish(state: DecodeState, settings: GenerationSettings) -> SpecGenerateOutput:
+    """The output ids (prompts as passed, then each row's tokens right-padded) and the statistics."""
+    for streamer in settings.streamers or ():
+        streamer.end()
+    synchronize(state.device)
+    ended = time.perf_counter()
+    num_new_tokens = [len(tokens) for tokens in state.generated]
+    new_ids = torch.full((len(num_new_tokens), max(num_new_tokens)), settings.pad_token_id,
+                         dtype=state.input_ids.dtype, device=state.device)
+    for row, tokens in enumerate(state.generated):
+        new_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=state.input_ids.dtype, device=state.device)
+    return SpecGenerateOutput(
+        output_ids=torch.cat((state.input_ids, new_ids), dim=1),
+        num_prompt_tokens=state.input_ids.shape[1],
+        num_new_tokens=num_new_tokens,
+        acceptance_lengths=state.acceptance_lengths,
+        time_to_first_token=state.first_token_time - state.started,
+        total_time=ended - state.started,
+        block_size=settings.block_size,
+    )
+
+
+# --- The loop ----------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def speculative_decode(
+    target: torch.nn.Module,
+    proposer: Proposer | None,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    block_size: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_token_ids: list[int] | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    streamers: Sequence[Any] | None = None,
+    pad_token_id: int = 0,
+) -> SpecGenerateOutput:
+    """Draft-and-verify decoding of N left-padded prompts [N, T] (design doc section 3); exact for any proposer.
+
+    `generator` is one generator for the batch or one per row; `streamers` has one streamer per row.
+    """
+    device = target.get_input_embeddings().weight.device
+    settings = GenerationSettings(
+        max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature, top_k=top_k, top_p=top_p,
+        stop_token_ids=frozenset(stop_token_ids or ()), pad_token_id=pad_token_id,
+        generators=row_generators(generator, input_ids.shape[0], device),
+        streamers=None if streamers is None else tuple(streamers),
+    )
+    layer_ids = proposer.target_layer_ids if proposer is not None and block_size > 1 else None
+    state = prefill(target, input_ids, attention_mask, layer_ids, settings)
+    while drop_finished(state, proposer):
+        compact_caches(state)
+        step = plan_step(state, settings)
+        proposals = propose(proposer, state, step)
+        target_tokens, outputs = verify(target, state, step, proposals, settings)
+        accepted_counts = commit(state, step, proposals, target_tokens, settings)
+        keep_context(state, step, outputs, accepted_counts)
+        del outputs
+    return finish(state, settings)
+
+
+# --- spec_generate: the loop with a DFlash draft ----------------------------------------------------------------------
+
+
+def _as_streamers(streamer: Any, num_rows: int) -> list[Any] | None:
+    """One streamer per row: a streamer for a batch of one, or a list of N streamers."""
+    if streamer is None:
+        return None
+    streamers = list(streamer) if isinstance(streamer, (list, tuple)) else [streamer]
+    if len(streamers) != num_rows:
+        raise ValueError(
+            f"Got {len(streamers)} streamer(s) for a batch of {num_rows}: a streamer receives one row; "
+            "pass a list with one streamer per row."
+        )
+    for item in streamers:
+        if not (callable(getattr(item, "put", None)) and callable(getattr(item, "end", None))):
+            raise TypeError(f"streamer {type(item).__name__} lacks put()/end() (Transformers' streamer protocol).")
+    return streamers
+
+
+def row_generators(generator: torch.Generator | Sequence[torch.Generator] | None, num_rows: int,
+                   device: torch.device, seed: int | None = None) -> tuple[torch.Generator | None, ...]:
+    """One sampling generator per row: the given one shared, one per row as given, or a new one seeded with `seed`."""
+    if generator is None and seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    if isinstance(generator, (list, tuple)) and len(generator) != num_rows:
+        raise ValueError(f"Got {len(generator)} generators for a batch of {num_rows}: pass one, or one per row.")
+    generators = tuple(generator) if isinstance(generator, (list, tuple)) else (generator,) * num_rows
+    for item in generators:
+        if item is not None and item.device.type != device.type:
+            raise ValueError(f"generator is on {item.device} but the target runs on {device}.")
+    return generators
+
+
+@torch.no_grad()
+def spec_generate(
+    draft: DFlashDraftModel,
+    target: torch.nn.Module,
+    input_ids: torch.Tensor,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_token_ids: list[int] | int | None = None,
+    block_size: int | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    seed: int | None = None,
+    mask_token_id: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+    streamer: Any = None,
+    pad_token_id: int | None = None,
+    return_stats: bool = False,
+) -> torch.Tensor | SpecGenerateOutput:
+    """Generate with `target`, drafting blocks with `draft`; returns ids [N, prompt + new] (or stats too).
+
+    Each row equals the target's own greedy decode of that prompt (temperature 0) or follows its sampling
+    distribution. Prompts of a batch are left-padded (`attention_mask`); see `SpecGenerateOutput` for the format.
+    """
+    check_generation_inputs(target, input_ids, max_new_tokens, temperature, top_k, top_p, attention_mask)
+    mask_token_id = check_draft_target(draft, target, mask_token_id, input_ids.shape[1] + max_new_tokens)
+    block_size = draft.block_size if block_size is None else block_size
+    if not isinstance(block_size, int) or not 1 <= block_size <= draft.block_size:
+        raise ValueError(f"block_size must be an integer from 1 to the draft's trained size {draft.block_size}, got {block_size!r}.")
+    stop_token_ids = [stop_token_ids] if isinstance(stop_token_ids, int) else stop_token_ids
+    num_rows = input_ids.shape[0]
+    attention = getattr(draft.config, "_attn_implementation", None)
+    if num_rows > 1 and attention not in (None, "eager", "sdpa"):
+        raise ValueError(
+            f"A batch of {num_rows} needs a masked draft attention, which {attention!r} does not take here; "
+            "call draft.set_attn_implementation('sdpa') first."
+        )
+    device = target.get_input_embeddings().weight.device
+    result = speculative_decode(
+        target,
+        DFlashProposer(draft, target, mask_token_id),
+        input_ids,
+        max_new_tokens=max_new_tokens,
+        block_size=block_size,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        stop_token_ids=stop_token_ids,
+        generator=row_generators(generator, num_rows, device, seed if temperature > 0 else None),
+        attention_mask=attention_mask,
+        streamers=_as_streamers(streamer, num_rows),
+        pad_token_id=default_pad_token_id(target, stop_token_ids) if pad_token_id is None else pad_token_id,
+    )
+    return result if return_stats else result.output_ids

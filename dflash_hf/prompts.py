@@ -1,0 +1,57 @@
+"""Prompts: JSONL prompt files (one source for bench and train) and chat rendering with a target's template."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+PROMPT_FIELDS = ("turns", "question", "prompt", "problem", "instruction")  # tried in this order
+
+
+def default_data_dir() -> Path:
+    """Where the benchmark and training JSONL files live: $DFLASH_HF_DATA_DIR, else the first `shared/data` beside the
+    working folder or beside this checkout."""
+    if os.environ.get("DFLASH_HF_DATA_DIR"):
+        return Path(os.environ["DFLASH_HF_DATA_DIR"])
+    candidates = [Path.cwd().parent / "shared" / "data", Path(__file__).resolve().parents[2] / "shared" / "data"]
+    return next((path for path in candidates if path.is_dir()), candidates[0])
+
+
+def record_turns(record: dict[str, Any], field: str | None = None, where: str = "a record") -> list[str]:
+    """The user turns of one JSONL record: `field` (a string or a list of strings), else the first of PROMPT_FIELDS."""
+    name = field if field is not None else next((key for key in PROMPT_FIELDS if key in record), None)
+    if name is None or name not in record:
+        wanted = repr(field) if field is not None else "/".join(PROMPT_FIELDS)
+        raise ValueError(f"{where}: expected an object with a {wanted} list or string, got keys {sorted(record)}.")
+    value = record[name]
+    turns = [value] if isinstance(value, str) else list(value)
+    if not turns or not all(isinstance(turn, str) and turn for turn in turns):
+        raise ValueError(f"{where}: {name!r} must be a non-empty string or list of strings, got {value!r}.")
+    return turns
+
+
+def read_conversations(paths: str | Path | Iterable[str | Path], field: str | None = None,
+                       limit: int | None = None) -> list[list[str]]:
+    """User turns of every record (one conversation a line) of one or more JSONL files, up to `limit` in all."""
+    conversations: list[list[str]] = []
+    for path in [paths] if isinstance(paths, (str, Path)) else paths:
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, 1):
+                if limit is not None and len(conversations) >= limit:
+                    return conversations
+                if line.strip():
+                    conversations.append(record_turns(json.loads(line), field, where=f"{path}:{number}"))
+    return conversations
+
+
+def chat_prompt_ids(tokenizer: Any, turns: list[dict[str, str]]) -> list[int]:
+    """Token ids of a chat rendered with the generation prompt, tokenized once (a single BOS)."""
+    ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(ids)
+
+
+def user_prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of one user message rendered as a chat with the generation prompt."""
+    return chat_prompt_ids(tokenizer, [{"role": "user", "content": text}])

@@ -1,0 +1,118 @@
+"""Proposers: what drafts the next tokens of each row for one step of the loop.
+
+`speculative_decode` takes any object with `propose(step) -> [N, block_size - 1]`; `DFlashProposer` drafts
+with a DFlash draft and owns the draft's context cache for one generation.
+
+Hub remote code: imports only torch and transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from .cache_dflash import CacheColumns
+from .target_dflash import few_row_logits
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .modeling_dflash import DFlashDraftModel
+
+
+@dataclass
+class DraftStep:
+    """What a proposer gets for one step of N active rows."""
+
+    prompts: list[list[int]]  # per row: the prompt without padding (shared with the loop, not copied)
+    generated: list[list[int]]  # per row: committed tokens; the last one is pending (not yet verified)
+    target_hidden: torch.Tensor | None  # [N, C_new, L*H]: features of positions the proposer has not seen
+    context_position_ids: torch.Tensor | None  # [N, C_new]
+    context_valid: torch.Tensor | None  # [N, C_new] bool: which columns are real positions (None: all)
+    block_size: int  # propose block_size - 1 tokens for positions s+1 .. s+block_size-1 of each row
+    row_ids: list[int]  # each row's index in the caller's batch (finished rows leave it)
+
+    @property
+    def pending_tokens(self) -> list[int]:
+        """Per row: the last committed token t0, which opens the block."""
+        return [tokens[-1] for tokens in self.generated]
+
+    @property
+    def pending_positions(self) -> list[int]:
+        """Per row: the absolute position s of the pending token (= the number of positions before it)."""
+        return [len(prompt) + len(tokens) - 1 for prompt, tokens in zip(self.prompts, self.generated)]
+
+    @property
+    def sequences(self) -> list[list[int]]:
+        """Per row: prompt and committed tokens (built on demand: a proposer that needs whole histories)."""
+        return [prompt + tokens for prompt, tokens in zip(self.prompts, self.generated)]
+
+
+class Proposer(Protocol):
+    """Anything that proposes the next tokens; `target_layer_ids` None means it needs no target features.
+
+    A proposer that keeps per-row state may also define `select_rows(keep: list[int])`: the loop calls it when
+    rows finish, with the indices (in the current order) of the rows that stay.
+    """
+
+    target_layer_ids: list[int] | None
+
+    def propose(self, step: DraftStep) -> torch.Tensor:
+        """Proposed token ids [N, step.block_size - 1]."""
+        ...
+
+
+class DFlashProposer:
+    """Proposes blocks with a DFlash draft; owns the draft's context cache for one generation."""
+
+    def __init__(self, draft: DFlashDraftModel, target: torch.nn.Module, mask_token_id: int) -> None:
+        self.draft = draft
+        self.target_layer_ids = draft.target_layer_ids
+        self.embed_tokens = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        self.mask_token_id = mask_token_id
+        self.cache = draft.new_cache()
+        self.columns: CacheColumns | None = None  # real context positions among the cache's columns
+
+    def select_rows(self, keep: list[int]) -> None:
+        """Drop the cached context of rows that left the batch; `keep` indexes the rows that stay."""
+        if self.columns is None:
+            return
+        index = torch.tensor(keep, device=self.embed_tokens.weight.device)
+        self.cache.select_rows(index)
+        self.columns.select_rows(keep, index)
+
+    def _attention_mask(self, step: DraftStep) -> torch.Tensor | None:
+        """Record the step's new context columns; the mask [N, 1, 1, C + B] over context and block (None: all real)."""
+        num_rows, device = len(step.row_ids), self.embed_tokens.weight.device
+        if self.columns is None:
+            self.columns = CacheColumns(torch.ones(num_rows, 0, dtype=torch.bool, device=device), [0] * num_rows)
+        new_valid = step.context_valid
+        if new_valid is None:
+            new_valid = torch.ones(num_rows, step.target_hidden.shape[1], dtype=torch.bool, device=device)
+        context_counts = step.pending_positions  # positions before each pending token
+        self.columns.append(new_valid, [total - seen for total, seen in zip(context_counts, self.columns.real_counts)])
+        seen_mask = self.columns.attention_mask(step.block_size)  # [N, C + B] or None
+        return None if seen_mask is None else seen_mask[:, None, None, :]
+
+    def propose(self, step: DraftStep) -> torch.Tensor:
+        """The draft's argmax proposals [N, B-1] for positions s+1 .. s+B-1 of every row."""
+        device, block_size = self.embed_tokens.weight.device, step.block_size
+        attention_mask = self._attention_mask(step)
+        starts = torch.tensor(step.pending_positions, device=device)  # [N]: position s of each pending token
+        block_ids = torch.full((len(step.row_ids), block_size), self.mask_token_id, dtype=torch.long, device=device)
+        block_ids[:, 0] = torch.tensor(step.pending_tokens, device=device)
+        hidden = self.draft(
+            self.embed_tokens(block_ids),  # [N, B, H]
+            step.target_hidden,
+            starts[:, None] + torch.arange(block_size, device=device),  # [N, B]
+            step.context_position_ids,
+            cache=self.cache,
+            attention_mask=attention_mask,
+        )
+        index = self.columns.compaction()
+        if index is not None:
+            self.cache.reorder_columns(index)
+        proposal_states = hidden[:, 1:].reshape(-1, hidden.shape[-1])  # [N * (B-1), H]
+        proposal_states = proposal_states.contiguous().to(self.lm_head.weight.dtype)
+        return few_row_logits(self.lm_head, proposal_states).argmax(dim=-1).view(len(step.row_ids), block_size - 1)

@@ -1,0 +1,264 @@
+"""What the loop needs from a target (features, a verify pass, LM-head logits, its special tokens) and the checks
+that refuse, up front and by name, a target, draft or input the loop cannot use.
+
+Hub remote code: imports only torch and transformers.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .modeling_dflash import DFlashDraftModel
+
+
+def target_text_config(target: torch.nn.Module) -> Any:
+    """The decoder config of a target (the text config of multimodal wrappers)."""
+    config = target.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def select_features(hidden_states: tuple[torch.Tensor, ...], target_layer_ids: list[int]) -> torch.Tensor:
+    """Concatenate the outputs of the chosen target layers: [B, T, len(ids) * H]."""
+    return torch.cat([hidden_states[layer_id + 1] for layer_id in target_layer_ids], dim=-1)
+
+
+# --- LM head and verify pass ---------------------------------------------------------------------------------------
+
+
+def is_plain_linear(module: torch.nn.Module) -> bool:
+    """A bare `nn.Linear` whose weight is materialised and whose forward no hook wraps (Accelerate, torch hooks)."""
+    return (
+        type(module) is torch.nn.Linear
+        and module.weight.device.type != "meta"
+        and not (module._forward_hooks or module._forward_pre_hooks)
+        and "forward" not in vars(module)  # Accelerate's hooks replace the instance's forward
+    )
+
+
+def few_row_logits(lm_head: torch.nn.Module, states: torch.Tensor) -> torch.Tensor:
+    """LM-head logits [N, V] of a few rows [N, H].
+
+    For a plain Linear head this computes (W @ states^T)^T: a GEMM with a few columns, which CPU BLAS runs about
+    twice as fast as a few rows times W^T (measured on AVX2 with MKL). Any other head (hooked, offloaded) is called.
+    """
+    if not is_plain_linear(lm_head):
+        return lm_head(states)
+    logits = (lm_head.weight @ states.T).T  # [N, V]
+    return logits if lm_head.bias is None else logits + lm_head.bias
+
+
+# Targets already probed by `plain_head_parts`: their logits are (or are not) exactly lm_head(base(...)).
+_PLAIN_HEAD_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@torch.no_grad()
+def plain_head_parts(target: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+    """(base model, LM head) when the target's logits are exactly `lm_head(base(...).last_hidden_state)`, else None.
+
+    Decided by what the target exposes (a base model under `base_model_prefix`, a plain Linear head) and, once per
+    target, by a two-token probe: logits that a target scales or soft-caps differ from the bare head's.
+    """
+    base = getattr(target, getattr(target, "base_model_prefix", "") or "model", None)
+    head = target.get_output_embeddings()
+    if not isinstance(base, torch.nn.Module) or base is target or head is None or not is_plain_linear(head):
+        return None
+    if target not in _PLAIN_HEAD_PROBED:
+        probe = torch.arange(2, device=head.weight.device)[None]  # [1, 2]
+        own = target(input_ids=probe, use_cache=False).logits
+        bare = head(base(input_ids=probe, use_cache=False).last_hidden_state)
+        _PLAIN_HEAD_PROBED[target] = own.shape == bare.shape and torch.equal(own, bare)
+    return (base, head) if _PLAIN_HEAD_PROBED[target] else None
+
+
+def verify_forward(target: torch.nn.Module, **inputs: Any) -> tuple[torch.Tensor, Any]:
+    """A verify pass: (logits [n, b, V], the forward's outputs with its cache and hidden states)."""
+    parts = plain_head_parts(target)
+    if parts is None:
+        outputs = target(**inputs)
+        return outputs.logits, outputs
+    base, head = parts
+    outputs = base(**inputs)
+    hidden = outputs.last_hidden_state  # [n, b, H]
+    logits = few_row_logits(head, hidden.reshape(-1, hidden.shape[-1]))
+    return logits.view(hidden.shape[0], hidden.shape[1], -1), outputs
+
+
+# --- Special tokens: one resolver for every caller ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerationTokens:
+    """The ids a generation needs besides the prompt."""
+
+    stop_token_ids: list[int]  # every EOS id of the target's generation config and of the tokenizer
+    pad_token_id: int  # fills rows that ended early
+    mask_token_id: int | None  # the draft's mask id (None without a draft)
+
+
+def stop_token_ids_of(target: torch.nn.Module, tokenizer: Any = None) -> list[int]:
+    """Every id that ends a response: the target generation config's EOS ids and the tokenizer's EOS, sorted."""
+    ids: set[int] = set()
+    for source in (getattr(target, "generation_config", None), tokenizer):
+        configured = getattr(source, "eos_token_id", None)
+        ids.update([configured] if isinstance(configured, int) else (configured or []))
+    return sorted(ids)
+
+
+def default_pad_token_id(target: torch.nn.Module, stop_token_ids: list[int] | None, tokenizer: Any = None) -> int:
+    """Padding for rows that end early: the target's pad id, else the tokenizer's, else the first stop token, else 0."""
+    for source in (getattr(target, "generation_config", None), tokenizer):
+        configured = getattr(source, "pad_token_id", None)
+        if isinstance(configured, int):
+            return configured
+    return stop_token_ids[0] if stop_token_ids else 0
+
+
+def resolve_mask_token_id(draft: DFlashDraftModel, tokenizer: Any = None) -> int | None:
+    """The draft's mask id; looked up in the tokenizer when the config names the mask token only as a string."""
+    if draft.mask_token_id is not None or tokenizer is None:
+        return draft.mask_token_id
+    name = draft.config.dflash_config.get("mask_token")
+    mask_token_id = tokenizer.convert_tokens_to_ids(name) if name is not None else None
+    if mask_token_id is None or mask_token_id == tokenizer.unk_token_id:
+        raise ValueError(f"The draft's mask token {name!r} is not in the target tokenizer's vocabulary.")
+    return int(mask_token_id)
+
+
+def generation_tokens(target: torch.nn.Module, tokenizer: Any = None, draft: DFlashDraftModel | None = None
+                      ) -> GenerationTokens:
+    """Stop, pad and mask ids for generating with `target` (and `draft`): bench, train, demo and users share it."""
+    stop_token_ids = stop_token_ids_of(target, tokenizer)
+    return GenerationTokens(
+        stop_token_ids=stop_token_ids,
+        pad_token_id=default_pad_token_id(target, stop_token_ids, tokenizer),
+        mask_token_id=None if draft is None else resolve_mask_token_id(draft, tokenizer),
+    )
+
+
+# --- Checks ----------------------------------------------------------------------------------------------------------
+
+
+def check_left_padding(attention_mask: torch.Tensor, shape: torch.Size) -> None:
+    """Raise a ValueError unless attention_mask is a 0/1 mask of `shape` padding each row on the left only."""
+    if tuple(attention_mask.shape) != tuple(shape):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has shape {tuple(shape)}.")
+    values = attention_mask.long()
+    if bool(((values != 0) & (values != 1)).any()):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (prompt token).")
+    empty = (values.sum(dim=1) == 0).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"The prompt of row {empty[0]} is empty: its attention_mask is all zeros.")
+    right_padded = (values[:, 1:] < values[:, :-1]).any(dim=1).nonzero().flatten().tolist()
+    if right_padded:
+        raise ValueError(
+            f"attention_mask pads row {right_padded[0]} on the right (or in the middle); spec_generate needs "
+            "left padding: set tokenizer.padding_side = 'left'."
+        )
+
+
+def check_generation_inputs(
+    target: torch.nn.Module,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    attention_mask: torch.Tensor | None,
+) -> None:
+    """Raise a ValueError/TypeError naming the problem with the prompt or the generation settings."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.long, torch.int):
+        raise TypeError("input_ids must be an integer torch.Tensor of shape [batch, prompt_length].")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape [batch, prompt_length], got {tuple(input_ids.shape)}.")
+    if input_ids.shape[0] == 0:
+        raise ValueError("input_ids has no rows: the batch is empty.")
+    if input_ids.shape[1] == 0:
+        raise ValueError("The prompt is empty: input_ids needs at least one token.")
+    if attention_mask is not None:
+        check_left_padding(attention_mask, input_ids.shape)
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}.")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}.")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
+    config = target_text_config(target)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"Target {type(target).__name__} is an encoder-decoder model; DFlash needs a decoder-only target.")
+    limit = getattr(config, "max_position_embeddings", None)
+    total = input_ids.shape[1] + max_new_tokens
+    if limit is not None and total > limit:
+        raise ValueError(
+            f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} = {total} exceeds the "
+            f"target's position limit max_position_embeddings={limit}."
+        )
+
+
+def check_draft_target(
+    draft: DFlashDraftModel, target: torch.nn.Module, mask_token_id: int | None, total_length: int
+) -> int:
+    """Raise a ValueError naming any mismatch between draft and target; return the mask token id."""
+    embeddings, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    if embeddings is None or lm_head is None or not hasattr(lm_head, "weight"):
+        raise ValueError(
+            f"Target {type(target).__name__} exposes no input embedding or LM head "
+            "(get_input_embeddings()/get_output_embeddings()); pass a *ForCausalLM model."
+        )
+    config = target_text_config(target)
+    target_hidden_size = embeddings.weight.shape[1]
+    if draft.config.hidden_size != target_hidden_size:
+        raise ValueError(
+            f"Draft hidden_size {draft.config.hidden_size} does not match the target's hidden size {target_hidden_size}."
+        )
+    target_vocab = lm_head.weight.shape[0]
+    if draft.config.vocab_size != target_vocab:
+        raise ValueError(f"Draft vocab_size {draft.config.vocab_size} does not match the target's vocabulary {target_vocab}.")
+    num_layers = getattr(config, "num_hidden_layers", None)
+    if num_layers is None:
+        raise ValueError(f"Target config {type(config).__name__} has no num_hidden_layers; unknown target architecture.")
+    if draft.config.num_target_layers is not None and draft.config.num_target_layers != num_layers:
+        raise ValueError(
+            f"Draft was trained for a target with {draft.config.num_target_layers} layers (num_target_layers); "
+            f"this target has {num_layers}."
+        )
+    bad_layers = [i for i in draft.target_layer_ids if not 0 <= i < num_layers]
+    if bad_layers:
+        raise ValueError(f"target_layer_ids {bad_layers} are outside the target's {num_layers} layers.")
+    return _check_mask_device_length(draft, embeddings.weight, mask_token_id, total_length)
+
+
+def _check_mask_device_length(draft: DFlashDraftModel, embedding_weight: torch.Tensor, mask_token_id: int | None,
+                              total_length: int) -> int:
+    """The rest of `check_draft_target`: mask id, device, dtype, the draft's position limit."""
+    if mask_token_id is None:
+        mask_token_id = draft.mask_token_id
+    if mask_token_id is None:
+        name = draft.config.dflash_config.get("mask_token")
+        raise ValueError(
+            f"The draft config names its mask token only as {name!r}; pass "
+            "mask_token_id=tokenizer.convert_tokens_to_ids(...) to spec_generate."
+        )
+    if not 0 <= mask_token_id < embedding_weight.shape[0]:
+        raise ValueError(f"mask_token_id {mask_token_id} is outside the target vocabulary (size {embedding_weight.shape[0]}).")
+    draft_parameter = next(draft.parameters())
+    if draft_parameter.device != embedding_weight.device:
+        raise ValueError(
+            f"Draft is on {draft_parameter.device} but the target's embedding is on {embedding_weight.device}; "
+            "move both to the same device."
+        )
+    if not (draft_parameter.is_floating_point() and embedding_weight.is_floating_point()):
+        raise ValueError(
+            f"Draft dtype {draft_parameter.dtype} and target dtype {embedding_weight.dtype} cannot be mixed: "
+            "both must be floating point (float32, bfloat16 or float16)."
+        )
+    draft_limit = getattr(draft.config, "max_position_embeddings", None)
+    if draft_limit is not None and total_length > draft_limit:
+        raise ValueError(f"prompt + max_new_tokens = {total_length} exceeds the draft's max_position_embeddings={draft_limit}.")
+    return int(mask_token_id)

@@ -1,0 +1,132 @@
+"""`dflash-hf train`: generate the data (resumable), train (resumable), measure, save a Hub-ready draft with its card."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..evaluation import evaluate_draft
+from ..loading import DTYPES, SMOLLM2, SMOLLM2_HUB_ID, device_description, load_target
+from ..model_card import card_info_for_config, write_model_card
+from ..modeling_dflash import DFlashDraftModel
+from ..prompts import default_data_dir, user_prompt_ids
+from ..smollm2 import SMOLLM2_MASK_TOKEN
+from ..target_dflash import check_draft_target, generation_tokens
+from .data import generate_responses, read_prompts
+from .recipe import draft_config_for, initialize_from_target
+from .trainer import TrainingLog, TrainingSettings, train_draft
+
+
+def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """Generate data, train, measure tau and speed the way `bench` does, save `OUTPUT/draft` with its card."""
+    started = time.perf_counter()
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    prompt_files = args.prompts or [str(data_dir / "gsm8k_train.jsonl")]
+    target, tokenizer = load_target(args.target, DTYPES[args.gen_dtype])
+    rows = generate_responses(target, tokenizer, read_prompts(prompt_files, args.num_prompts), output / "responses.jsonl",
+                              batch_size=args.gen_batch_size, max_new_tokens=args.gen_max_new_tokens,
+                              temperature=args.gen_temperature, seed=args.seed)
+    target = target.float()
+    torch.manual_seed(args.seed)
+    draft, mask_token = build_draft(args, target, tokenizer)
+    if args.init_from_target:
+        initialize_from_target(draft, target, torch.tensor(rows[0]["prompt_ids"] + rows[0]["response_ids"]))
+    settings = TrainingSettings(epochs=args.epochs, learning_rate=args.learning_rate, num_anchors=args.num_anchors,
+                                distill=args.distill, seed=args.seed)
+    log = train_draft(draft, target, rows, settings, output, max_steps=args.max_steps)
+
+    target = target.to(DTYPES[args.eval_dtype])
+    draft = draft.to(DTYPES[args.eval_dtype]).eval()
+    eval_file = args.eval_prompts or str(data_dir / "gsm8k_test.jsonl")
+    eval_prompts = [user_prompt_ids(tokenizer, prompt) for prompt in read_prompts([eval_file], args.num_eval)]
+    evaluation = evaluate_draft(draft, target, eval_prompts, args.eval_max_new_tokens,
+                                stop_token_ids=generation_tokens(target, tokenizer).stop_token_ids)
+    training = training_facts(args, argv, prompt_files, len(rows), mask_token, draft.mask_token_id, settings, log,
+                              time.perf_counter() - started)
+    save_trained_draft(args, draft, target, evaluation, eval_file, training, output / "draft")
+    (output / "evaluation.json").write_text(json.dumps(evaluation, indent=2))
+    print(json.dumps(evaluation, indent=2))
+    return evaluation
+
+
+def build_draft(args: argparse.Namespace, target: torch.nn.Module, tokenizer: Any) -> tuple[DFlashDraftModel, str]:
+    """(the draft to train, its mask token): a new draft shaped like the target, or the `--init-from` one."""
+    if args.init_from is not None:
+        draft = start_from_trained_draft(args, target)
+        mask_token = draft.config.dflash_config.get("mask_token") or tokenizer.convert_ids_to_tokens(draft.mask_token_id)
+        return draft, mask_token
+    mask_token = args.mask_token or (SMOLLM2_MASK_TOKEN if args.target == SMOLLM2 else None)
+    if mask_token is None:
+        raise SystemExit("--mask-token is required for this target (an existing, rarely used special token)")
+    mask_token_id = tokenizer.convert_tokens_to_ids(mask_token)
+    if mask_token_id is None or mask_token_id == tokenizer.unk_token_id:
+        raise SystemExit(f"mask token {mask_token!r} is not in the target's vocabulary")
+    config = draft_config_for(target, args.draft_layers or 2, args.block_size or 8, mask_token_id, args.target_layer_ids)
+    config.dflash_config["mask_token"] = mask_token
+    return DFlashDraftModel(config), mask_token
+
+
+def start_from_trained_draft(args: argparse.Namespace, target: torch.nn.Module) -> DFlashDraftModel:
+    """The draft of `--init-from`, in float32, after checking it fits the target and the other flags."""
+    if args.init_from_target:
+        raise SystemExit("--init-from and --init-from-target both say where the weights start; pass one")
+    draft = DFlashDraftModel.from_pretrained(args.init_from, dtype=torch.float32)
+    asked = {"--block-size": (args.block_size, draft.block_size), "--draft-layers": (args.draft_layers, len(draft.layers)),
+             "--target-layer-ids": (args.target_layer_ids, draft.target_layer_ids),
+             "--mask-token": (args.mask_token, draft.config.dflash_config.get("mask_token"))}
+    conflicts = [f"{flag} {wanted} (the draft has {has})" for flag, (wanted, has) in asked.items()
+                 if wanted is not None and wanted != has]
+    if conflicts:
+        raise SystemExit(f"--init-from {args.init_from} fixes the architecture; drop or change: " + ", ".join(conflicts))
+    try:
+        check_draft_target(draft, target, None, total_length=1)
+    except ValueError as error:
+        raise SystemExit(f"--init-from {args.init_from} does not fit the target: {error}") from error
+    return draft
+
+
+def training_facts(args: argparse.Namespace, argv: list[str], prompt_files: list[str], num_rows: int, mask_token: str,
+                   mask_token_id: int | None, settings: TrainingSettings, log: TrainingLog, seconds: float
+                   ) -> dict[str, str]:
+    """What the card says about how the draft was trained."""
+    return {
+        "training data": f"{num_rows} prompts from {', '.join(Path(p).name for p in prompt_files)}, "
+                         f"responses regenerated by the target (greedy={args.gen_temperature == 0}, "
+                         f"<= {args.gen_max_new_tokens} tokens)",
+        "mask token": f"{mask_token!r} (id {mask_token_id}), an existing token of the target vocabulary",
+        "command": "`dflash-hf " + " ".join(shlex.quote(a) for a in argv) + "`",
+        **({"initialisation": f"the trained draft {args.init_from}, then a new schedule on this data"}
+           if args.init_from else {}),
+        "optimiser steps": str(log.steps),
+        "settings": json.dumps(settings.__dict__),
+        "wall time (generation + training + evaluation)": f"{seconds / 60:.1f} min",
+    }
+
+
+def save_trained_draft(args: argparse.Namespace, draft: DFlashDraftModel, target: torch.nn.Module,
+                       evaluation: dict[str, Any], eval_file: str, training: dict[str, str], folder: Path) -> None:
+    """Save the draft (float32 weights, remote code) and its model card with the measured results."""
+    draft.to(torch.float32).save_pretrained(folder)
+    base_model = SMOLLM2_HUB_ID if args.target == SMOLLM2 else args.target
+    rates = evaluation["tokens_per_s"]
+    info = card_info_for_config(
+        draft.config, repo_id=str(folder), base_model=base_model, title=f"DFlash draft for {base_model}",
+        description=f"A DFlash draft for `{base_model}` trained with `dflash-hf train`.",
+        results_source=f"Measured at the end of training: {args.num_eval} prompts of {Path(eval_file).name}, greedy, "
+                       f"{args.eval_max_new_tokens} new tokens, {args.eval_dtype}, {device_description(target)}, "
+                       "against `target.generate` in the same process, stopping on every EOS id of the target.",
+        results_table="| prompts | block | tau | target.generate tok/s | DFlash tok/s | speedup | identical to generate |\n"
+                      "|---:|---:|---:|---:|---:|---:|---|\n"
+                      f"| {evaluation['num_prompts']} | {evaluation['block_size']} | {evaluation['tau']:.2f} | "
+                      f"{rates['plain']:.1f} | {rates['dflash']:.1f} | {evaluation['speedup']:.2f}x | {evaluation['lossless']} |",
+        training=training,
+    )
+    write_model_card(folder, info)

@@ -1,0 +1,134 @@
+"""The resumable training checkpoint: a folder of safetensors, a weights-only torch file and JSON, never a pickle."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import get_cosine_schedule_with_warmup
+
+import dflash_hf
+from dflash_hf.training.trainer import (
+    CHECKPOINT_DIR,
+    DRAFT_WEIGHTS_FILE,
+    LEGACY_CHECKPOINT_FILE,
+    OPTIMIZER_SCHEDULER_FILE,
+    STATE_FILE,
+    TrainingLog,
+    TrainingSettings,
+    load_checkpoint,
+    save_checkpoint,
+    train_draft,
+)
+from helpers import VOCAB_SIZE, make_draft, make_target
+
+SETTINGS = TrainingSettings(epochs=2, learning_rate=2e-3, num_anchors=8, checkpoint_every=2)  # 4 rows: 8 steps
+
+
+@pytest.fixture(scope="module")
+def target() -> torch.nn.Module:
+    return make_target("qwen3", seed=4)
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    generator = torch.Generator().manual_seed(3)
+    return [{"prompt_ids": torch.randint(0, VOCAB_SIZE - 1, (5,), generator=generator).tolist(),
+             "response_ids": torch.randint(0, VOCAB_SIZE - 1, (16,), generator=generator).tolist()}
+            for _ in range(4)]
+
+
+def test_checkpoint_is_a_folder_of_safetensors_weights_only_torch_file_and_json(tmp_path, target, rows):
+    draft = make_draft(5, block_size=4)
+    log = train_draft(draft, target, rows, SETTINGS, tmp_path, progress=False, max_steps=3)
+    folder = tmp_path / CHECKPOINT_DIR
+    assert {p.name for p in folder.iterdir()} == {DRAFT_WEIGHTS_FILE, OPTIMIZER_SCHEDULER_FILE, STATE_FILE}
+    assert not (tmp_path / LEGACY_CHECKPOINT_FILE).exists()
+    assert not list(tmp_path.glob(f"{CHECKPOINT_DIR}.*"))  # no staging or moved-aside folder left behind
+
+    weights = load_file(folder / DRAFT_WEIGHTS_FILE)
+    assert weights.keys() == draft.state_dict().keys()
+    for name, value in draft.state_dict().items():
+        assert torch.equal(weights[name], value.cpu()), name  # .cpu(): the draft trains on a GPU if there is one
+    optimizer_scheduler = torch.load(folder / OPTIMIZER_SCHEDULER_FILE, map_location="cpu", weights_only=True)
+    assert optimizer_scheduler.keys() == {"optimizer", "scheduler"}  # no draft, no log: not the whole state
+    assert optimizer_scheduler["scheduler"]["last_epoch"] == 3
+    state = json.loads((folder / STATE_FILE).read_text())
+    assert state["format"] == 1 and state["steps"] == 3 and state["losses"] == log.losses
+
+    # only optimizer_scheduler.pt is a torch (zip) file; the weights are safetensors (length-prefixed JSON header)
+    assert (folder / OPTIMIZER_SCHEDULER_FILE).read_bytes()[:2] == b"PK"
+    raw_weights = (folder / DRAFT_WEIGHTS_FILE).read_bytes()
+    assert raw_weights[8:9] == b"{" and int.from_bytes(raw_weights[:8], "little") < len(raw_weights)
+
+
+def test_a_resumed_run_continues_from_the_checkpoint(tmp_path, target, rows):
+    first = make_draft(5, block_size=4)
+    first_log = train_draft(first, target, rows, SETTINGS, tmp_path, progress=False, max_steps=3)
+    saved = load_file(tmp_path / CHECKPOINT_DIR / DRAFT_WEIGHTS_FILE)
+
+    idle = make_draft(6, block_size=4)  # nothing left to train: ends with exactly the checkpoint's weights
+    idle_log = train_draft(idle, target, rows, SETTINGS, tmp_path, progress=False, max_steps=3)
+    assert idle_log.steps == 3 and idle_log.losses == first_log.losses
+    for name, value in idle.state_dict().items():
+        assert torch.equal(value.cpu(), saved[name]), name
+
+    resumed = make_draft(7, block_size=4)
+    resumed_log = train_draft(resumed, target, rows, SETTINGS, tmp_path, progress=False, max_steps=5)
+    assert resumed_log.steps == 5 and len(resumed_log.losses) == 5
+    assert resumed_log.losses[:3] == first_log.losses  # the log continues: steps 1..3 came from the checkpoint
+    scheduler_state = torch.load(tmp_path / CHECKPOINT_DIR / OPTIMIZER_SCHEDULER_FILE, map_location="cpu",
+                                 weights_only=True)["scheduler"]
+    assert scheduler_state["last_epoch"] == 5
+
+
+def test_save_replaces_the_folder_and_load_restores_optimizer_and_schedule(tmp_path):
+    def components(seed: int):
+        draft = make_draft(seed, block_size=4)
+        optimizer = torch.optim.AdamW(draft.parameters(), lr=1e-3)
+        return draft, optimizer, get_cosine_schedule_with_warmup(optimizer, 2, 10)
+
+    draft, optimizer, scheduler = components(0)
+    for _ in range(3):
+        sum(p.square().sum() for p in draft.parameters()).backward()
+        optimizer.step()
+        scheduler.step()
+    folder = tmp_path / CHECKPOINT_DIR
+    (tmp_path / f"{CHECKPOINT_DIR}.tmp").mkdir()  # a stale staging folder from an interrupted save
+    (tmp_path / f"{CHECKPOINT_DIR}.tmp" / "junk").write_text("x")
+    save_checkpoint(folder, draft, optimizer, scheduler, TrainingLog(steps=2))
+    save_checkpoint(folder, draft, optimizer, scheduler, TrainingLog(steps=3, losses=[1.0, 0.5, 0.25]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_DIR]
+
+    fresh_draft, fresh_optimizer, fresh_scheduler = components(1)
+    log = load_checkpoint(folder, fresh_draft, fresh_optimizer, fresh_scheduler)
+    assert log == TrainingLog(steps=3, losses=[1.0, 0.5, 0.25])
+    assert fresh_scheduler.state_dict() == scheduler.state_dict()
+    for name, value in draft.state_dict().items():
+        assert torch.equal(fresh_draft.state_dict()[name], value), name
+    for fresh_state, state in zip(fresh_optimizer.state.values(), optimizer.state.values(), strict=True):
+        assert all(torch.equal(fresh_state[key], state[key]) for key in ("step", "exp_avg", "exp_avg_sq"))
+
+    folder.rename(tmp_path / f"{CHECKPOINT_DIR}.old")  # a save interrupted between its two renames
+    assert load_checkpoint(folder, *components(2)) == log
+    assert load_checkpoint(tmp_path / "elsewhere" / CHECKPOINT_DIR, *components(2)) is None
+
+
+def test_an_old_pickle_checkpoint_is_refused_by_name(tmp_path, target, rows):
+    legacy = tmp_path / LEGACY_CHECKPOINT_FILE
+    legacy.write_bytes(b"never unpickled")
+    with pytest.raises(ValueError, match=re.escape(str(legacy))) as error:
+        train_draft(make_draft(5, block_size=4), target, rows, SETTINGS, tmp_path, progress=False, max_steps=1)
+    assert "old pickle checkpoint" in str(error.value) and "--output" in str(error.value)
+    assert not (tmp_path / CHECKPOINT_DIR).exists()
+
+
+def test_the_package_never_unpickles_with_weights_only_false():
+    package = Path(dflash_hf.__file__).parent
+    offenders = [str(path.relative_to(package)) for path in sorted(package.rglob("*.py"))
+                 if re.search(r"weights_only\s*=\s*False", path.read_text(encoding="utf-8"))]
+    assert offenders == []
