@@ -69,6 +69,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1],
                         help="prompts per call (left-padded); several values run one after the other, e.g. 1 2 4 8")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--acceptance", choices=["rejection", "equality"], default="rejection",
+                        help="at temperature > 0: speculative (rejection) sampling of the draft's q, or the equality rule")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                         help="auto: float32 on CPU (few-row bfloat16 matmuls are slow without native bf16), bfloat16 on GPU")
     parser.add_argument("--target", default=None, help="target path / Hub id (default: SmolLM2-135M-Instruct)")
@@ -116,7 +118,8 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
         for block_size in args.block_size:
             auto = block_size == "auto"
             settings = BenchSettings(args.max_new_tokens, None if auto else block_size, args.temperature,
-                                     args.prompt_lookup_tokens or None, args.seed, batch_size, auto_block_size=auto)
+                                     args.prompt_lookup_tokens or None, args.seed, batch_size, auto_block_size=auto,
+                                     acceptance=args.acceptance)
             results += run_benchmark(draft, target, tokenizer, datasets, settings, progress=process.is_main)
     if not process.is_main:  # under `accelerate launch` every process holds the gathered results; one reports
         return results
@@ -128,7 +131,7 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
         print(f"plot: {args.plot}")
     if args.json:
         meta = {"dtype": str(dtype), "device": device.type, "threads": torch.get_num_threads(),
-                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "acceptance": args.acceptance,
                 "target": args.target or "HuggingFaceTB/SmolLM2-135M-Instruct", "draft": str(args.draft or SHIPPED_DRAFT)}
         Path(args.json).write_text(json.dumps({"settings": meta, "results": results}, indent=2))
     return results

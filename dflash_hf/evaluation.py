@@ -14,7 +14,7 @@ import torch
 from .cache_dflash import crop_cache, left_pad
 from .generation_dflash import GenerationSettings, TargetContext, plan_step, prefill, propose, synchronize, verify
 from .modeling_dflash import DFlashDraftModel
-from .proposer_dflash import DFlashProposer
+from .proposer_dflash import DFlashProposer, Proposal
 from .sampling_dflash import cut_after_stop, mean_acceptance_length
 
 METHODS = ("plain", "dflash", "prompt_lookup")
@@ -40,6 +40,7 @@ class BenchSettings:
     seed: int = 0
     batch_size: int = 1  # prompts per generate / spec_generate call (left-padded); > 1 skips prompt lookup
     auto_block_size: bool = False  # per dataset: calibrate on its first prompt, then take choose_block_size's pick
+    acceptance: str = "rejection"  # sampling: speculative (rejection) sampling, or the equality rule
 
 
 def _timed(run: Callable[[], list[list[int]]], device: torch.device, seed: int) -> tuple[list[list[int]], float]:
@@ -80,8 +81,10 @@ def measure_prompts(
     def dflash() -> list[list[int]]:
         results.append(draft.spec_generate(
             target=target, input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=settings.max_new_tokens,
-            temperature=settings.temperature, stop_token_ids=stop_token_ids, block_size=settings.block_size,
+            temperature=settings.temperature, top_k=0, top_p=1.0,  # as `generate` above: no other filter
+            stop_token_ids=stop_token_ids, block_size=settings.block_size,
             seed=settings.seed if settings.temperature > 0 else None, mask_token_id=mask_token_id, return_stats=True,
+            acceptance=settings.acceptance,
         ))
         return [results[-1].new_tokens(row) for row in range(len(prompts))]
 
@@ -117,8 +120,8 @@ def measure_step_costs(
 ) -> dict[str, float]:
     """Median seconds of the cost model's terms after a context [1, T] copied to `batch_size` rows.
 
-    The terms, timed on the loop's own stages: a one-token verify (a plain decoding step) per row, a B-token verify
-    per row, and a draft pass over the rows.
+    The terms: one token of plain decoding per row (the target's own forward, as `generate` runs it), and, timed on
+    the loop's own stages, a B-token verify per row and a draft pass over the rows.
     """
     device = context_ids.device
     settings = GenerationSettings(max_new_tokens=block_size + 1, block_size=block_size,
@@ -128,11 +131,15 @@ def measure_step_costs(
     block = plan_step(state, settings)
     single = plan_step(state, replace(settings, block_size=1))
     no_new_context = TargetContext(state.context.hidden[:, :0], state.context.position_ids[:, :0], None)
-    proposals = propose(proposer, state, block)  # hands the whole context to the draft
+    proposal = propose(proposer, state, block, settings)  # hands the whole context to the draft
 
-    def draft_pass() -> torch.Tensor:
+    def plain_step() -> Any:  # one token of `generate`: the target's own forward, its full LM head
+        return target(input_ids=single.pending, position_ids=single.positions, use_cache=True,
+                      **{state.cache_argument: state.cache})
+
+    def draft_pass() -> Proposal:
         state.context = no_new_context  # a pass over the cached context and the block
-        return propose(proposer, state, block)
+        return propose(proposer, state, block, settings)
 
     def seconds(run: Callable[[], Any]) -> float:
         synchronize(device)
@@ -148,8 +155,8 @@ def measure_step_costs(
         return statistics.median(seconds(run) for _ in range(repeats))
 
     return {
-        "target_1": median(lambda: verify(target, state, single, proposals[:, :0], settings)),
-        "target_block": median(lambda: verify(target, state, block, proposals, settings)),
+        "target_1": median(plain_step),
+        "target_block": median(lambda: verify(target, state, block, proposal, settings)),
         "draft": median(draft_pass) if block_size > 1 else 0.0,  # a block of 1 drafts nothing
     }
 
@@ -202,7 +209,7 @@ def calibrate_block_size(
     """Run one prompt at the draft's full block for its acceptance histogram, then `choose_block_size` for N rows."""
     device = target.get_input_embeddings().weight.device
     result = draft.spec_generate(target=target, input_ids=torch.tensor([prompt], device=device),
-                                 max_new_tokens=settings.max_new_tokens, stop_token_ids=stop_token_ids,
+                                 max_new_tokens=settings.max_new_tokens, temperature=0.0, stop_token_ids=stop_token_ids,
                                  mask_token_id=mask_token_id, return_stats=True)
     histogram = acceptance_histogram(result.acceptance_lengths[0], draft.block_size)
     return choose_block_size(draft, target, typical_context(prompt, result.new_tokens(0), device), histogram,

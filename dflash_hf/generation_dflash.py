@@ -26,12 +26,12 @@ from .cache_dflash import (
     returned_cache,
     select_cache_rows,
 )
-from .proposer_dflash import DFlashProposer, DraftStep, Proposer
-from .sampling_dflash import commit_block, mean_acceptance_length, pick_tokens
+from .proposer_dflash import DFlashProposer, DraftStep, Proposal, Proposer
+from .sampling_dflash import commit_block, mean_acceptance_length, pick_tokens, process_logits, speculative_sample
 from .target_dflash import (
     check_draft_target,
     check_generation_inputs,
-    default_pad_token_id,
+    resolve_generation_choices,
     select_features,
     target_text_config,
     verify_forward,
@@ -265,10 +265,10 @@ def plan_step(state: DecodeState, settings: GenerationSettings) -> StepPlan:
     )
 
 
-def propose(proposer: Proposer | None, state: DecodeState, step: StepPlan) -> torch.Tensor:
-    """The proposer's tokens [n, b - 1] for the step; it is handed the features it has not seen yet."""
+def propose(proposer: Proposer | None, state: DecodeState, step: StepPlan, settings: GenerationSettings) -> Proposal:
+    """The proposer's tokens [n, b - 1] for the step (and their q, if it sampled them); it gets the new features."""
     if step.width == 1:
-        return step.pending[:, :0]
+        return Proposal(step.pending[:, :0])
     context = state.context
     draft_step = DraftStep(
         prompts=[state.prompts[row] for row in state.active],
@@ -278,32 +278,59 @@ def propose(proposer: Proposer | None, state: DecodeState, step: StepPlan) -> to
         context_valid=None if context is None else context.valid,
         block_size=step.width,
         row_ids=list(state.active),
+        temperature=settings.temperature,
+        top_k=settings.top_k,
+        top_p=settings.top_p,
+        generators=tuple(settings.generators[row] for row in state.active),
     )
     state.context = None  # handed over
-    proposals = proposer.propose(draft_step)
-    return proposals.to(device=state.device, dtype=torch.long).reshape(len(state.active), step.width - 1)
+    proposal = proposer.propose(draft_step)
+    proposal = proposal if isinstance(proposal, Proposal) else Proposal(proposal)
+    tokens = proposal.tokens.to(device=state.device, dtype=torch.long).reshape(len(state.active), step.width - 1)
+    return Proposal(tokens, proposal.draft_probabilities)
 
 
-def verify(target: torch.nn.Module, state: DecodeState, step: StepPlan, proposals: torch.Tensor,
+def verify(target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal: Proposal,
            settings: GenerationSettings) -> tuple[torch.Tensor, Any]:
     """One target pass over [pending, proposals]: (the target's tokens [n, b], the forward's outputs)."""
     mask = state.columns.attention_mask(step.width)
     logits, outputs = verify_forward(
         target,
-        input_ids=torch.cat((step.pending, proposals), dim=1),  # [n, b]
+        input_ids=torch.cat((step.pending, proposal.tokens), dim=1),  # [n, b]
         attention_mask=None if mask is None else mask.long(),
         position_ids=step.positions,
         use_cache=True,
         output_hidden_states=state.layer_ids is not None and step.width > 1,
         **{state.cache_argument: state.cache},
     )
-    return pick_block(logits, state.active, step.counts, settings), outputs
+    return target_tokens(logits, proposal, state, step, settings), outputs
 
 
-def commit(state: DecodeState, step: StepPlan, proposals: torch.Tensor, target_tokens: torch.Tensor,
+def target_tokens(logits: torch.Tensor, proposal: Proposal, state: DecodeState, step: StepPlan,
+                  settings: GenerationSettings) -> torch.Tensor:
+    """The target's token at each verified position [n, b], from its logits [n, b, V].
+
+    Without q: its argmax or its sample at every position (a proposal is kept when it equals it). With q: speculative
+    sampling, so the row holds the accepted proposals, then the residual's (or p's) sample, then -1.
+    """
+    if proposal.draft_probabilities is None:
+        return pick_block(logits, state.active, step.counts, settings)
+    probabilities = process_logits(logits.flatten(0, 1), settings.temperature, settings.top_k, settings.top_p)
+    probabilities = probabilities.softmax(dim=-1).view(logits.shape)  # [n, b, V]: p
+    picked = torch.full(logits.shape[:2], -1, dtype=torch.long, device=logits.device)
+    for index, (row, count) in enumerate(zip(state.active, step.counts)):
+        proposals = proposal.tokens[index, : count - 1]  # what max_new_tokens lets the row commit
+        accepted, token = speculative_sample(proposals, proposal.draft_probabilities[index, : count - 1],
+                                             probabilities[index, :count], settings.generators[row])
+        picked[index, :accepted] = proposals[:accepted]
+        picked[index, accepted] = token
+    return picked
+
+
+def commit(state: DecodeState, step: StepPlan, proposal: Proposal, tokens_of_target: torch.Tensor,
            settings: GenerationSettings) -> list[int]:
     """Append each row's accepted proposals and the target's token; mark finished rows; the accepted counts."""
-    proposed_and_target = torch.cat((proposals, target_tokens), dim=1).tolist()  # one device sync
+    proposed_and_target = torch.cat((proposal.tokens, tokens_of_target), dim=1).tolist()  # one device sync
     accepted_counts = []
     for index, row in enumerate(state.active):
         tokens = proposed_and_target[index]
@@ -389,9 +416,9 @@ def speculative_decode(
     while drop_finished(state, proposer):
         compact_caches(state)
         step = plan_step(state, settings)
-        proposals = propose(proposer, state, step)
-        target_tokens, outputs = verify(target, state, step, proposals, settings)
-        accepted_counts = commit(state, step, proposals, target_tokens, settings)
+        proposal = propose(proposer, state, step, settings)
+        tokens_of_target, outputs = verify(target, state, step, proposal, settings)
+        accepted_counts = commit(state, step, proposal, tokens_of_target, settings)
         keep_context(state, step, outputs, accepted_counts)
         del outputs
     return finish(state, settings)
@@ -435,8 +462,8 @@ def spec_generate(
     draft: DFlashDraftModel,
     target: torch.nn.Module,
     input_ids: torch.Tensor,
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
     stop_token_ids: list[int] | int | None = None,
@@ -448,18 +475,31 @@ def spec_generate(
     streamer: Any = None,
     pad_token_id: int | None = None,
     return_stats: bool = False,
+    acceptance: str = "rejection",
+    do_sample: bool | None = None,
+    generation_config: Any = None,
+    **generation_settings: Any,
 ) -> torch.Tensor | SpecGenerateOutput:
     """Generate with `target`, drafting blocks with `draft`; returns ids [N, prompt + new] (or stats too).
 
-    Each row equals the target's own greedy decode of that prompt (temperature 0) or follows its sampling
-    distribution. Prompts of a batch are left-padded (`attention_mask`); see `SpecGenerateOutput` for the format.
+    Settings not passed come from `generation_config` (default: `target.generation_config`) as in `generate`: length,
+    sampling, every EOS id as a stop token, padding. Each row equals the target's own greedy decode of its prompt
+    (greedy) or follows its sampling distribution. Batches are left-padded (`attention_mask`); see `SpecGenerateOutput`.
+    When sampling, `acceptance="rejection"` samples the draft's proposals and keeps them by speculative sampling;
+    `"equality"` proposes the draft's argmax and keeps a proposal when the target samples the same token.
     """
-    check_generation_inputs(target, input_ids, max_new_tokens, temperature, top_k, top_p, attention_mask)
-    mask_token_id = check_draft_target(draft, target, mask_token_id, input_ids.shape[1] + max_new_tokens)
+    if acceptance not in ("rejection", "equality"):
+        raise ValueError(f"acceptance must be 'rejection' or 'equality', got {acceptance!r}.")
+    choices = resolve_generation_choices(
+        target, input_ids.shape[-1] if isinstance(input_ids, torch.Tensor) else 0, generation_config,
+        max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+        stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, **generation_settings)
+    check_generation_inputs(target, input_ids, choices.max_new_tokens, choices.temperature, choices.top_k,
+                            choices.top_p, attention_mask)
+    mask_token_id = check_draft_target(draft, target, mask_token_id, input_ids.shape[1] + choices.max_new_tokens)
     block_size = draft.block_size if block_size is None else block_size
     if not isinstance(block_size, int) or not 1 <= block_size <= draft.block_size:
         raise ValueError(f"block_size must be an integer from 1 to the draft's trained size {draft.block_size}, got {block_size!r}.")
-    stop_token_ids = [stop_token_ids] if isinstance(stop_token_ids, int) else stop_token_ids
     num_rows = input_ids.shape[0]
     attention = getattr(draft.config, "_attn_implementation", None)
     if num_rows > 1 and attention not in (None, "eager", "sdpa"):
@@ -469,18 +509,10 @@ def spec_generate(
         )
     device = target.get_input_embeddings().weight.device
     result = speculative_decode(
-        target,
-        DFlashProposer(draft, target, mask_token_id),
-        input_ids,
-        max_new_tokens=max_new_tokens,
-        block_size=block_size,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        stop_token_ids=stop_token_ids,
-        generator=row_generators(generator, num_rows, device, seed if temperature > 0 else None),
-        attention_mask=attention_mask,
-        streamers=_as_streamers(streamer, num_rows),
-        pad_token_id=default_pad_token_id(target, stop_token_ids) if pad_token_id is None else pad_token_id,
+        target, DFlashProposer(draft, target, mask_token_id, sample_proposals=acceptance == "rejection"), input_ids,
+        max_new_tokens=choices.max_new_tokens, block_size=block_size, temperature=choices.temperature,
+        top_k=choices.top_k, top_p=choices.top_p, stop_token_ids=choices.stop_token_ids,
+        generator=row_generators(generator, num_rows, device, seed if choices.temperature > 0 else None),
+        attention_mask=attention_mask, streamers=_as_streamers(streamer, num_rows), pad_token_id=choices.pad_token_id,
     )
     return result if return_stats else result.output_ids

@@ -301,8 +301,9 @@ class DFlashDraftModel(PreTrainedModel):
     def spec_generate(self, target: nn.Module, input_ids: torch.Tensor, **generation_kwargs: Any) -> Any:
         """Lossless speculative decoding with `target`: ids [N, prompt + new], or `SpecGenerateOutput` with stats.
 
-        Keywords: max_new_tokens, temperature, top_k, top_p, stop_token_ids, block_size, generator, seed,
-        mask_token_id, attention_mask, streamer, pad_token_id, return_stats (see `generation_dflash.spec_generate`).
+        Keywords: max_new_tokens, temperature, do_sample, top_k, top_p, stop_token_ids, block_size, generator, seed,
+        mask_token_id, attention_mask, streamer, pad_token_id, generation_config, return_stats; what is not passed
+        comes from the target's generation config, as in `generate` (see `generation_dflash.spec_generate`).
         """
         # The loop depends on the model, never the other way, so it is imported here. Its modules are all named:
         # Transformers 4.57 copies a local remote-code folder's files into its module cache only when the model

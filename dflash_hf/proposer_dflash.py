@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from .cache_dflash import CacheColumns
+from .sampling_dflash import process_logits
 from .target_dflash import few_row_logits
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -31,6 +32,10 @@ class DraftStep:
     context_valid: torch.Tensor | None  # [N, C_new] bool: which columns are real positions (None: all)
     block_size: int  # propose block_size - 1 tokens for positions s+1 .. s+block_size-1 of each row
     row_ids: list[int]  # each row's index in the caller's batch (finished rows leave it)
+    temperature: float = 0.0  # the target's sampling: a proposer may sample its proposals the same way
+    top_k: int | None = None
+    top_p: float | None = None
+    generators: tuple[torch.Generator | None, ...] = ()  # one per row of this step
 
     @property
     def pending_tokens(self) -> list[int]:
@@ -48,6 +53,14 @@ class DraftStep:
         return [prompt + tokens for prompt, tokens in zip(self.prompts, self.generated)]
 
 
+@dataclass
+class Proposal:
+    """Proposed tokens, and the distributions they were sampled from (None: proposed deterministically)."""
+
+    tokens: torch.Tensor  # [N, B-1]
+    draft_probabilities: torch.Tensor | None = None  # [N, B-1, V]: q, after the same temperature / top-k / top-p as p
+
+
 class Proposer(Protocol):
     """Anything that proposes the next tokens; `target_layer_ids` None means it needs no target features.
 
@@ -57,16 +70,22 @@ class Proposer(Protocol):
 
     target_layer_ids: list[int] | None
 
-    def propose(self, step: DraftStep) -> torch.Tensor:
-        """Proposed token ids [N, step.block_size - 1]."""
+    def propose(self, step: DraftStep) -> torch.Tensor | Proposal:
+        """Proposed token ids [N, step.block_size - 1], or a `Proposal` that also gives their distributions q.
+
+        With q the loop accepts by speculative (rejection) sampling; without, a proposal is kept when it equals
+        the target's own sample (greedy: its argmax). Both keep the target's distribution exactly.
+        """
         ...
 
 
 class DFlashProposer:
     """Proposes blocks with a DFlash draft; owns the draft's context cache for one generation."""
 
-    def __init__(self, draft: DFlashDraftModel, target: torch.nn.Module, mask_token_id: int) -> None:
+    def __init__(self, draft: DFlashDraftModel, target: torch.nn.Module, mask_token_id: int,
+                 sample_proposals: bool = True) -> None:
         self.draft = draft
+        self.sample_proposals = sample_proposals  # at temperature > 0: sample from q (else propose the argmax)
         self.target_layer_ids = draft.target_layer_ids
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
@@ -95,8 +114,8 @@ class DFlashProposer:
         seen_mask = self.columns.attention_mask(step.block_size)  # [N, C + B] or None
         return None if seen_mask is None else seen_mask[:, None, None, :]
 
-    def propose(self, step: DraftStep) -> torch.Tensor:
-        """The draft's argmax proposals [N, B-1] for positions s+1 .. s+B-1 of every row."""
+    def propose(self, step: DraftStep) -> torch.Tensor | Proposal:
+        """The draft's proposals [N, B-1] for positions s+1 .. s+B-1: its argmax, or samples of q when sampling."""
         device, block_size = self.embed_tokens.weight.device, step.block_size
         attention_mask = self._attention_mask(step)
         starts = torch.tensor(step.pending_positions, device=device)  # [N]: position s of each pending token
@@ -115,4 +134,17 @@ class DFlashProposer:
             self.cache.reorder_columns(index)
         proposal_states = hidden[:, 1:].reshape(-1, hidden.shape[-1])  # [N * (B-1), H]
         proposal_states = proposal_states.contiguous().to(self.lm_head.weight.dtype)
-        return few_row_logits(self.lm_head, proposal_states).argmax(dim=-1).view(len(step.row_ids), block_size - 1)
+        logits = few_row_logits(self.lm_head, proposal_states)  # [N * (B-1), V]
+        if step.temperature == 0.0 or not self.sample_proposals:
+            return logits.argmax(dim=-1).view(len(step.row_ids), block_size - 1)
+        return sample_proposals(logits.view(len(step.row_ids), block_size - 1, -1), step)
+
+
+def sample_proposals(logits: torch.Tensor, step: DraftStep) -> Proposal:
+    """Proposals sampled from the draft's q (logits [N, B-1, V] after the step's temperature, top-k, top-p), per row
+    with that row's generator."""
+    probabilities = process_logits(logits.flatten(0, 1), step.temperature, step.top_k, step.top_p).softmax(dim=-1)
+    probabilities = probabilities.view(logits.shape)  # [N, B-1, V]
+    tokens = torch.stack([torch.multinomial(row, 1, generator=generator).squeeze(-1)
+                          for row, generator in zip(probabilities, step.generators)])
+    return Proposal(tokens, probabilities)

@@ -81,3 +81,29 @@ def mean_acceptance_length(acceptance_lengths: Iterable[int]) -> float:
     """tau: the mean number of tokens committed per draft/verify step (0.0 when no step ran)."""
     lengths = list(acceptance_lengths)
     return sum(lengths) / len(lengths) if lengths else 0.0
+
+
+def speculative_sample(
+    proposals: torch.Tensor,
+    draft_probabilities: torch.Tensor,
+    target_probabilities: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[int, int]:
+    """Standard speculative sampling of one row: (accepted proposals, the token that follows them).
+
+    proposals [k] were sampled from draft_probabilities [k, V]; target_probabilities [k + 1, V] are the target's
+    (processed) distributions at the same positions and one past them. Proposal i is kept with probability
+    min(1, p_i / q_i) while all before it were kept; at the first rejection the token is sampled from the normalised
+    residual max(p - q, 0), and after k acceptances from p at position k. Every token then follows p exactly.
+    """
+    num_proposals = proposals.shape[0]
+    positions = torch.arange(num_proposals, device=proposals.device)
+    uniforms = torch.rand(num_proposals, generator=generator, device=proposals.device)
+    kept = uniforms * draft_probabilities[positions, proposals] <= target_probabilities[positions, proposals]  # [k]
+    accepted = int(kept.long().cumprod(dim=0).sum())  # one device sync
+    distribution = target_probabilities[accepted]  # [V]
+    if accepted < num_proposals:
+        residual = (distribution - draft_probabilities[accepted]).clamp(min=0.0)
+        distribution = residual if bool(residual.sum() > 0) else distribution  # p == q exactly: p itself is the residual
+    token = torch.multinomial(distribution / distribution.sum(), 1, generator=generator)
+    return accepted, int(token)

@@ -140,6 +140,82 @@ def generation_tokens(target: torch.nn.Module, tokenizer: Any = None, draft: DFl
     )
 
 
+# --- generate()'s conventions: settings from the target's generation config ------------------------------------------
+
+DEFAULT_MAX_NEW_TOKENS = 256  # where neither the call nor the generation config sets a length (generate: max_length 20)
+GENERATE_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}  # generate's, for unset fields
+# Generation settings the loop cannot honour, with the values at which they change nothing.
+NEUTRAL_GENERATION_SETTINGS = {
+    "num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1, "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": 0,
+    "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_p": None, "diversity_penalty": 0.0,
+    "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
+    "forced_eos_token_id": None, "sequence_bias": None, "exponential_decay_length_penalty": None,
+    "guidance_scale": 1.0, "stop_strings": None, "max_time": None, "penalty_alpha": None, "dola_layers": None,
+    "watermarking_config": None, "output_scores": False, "output_logits": False, "return_dict_in_generate": False,
+    "renormalize_logits": False, "remove_invalid_values": False, "prompt_lookup_num_tokens": None,
+}
+
+
+@dataclass(frozen=True)
+class GenerationChoices:
+    """What a `spec_generate` call does once its arguments and the generation config are merged."""
+
+    max_new_tokens: int
+    temperature: float  # 0.0: greedy
+    top_k: int | None  # None: no top-k filter
+    top_p: float | None  # None: no top-p filter
+    stop_token_ids: list[int]
+    pad_token_id: int
+
+
+def _check_honourable(settings: dict[str, Any], source: str) -> None:
+    for name, neutral in NEUTRAL_GENERATION_SETTINGS.items():
+        value = settings.get(name)
+        if value is not None and value != neutral and not (name == "guidance_scale" and value == 1):
+            raise ValueError(f"{source} sets {name}={value!r}, which DFlash speculative decoding cannot apply "
+                             f"(the output would not be the target's own); leave it at {neutral!r}.")
+
+
+def resolve_generation_choices(target: torch.nn.Module, prompt_length: int, generation_config: Any = None,
+                               **arguments: Any) -> GenerationChoices:
+    """Merge a call's arguments over `generation_config` (default: the target's), the way `generate` does.
+
+    `arguments`: max_new_tokens, do_sample, temperature, top_k, top_p, stop_token_ids (or eos_token_id), pad_token_id
+    (None: not given), and any other generation setting, refused by name where the loop cannot honour it.
+    """
+    config = generation_config if generation_config is not None else getattr(target, "generation_config", None)
+    settings = config.to_dict() if config is not None else {}
+    _check_honourable(settings, "the generation config" if generation_config is not None else "target.generation_config")
+    known = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "stop_token_ids", "eos_token_id", "pad_token_id"}
+    extra = {key: value for key, value in arguments.items() if key not in known}
+    unknown = sorted(key for key in extra if key not in NEUTRAL_GENERATION_SETTINGS and key not in settings)
+    if unknown:
+        raise TypeError(f"spec_generate got unexpected keyword argument(s) {', '.join(unknown)}.")
+    _check_honourable(extra, "the call")
+    given = {key: value for key, value in arguments.items() if key in known and value is not None}
+    merged = {**GENERATE_DEFAULTS, **{k: v for k, v in settings.items() if v is not None}, **given}
+    if given.get("temperature", 0.0) < 0:
+        raise ValueError(f"temperature must be >= 0, got {given['temperature']}.")
+    if "temperature" in given and "do_sample" not in given:  # dflash-hf's own shorthand: temperature 0 is greedy
+        merged["do_sample"] = given["temperature"] > 0
+    max_new_tokens = merged.get("max_new_tokens")
+    if max_new_tokens is None and merged.get("max_length") not in (None, 20):
+        max_new_tokens = merged["max_length"] - prompt_length
+    stop = given.get("stop_token_ids", given.get("eos_token_id", merged.get("eos_token_id")))
+    stop_token_ids = [] if stop is None else [stop] if isinstance(stop, int) else list(stop)
+    top_k, top_p = merged.get("top_k"), merged.get("top_p")
+    return GenerationChoices(
+        max_new_tokens=DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens,
+        temperature=float(merged["temperature"]) if merged["do_sample"] else 0.0,
+        top_k=None if top_k == 0 else top_k,
+        top_p=None if top_p in (None, 1.0) else top_p,
+        stop_token_ids=stop_token_ids,
+        pad_token_id=merged["pad_token_id"] if merged.get("pad_token_id") is not None else default_pad_token_id(
+            target, stop_token_ids),
+    )
+
+
 # --- Checks ----------------------------------------------------------------------------------------------------------
 
 
@@ -186,7 +262,7 @@ def check_generation_inputs(
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}.")
     if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}.")
+        raise ValueError(f"top_k must be >= 0 (0: no top-k filter), got {top_k}.")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
     config = target_text_config(target)

@@ -27,6 +27,7 @@ def make_target(arch: str = "qwen3", seed: int = 0, vocab_size: int = VOCAB_SIZE
         model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=500000.0))
     else:
         raise ValueError(arch)
+    model.generation_config.eos_token_id = None  # random weights: no end-of-text token (tests pass their stop ids)
     return model.eval()
 
 

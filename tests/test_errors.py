@@ -53,7 +53,10 @@ def test_draft_target_mismatch(target, draft_kwargs, message):
     ({"block_size": 9}, ValueError, "trained size 8"),
     ({"temperature": -0.5}, ValueError, "temperature"),
     ({"temperature": 1.0, "top_p": 1.5}, ValueError, "top_p"),
-    ({"temperature": 1.0, "top_k": 0}, ValueError, "top_k"),
+    ({"temperature": 1.0, "top_k": -1}, ValueError, "top_k"),
+    ({"num_beams": 4}, ValueError, "num_beams=4, which DFlash"),
+    ({"repetition_penalty": 1.2}, ValueError, "repetition_penalty"),
+    ({"max_new_tokenz": 4}, TypeError, "unexpected keyword argument\\(s\\) max_new_tokenz"),
 ])
 def test_bad_generation_arguments(target, draft, kwargs, error, message):
     arguments = {"target": target, "input_ids": PROMPT, "max_new_tokens": 4, **kwargs}

@@ -8,7 +8,8 @@ from scipy.stats import chisquare
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from dflash_hf import DraftStep, speculative_decode
-from dflash_hf.proposer_dflash import DFlashProposer
+from dflash_hf.proposer_dflash import DFlashProposer, Proposal
+from dflash_hf.sampling_dflash import speculative_sample
 from helpers import make_draft, make_target
 
 VOCAB = 6
@@ -87,9 +88,11 @@ def setup():
 
 
 @pytest.mark.parametrize("proposer_kind,temperature,top_k,top_p", [
-    ("dflash", 1.0, None, None),
+    ("dflash", 1.0, None, None),  # speculative (rejection) sampling of the draft's q
     ("dflash", 0.8, 3, None),
     ("dflash", 1.2, None, 0.8),
+    ("dflash_equality", 1.0, None, None),  # the draft's argmax, kept when the target samples it
+    ("dflash_equality", 0.8, 3, None),
     ("target_greedy", 1.0, None, None),
 ])
 def test_sampled_sequences_follow_the_target_distribution(setup, proposer_kind, temperature, top_k, top_p):
@@ -100,7 +103,8 @@ def test_sampled_sequences_follow_the_target_distribution(setup, proposer_kind, 
     accepted_drafts = 0
     with torch.no_grad():
         for _ in range(NUM_SAMPLES):
-            proposer = DFlashProposer(draft, target, VOCAB - 1) if proposer_kind == "dflash" else TargetGreedyProposer(target)
+            proposer = TargetGreedyProposer(target) if proposer_kind == "target_greedy" else \
+                DFlashProposer(draft, target, VOCAB - 1, sample_proposals=proposer_kind == "dflash")
             result = speculative_decode(target, proposer, input_ids, max_new_tokens=NUM_NEW, block_size=4,
                                         temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
             cell = tuple(result.new_token_ids[0].tolist())
@@ -126,8 +130,8 @@ def test_seed_makes_sampling_reproducible(setup):
     assert not torch.equal(runs[0], runs[2])
 
 
-@pytest.mark.parametrize("per_row_generators", [False, True])
-def test_batched_sampling_follows_each_rows_distribution(setup, per_row_generators):
+@pytest.mark.parametrize("per_row_generators, sample_proposals", [(False, True), (True, True), (True, False)])
+def test_batched_sampling_follows_each_rows_distribution(setup, per_row_generators, sample_proposals):
     """Rows 0 and 2 share a prompt, row 1 has a shorter one (left-padded): each row samples its own distribution."""
     target, prompt = setup
     other = torch.tensor([[3, 2]])
@@ -141,7 +145,8 @@ def test_batched_sampling_follows_each_rows_distribution(setup, per_row_generato
         for call in range(num_calls):
             generator = [torch.Generator().manual_seed(10_000 + 3 * call + row) for row in range(3)] \
                 if per_row_generators else shared
-            result = speculative_decode(target, DFlashProposer(draft, target, VOCAB - 1), input_ids, max_new_tokens=NUM_NEW,
+            proposer = DFlashProposer(draft, target, VOCAB - 1, sample_proposals=sample_proposals)
+            result = speculative_decode(target, proposer, input_ids, max_new_tokens=NUM_NEW,
                                         block_size=4, temperature=1.0, generator=generator, attention_mask=attention_mask)
             for row, which in enumerate((0, 1, 0)):
                 cell = tuple(result.new_tokens(row))
@@ -168,3 +173,60 @@ def test_per_row_generators_reproduce_each_row_alone(setup):
                                     generator=torch.Generator().manual_seed(seed), return_stats=True)
         assert batch.new_tokens(row) == alone.new_tokens(0)
     assert batch.new_tokens(0) != batch.new_tokens(1)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_speculative_sample_keeps_the_target_distribution(broken):
+    """One position: accept with min(1, p/q), else the residual. Sampling p instead of the residual is caught."""
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4]])  # [k + 1, V], k = 1
+    q = torch.tensor([[0.1, 0.6, 0.1, 0.2]])  # [k, V]
+    generator = torch.Generator().manual_seed(3)
+    counts, num_samples = [0] * 4, 20000
+    for _ in range(num_samples):
+        proposal = torch.multinomial(q[0], 1, generator=generator)
+        accepted, token = speculative_sample(proposal, q, p, generator)
+        if broken and accepted == 0:  # the wrong rule: resample from p
+            token = int(torch.multinomial(p[0], 1, generator=generator))
+        counts[int(proposal) if accepted else token] += 1
+    first = p[0].double().tolist()
+    p_value = float(chisquare(counts, [num_samples * value / sum(first) for value in first]).pvalue)
+    assert (p_value < 1e-3) if broken else (p_value > 1e-3)
+
+
+def test_rejection_sampling_accepts_more_than_the_equality_rule_for_a_close_draft(setup):
+    """A draft whose q equals p: every proposal is kept by speculative sampling, far fewer by the equality rule."""
+    target, input_ids = setup
+    tau = {}
+    for sample_proposals in (True, False):
+        proposer = TargetSampleProposer(target, sample_proposals)
+        lengths = []
+        for seed in range(40):
+            result = speculative_decode(target, proposer, input_ids, max_new_tokens=4, block_size=4, temperature=1.0,
+                                        generator=torch.Generator().manual_seed(seed))
+            lengths += result.acceptance_lengths[0]
+        tau[sample_proposals] = sum(lengths) / len(lengths)
+    assert tau[True] == 3.0  # every block of 3 proposals kept (4 tokens: 1 prefill token + 3 in one step)
+    assert tau[False] < 2.5
+
+
+class TargetSampleProposer:
+    """Proposes by sampling the target itself (q = p): with q, speculative sampling must keep every proposal."""
+
+    target_layer_ids = None
+
+    def __init__(self, target, with_probabilities: bool):
+        self.target, self.with_probabilities = target, with_probabilities
+
+    def propose(self, step: DraftStep):
+        ids, generator = torch.tensor([step.sequences[0]]), torch.Generator().manual_seed(len(step.sequences[0]))
+        tokens, distributions = [], []
+        for _ in range(step.block_size - 1):
+            probabilities = self.target(ids).logits[0, -1].float().softmax(-1)
+            token = int(torch.multinomial(probabilities, 1, generator=generator)) if self.with_probabilities \
+                else int(probabilities.argmax())
+            tokens.append(token)
+            distributions.append(probabilities)
+            ids = torch.cat((ids, torch.tensor([[token]])), dim=1)
+        if not self.with_probabilities:
+            return torch.tensor([tokens])
+        return Proposal(torch.tensor([tokens]), torch.stack(distributions)[None])

@@ -1,0 +1,74 @@
+"""`spec_generate` follows `generate`'s conventions: settings not passed come from the generation config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from dflash_hf.target_dflash import DEFAULT_MAX_NEW_TOKENS, resolve_generation_choices
+from helpers import make_draft, make_target
+
+PROMPT = torch.tensor([[5, 9, 2, 44, 7, 3]])
+
+
+@pytest.fixture
+def target():
+    return make_target("qwen3", seed=11)
+
+
+def test_defaults_come_from_the_targets_generation_config(target):
+    """No arguments: the target's max_new_tokens and every EOS id of its config, exactly as `generate` uses them."""
+    continuation = target.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=30, do_sample=False,
+                                   min_new_tokens=30)[0, PROMPT.shape[1]:].tolist()
+    fresh = [i for i in range(1, 30) if continuation[i] not in continuation[:i]]  # first occurrences
+    early, late = fresh[len(fresh) // 3], fresh[-1]
+    target.generation_config.eos_token_id = [continuation[late], continuation[early]]  # a list, as Qwen3's is
+    target.generation_config.max_new_tokens = 30
+    target.generation_config.pad_token_id = 0
+    expected = target.generate(PROMPT, attention_mask=torch.ones_like(PROMPT))  # generate's own defaults
+    output = make_draft(11).spec_generate(target=target, input_ids=PROMPT)
+    assert torch.equal(output, expected)
+    assert output.shape[1] == PROMPT.shape[1] + early + 1  # stopped at the second EOS id, the earlier one
+
+
+def test_explicit_arguments_override_the_config(target):
+    target.generation_config.update(do_sample=True, temperature=0.6, top_k=20, top_p=0.95, eos_token_id=[7, 8])
+    sampled = resolve_generation_choices(target, prompt_length=6)
+    assert (sampled.temperature, sampled.top_k, sampled.top_p, sampled.stop_token_ids) == (0.6, 20, 0.95, [7, 8])
+    assert resolve_generation_choices(target, 6, temperature=0.0).temperature == 0.0  # temperature 0 is greedy
+    assert resolve_generation_choices(target, 6, do_sample=False).temperature == 0.0
+    assert resolve_generation_choices(target, 6, temperature=1.3).temperature == 1.3
+    assert resolve_generation_choices(target, 6, stop_token_ids=[]).stop_token_ids == []
+    assert resolve_generation_choices(target, 6, stop_token_ids=3).stop_token_ids == [3]
+    assert resolve_generation_choices(target, 6, top_k=0, top_p=1.0).top_k is None  # generate's "no filter"
+    passed = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=4, pad_token_id=9)
+    choices = resolve_generation_choices(target, 6, passed)
+    assert (choices.max_new_tokens, choices.temperature, choices.stop_token_ids, choices.pad_token_id) == (12, 0.0, [4], 9)
+
+
+def test_greedy_override_of_a_sampling_config_stays_lossless(target):
+    target.generation_config.update(do_sample=True, temperature=0.9, top_k=5)
+    expected = target.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=16, do_sample=False)
+    output = make_draft(12).spec_generate(target=target, input_ids=PROMPT, max_new_tokens=16, temperature=0.0)
+    assert torch.equal(output, expected)
+
+
+def test_length_default_is_the_one_documented_difference(target):
+    """generate's library default is max_length 20 (prompt included); spec_generate generates 256 new tokens."""
+    assert resolve_generation_choices(target, 6, GenerationConfig()).max_new_tokens == DEFAULT_MAX_NEW_TOKENS
+    assert resolve_generation_choices(target, 6, GenerationConfig(max_length=40)).max_new_tokens == 34
+
+
+@pytest.mark.parametrize("setting", [{"num_beams": 3}, {"repetition_penalty": 1.3}, {"no_repeat_ngram_size": 2},
+                                     {"min_new_tokens": 5}, {"return_dict_in_generate": True}])
+def test_settings_the_loop_cannot_honour_are_refused(target, setting):
+    draft = make_draft(13)
+    with pytest.raises(ValueError, match=f"the call sets {next(iter(setting))}="):
+        draft.spec_generate(target=target, input_ids=PROMPT, max_new_tokens=4, **setting)
+    with pytest.raises(ValueError, match="the generation config sets"):
+        draft.spec_generate(target=target, input_ids=PROMPT, max_new_tokens=4,
+                            generation_config=GenerationConfig(**setting))
+    target.generation_config.update(**setting)
+    with pytest.raises(ValueError, match="target.generation_config sets"):
+        draft.spec_generate(target=target, input_ids=PROMPT, max_new_tokens=4)
