@@ -16,6 +16,7 @@ from .generation_dflash import GenerationSettings, TargetContext, plan_step, pre
 from .modeling_dflash import DFlashDraftModel
 from .proposer_dflash import DFlashProposer, Proposal
 from .sampling_dflash import cut_after_stop, mean_acceptance_length
+from .target_dflash import neutral_overrides
 
 METHODS = ("plain", "dflash", "prompt_lookup")
 
@@ -70,8 +71,11 @@ def measure_prompts(
     input_ids, attention_mask = left_pad(prompts, pad_id, device)  # [N, T]
     sampling = {"do_sample": True, "temperature": settings.temperature, "top_k": 0, "top_p": 1.0} \
         if settings.temperature > 0 else {"do_sample": False}
+    # settings of the target's generation config that DFlash cannot apply (a repetition penalty, ...) are switched
+    # off for both methods, so that both decode the same distribution
+    neutral = neutral_overrides(getattr(target, "generation_config", None))
     common = {"attention_mask": attention_mask, "max_new_tokens": settings.max_new_tokens,
-              "eos_token_id": stop_token_ids, "pad_token_id": pad_id, **sampling}
+              "eos_token_id": stop_token_ids, "pad_token_id": pad_id, **sampling, **neutral}
     stops = frozenset(stop_token_ids)
     results = []
 
@@ -84,7 +88,7 @@ def measure_prompts(
             temperature=settings.temperature, top_k=0, top_p=1.0,  # as `generate` above: no other filter
             stop_token_ids=stop_token_ids, block_size=settings.block_size,
             seed=settings.seed if settings.temperature > 0 else None, mask_token_id=mask_token_id, return_stats=True,
-            acceptance=settings.acceptance,
+            acceptance=settings.acceptance, **neutral,
         ))
         return [results[-1].new_tokens(row) for row in range(len(prompts))]
 
@@ -210,7 +214,8 @@ def calibrate_block_size(
     device = target.get_input_embeddings().weight.device
     result = draft.spec_generate(target=target, input_ids=torch.tensor([prompt], device=device),
                                  max_new_tokens=settings.max_new_tokens, temperature=0.0, stop_token_ids=stop_token_ids,
-                                 mask_token_id=mask_token_id, return_stats=True)
+                                 mask_token_id=mask_token_id, return_stats=True,
+                                 **neutral_overrides(getattr(target, "generation_config", None)))
     histogram = acceptance_histogram(result.acceptance_lengths[0], draft.block_size)
     return choose_block_size(draft, target, typical_context(prompt, result.new_tokens(0), device), histogram,
                              settings.batch_size, mask_token_id)

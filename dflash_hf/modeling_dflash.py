@@ -71,8 +71,8 @@ class DFlashRotaryEmbedding(nn.Module):
         if self.rope_type not in known:
             raise ValueError(f"Draft rope type {self.rope_type!r} is not known to this Transformers version "
                              f"(known: {', '.join(known)}).")
-        rope_init = known[self.rope_type]
-        inv_freq, self.attention_scaling = rope_init(config, None)  # (config, device): both versions take it
+        self.rope_init = known[self.rope_type]
+        inv_freq, self.attention_scaling = self.rope_init(config, None)  # (config, device): both versions take it
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)  # Transformers 5 re-inits from it
 
@@ -82,6 +82,14 @@ class DFlashRotaryEmbedding(nn.Module):
         base = float(read_rope_parameters(config)["rope_theta"])
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> DFlashRotaryEmbedding:
+        """Moves like any module, but the frequencies stay float32 through dtype casts (recomputed, not rounded)."""
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32 and not self.inv_freq.is_meta:
+            inv_freq = self.rope_init(self.config, None)[0].to(self.inv_freq.device)
+            self.inv_freq, self.original_inv_freq = inv_freq, inv_freq.clone()
+        return self
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.float()  # [B, T, D/2]
@@ -298,11 +306,11 @@ class DFlashDraftModel(PreTrainedModel):
             hidden_states = layer(hidden_states, context, block_rope, context_rope, cache, attention_mask)
         return self.norm(hidden_states)
 
-    def spec_generate(self, target: nn.Module, input_ids: torch.Tensor, **generation_kwargs: Any) -> Any:
+    def spec_generate(self, target: nn.Module, input_ids: torch.Tensor, *args: Any, **generation_kwargs: Any) -> Any:
         """Lossless speculative decoding with `target`: ids [N, prompt + new], or `SpecGenerateOutput` with stats.
 
-        Keywords: max_new_tokens, temperature, do_sample, top_k, top_p, stop_token_ids, block_size, generator, seed,
-        mask_token_id, attention_mask, streamer, pad_token_id, generation_config, return_stats; what is not passed
+        Arguments: max_new_tokens, temperature, top_k, top_p, stop_token_ids, block_size, generator, seed, mask_token_id,
+        attention_mask, streamer, pad_token_id, return_stats, acceptance, do_sample, generation_config; what is not passed
         comes from the target's generation config, as in `generate` (see `generation_dflash.spec_generate`).
         """
         # The loop depends on the model, never the other way, so it is imported here. Its modules are all named:
@@ -313,7 +321,7 @@ class DFlashDraftModel(PreTrainedModel):
         from .sampling_dflash import commit_block  # noqa: F401
         from .target_dflash import verify_forward  # noqa: F401
 
-        return spec_generate(self, target, input_ids, **generation_kwargs)
+        return spec_generate(self, target, input_ids, *args, **generation_kwargs)
 
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:

@@ -99,11 +99,15 @@ def speculative_sample(
     num_proposals = proposals.shape[0]
     positions = torch.arange(num_proposals, device=proposals.device)
     uniforms = torch.rand(num_proposals, generator=generator, device=proposals.device)
-    kept = uniforms * draft_probabilities[positions, proposals] <= target_probabilities[positions, proposals]  # [k]
+    kept = uniforms * draft_probabilities[positions, proposals] < target_probabilities[positions, proposals]  # [k]
     accepted = int(kept.long().cumprod(dim=0).sum())  # one device sync
     distribution = target_probabilities[accepted]  # [V]
     if accepted < num_proposals:
         residual = (distribution - draft_probabilities[accepted]).clamp(min=0.0)
-        distribution = residual if bool(residual.sum() > 0) else distribution  # p == q exactly: p itself is the residual
+        if bool(residual.sum() > 0):
+            distribution = residual
+        else:  # p <= q everywhere yet p != q: rounding only (p == q keeps with probability 1), so keep the proposal
+            accepted += 1
+            distribution = target_probabilities[accepted]
     token = torch.multinomial(distribution / distribution.sum(), 1, generator=generator)
     return accepted, int(token)

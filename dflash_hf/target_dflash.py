@@ -68,10 +68,13 @@ def plain_head_parts(target: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
     if not isinstance(base, torch.nn.Module) or base is target or head is None or not is_plain_linear(head):
         return None
     if target not in _PLAIN_HEAD_PROBED:
-        probe = torch.arange(2, device=head.weight.device)[None]  # [1, 2]
-        own = target(input_ids=probe, use_cache=False).logits
-        bare = head(base(input_ids=probe, use_cache=False).last_hidden_state)
-        _PLAIN_HEAD_PROBED[target] = own.shape == bare.shape and torch.equal(own, bare)
+        probe = torch.arange(2, device=target.get_input_embeddings().weight.device)[None]  # [1, 2]
+        try:
+            own = target(input_ids=probe, use_cache=False).logits
+            bare = head(base(input_ids=probe, use_cache=False).last_hidden_state)
+            _PLAIN_HEAD_PROBED[target] = own.shape == bare.shape and torch.equal(own, bare)
+        except Exception:  # a target the probe cannot run this way: its own forward does every verify
+            _PLAIN_HEAD_PROBED[target] = False
     return (base, head) if _PLAIN_HEAD_PROBED[target] else None
 
 
@@ -169,39 +172,47 @@ class GenerationChoices:
     pad_token_id: int
 
 
-def _check_honourable(settings: dict[str, Any], source: str) -> None:
+CALL_SETTINGS = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "stop_token_ids",
+                 "eos_token_id", "pad_token_id", "use_cache"}  # what a call may pass besides the neutral settings
+
+
+def _check_honourable(settings: dict[str, Any], from_call: set[str], config_source: str) -> None:
     for name, neutral in NEUTRAL_GENERATION_SETTINGS.items():
         value = settings.get(name)
         if value is not None and value != neutral and not (name == "guidance_scale" and value == 1):
+            source = "the call" if name in from_call else config_source
             raise ValueError(f"{source} sets {name}={value!r}, which DFlash speculative decoding cannot apply "
-                             f"(the output would not be the target's own); leave it at {neutral!r}.")
+                             f"(the output would not be the target's own); pass {name}={neutral!r} to override it.")
 
 
 def resolve_generation_choices(target: torch.nn.Module, prompt_length: int, generation_config: Any = None,
                                **arguments: Any) -> GenerationChoices:
     """Merge a call's arguments over `generation_config` (default: the target's), the way `generate` does.
 
-    `arguments`: max_new_tokens, do_sample, temperature, top_k, top_p, stop_token_ids (or eos_token_id), pad_token_id
-    (None: not given), and any other generation setting, refused by name where the loop cannot honour it.
+    `arguments`: max_new_tokens (or max_length), do_sample, temperature, top_k, top_p, stop_token_ids (or eos_token_id),
+    pad_token_id (None: not given), and settings the loop cannot honour, accepted only at their neutral values.
     """
     config = generation_config if generation_config is not None else getattr(target, "generation_config", None)
-    settings = config.to_dict() if config is not None else {}
-    _check_honourable(settings, "the generation config" if generation_config is not None else "target.generation_config")
-    known = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "stop_token_ids", "eos_token_id", "pad_token_id"}
-    extra = {key: value for key, value in arguments.items() if key not in known}
-    unknown = sorted(key for key in extra if key not in NEUTRAL_GENERATION_SETTINGS and key not in settings)
+    unknown = sorted(key for key in arguments if key not in CALL_SETTINGS and key not in NEUTRAL_GENERATION_SETTINGS)
     if unknown:
         raise TypeError(f"spec_generate got unexpected keyword argument(s) {', '.join(unknown)}.")
-    _check_honourable(extra, "the call")
-    given = {key: value for key, value in arguments.items() if key in known and value is not None}
-    merged = {**GENERATE_DEFAULTS, **{k: v for k, v in settings.items() if v is not None}, **given}
+    given = {key: value for key, value in arguments.items() if value is not None}
+    settings = {k: v for k, v in (config.to_dict() if config is not None else {}).items() if v is not None}
+    merged = {**GENERATE_DEFAULTS, **settings, **given}
+    config_source = "the generation config" if generation_config is not None else "target.generation_config"
+    _check_honourable(merged, set(given), config_source)
     if given.get("temperature", 0.0) < 0:
         raise ValueError(f"temperature must be >= 0, got {given['temperature']}.")
     if "temperature" in given and "do_sample" not in given:  # dflash-hf's own shorthand: temperature 0 is greedy
         merged["do_sample"] = given["temperature"] > 0
-    max_new_tokens = merged.get("max_new_tokens")
-    if max_new_tokens is None and merged.get("max_length") not in (None, 20):
-        max_new_tokens = merged["max_length"] - prompt_length
+    max_new_tokens = given.get("max_new_tokens", settings.get("max_new_tokens"))
+    max_length = given.get("max_length", settings.get("max_length"))
+    if "max_new_tokens" not in given and ("max_length" in given or max_new_tokens is None and max_length not in (None, 20)):
+        max_new_tokens = max_length - prompt_length  # generate's max_length counts the prompt
+        if max_new_tokens < 1:
+            source = "the call" if "max_length" in given else config_source
+            raise ValueError(f"{source} sets max_length={max_length}, which leaves no room after the prompt of "
+                             f"{prompt_length} tokens; pass max_new_tokens instead.")
     stop = given.get("stop_token_ids", given.get("eos_token_id", merged.get("eos_token_id")))
     stop_token_ids = [] if stop is None else [stop] if isinstance(stop, int) else list(stop)
     top_k, top_p = merged.get("top_k"), merged.get("top_p")
@@ -214,6 +225,13 @@ def resolve_generation_choices(target: torch.nn.Module, prompt_length: int, gene
         pad_token_id=merged["pad_token_id"] if merged.get("pad_token_id") is not None else default_pad_token_id(
             target, stop_token_ids),
     )
+
+
+def neutral_overrides(generation_config: Any) -> dict[str, Any]:
+    """The neutral value of every setting in `generation_config` that the loop cannot honour (to compare like with like)."""
+    settings = generation_config.to_dict() if generation_config is not None else {}
+    return {name: neutral for name, neutral in NEUTRAL_GENERATION_SETTINGS.items()
+            if settings.get(name) is not None and settings[name] != neutral and not (name == "guidance_scale" and settings[name] == 1)}
 
 
 # --- Checks ----------------------------------------------------------------------------------------------------------

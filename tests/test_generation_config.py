@@ -72,3 +72,20 @@ def test_settings_the_loop_cannot_honour_are_refused(target, setting):
     target.generation_config.update(**setting)
     with pytest.raises(ValueError, match="target.generation_config sets"):
         draft.spec_generate(target=target, input_ids=PROMPT, max_new_tokens=4)
+
+
+def test_the_call_overrides_a_setting_of_the_config_that_the_loop_cannot_honour(target):
+    target.generation_config.repetition_penalty = 1.2  # as some Instruct models ship
+    expected = target.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=12, do_sample=False,
+                               repetition_penalty=1.0)
+    output = make_draft(14).spec_generate(target=target, input_ids=PROMPT, max_new_tokens=12, repetition_penalty=1.0)
+    assert torch.equal(output, expected)
+
+
+def test_lengths_and_unknown_settings(target):
+    assert resolve_generation_choices(target, 6, max_length=40).max_new_tokens == 34
+    assert resolve_generation_choices(target, 6, max_length=40, max_new_tokens=5).max_new_tokens == 5
+    with pytest.raises(ValueError, match="the generation config sets max_length=4, which leaves no room"):
+        resolve_generation_choices(target, 6, GenerationConfig(max_length=4))
+    with pytest.raises(TypeError, match="unexpected keyword argument\\(s\\) token_healing"):
+        resolve_generation_choices(target, 6, token_healing=True)

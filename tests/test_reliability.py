@@ -168,3 +168,11 @@ def test_inv_freq_is_a_non_persistent_buffer():
     draft = make_draft(8)
     assert "rotary_emb.inv_freq" in dict(draft.named_buffers())
     assert not any("inv_freq" in name for name in draft.state_dict())
+
+
+def test_rope_frequencies_stay_float32_through_dtype_casts():
+    draft = make_draft(9, rope_theta=1e6)
+    exact = draft.rotary_emb.inv_freq.clone()
+    draft.to(torch.bfloat16)
+    assert draft.rotary_emb.inv_freq.dtype == torch.float32 and torch.equal(draft.rotary_emb.inv_freq, exact)
+    assert draft.fc.weight.dtype == torch.bfloat16

@@ -162,15 +162,18 @@ def test_batched_sampling_follows_each_rows_distribution(setup, per_row_generato
 
 
 def test_per_row_generators_reproduce_each_row_alone(setup):
+    """With the equality rule (argmax proposals) a row's random stream is the same in a batch and alone. Speculative
+    sampling draws a row's proposals from a block as wide as the batch's step, so there it is exact, not replayable."""
     target, prompt = setup
     draft = make_draft(12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
     other = torch.tensor([[0, 3, 2, 2]])
     batch = draft.spec_generate(target=target, input_ids=torch.cat((prompt, other)), max_new_tokens=12,
                                 temperature=1.0, generator=[torch.Generator().manual_seed(s) for s in (5, 6)],
-                                return_stats=True)
+                                acceptance="equality", return_stats=True)
     for row, (row_prompt, seed) in enumerate(((prompt, 5), (other, 6))):
         alone = draft.spec_generate(target=target, input_ids=row_prompt, max_new_tokens=12, temperature=1.0,
-                                    generator=torch.Generator().manual_seed(seed), return_stats=True)
+                                    generator=torch.Generator().manual_seed(seed), acceptance="equality",
+                                    return_stats=True)
         assert batch.new_tokens(row) == alone.new_tokens(0)
     assert batch.new_tokens(0) != batch.new_tokens(1)
 
@@ -230,3 +233,14 @@ class TargetSampleProposer:
         if not self.with_probabilities:
             return torch.tensor([tokens])
         return Proposal(torch.tensor([tokens]), torch.stack(distributions)[None])
+
+
+def test_speculative_sample_never_commits_the_proposal_it_rejected():
+    """p slightly below q everywhere (rounding): a rejection finds no residual and keeps the proposal instead."""
+    q = torch.tensor([[0.25, 0.25, 0.25, 0.25], [0.25, 0.25, 0.25, 0.25]])
+    p = torch.cat((q[:1] * 0.999, q[1:]))  # [k + 1, V], k = 1: p < q at every token of position 0
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3000):
+        proposal = torch.multinomial(q[0], 1, generator=generator)
+        accepted, token = speculative_sample(proposal, q[:1], p, generator)
+        assert accepted == 1 or token != int(proposal)
