@@ -88,7 +88,6 @@ class SpecGenerateOutput:
         return (self.total_time - self.time_to_first_token) / max(longest - 1, 1)
 
 
-
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (CUDA), so that wall-clock times are complete."""
     if device.type == "cuda":

@@ -26,6 +26,11 @@ from .configuration_dflash import DFLASH_HF_VERSION, REMOTE_CODE_FILES, DFlashCo
 REMOTE_CODE_HEADER = "# Exported by dflash-hf {version}: a copy of the package's module; change the package, not this file.\n"
 
 
+def without_export_header(text: str) -> str:
+    """A remote-code file's text without the header line `save_pretrained` puts first (as the package has it)."""
+    return text.split("\n", 1)[1] if text.startswith(REMOTE_CODE_HEADER.split("{", 1)[0]) else text
+
+
 class DFlashRMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 (as Qwen3RMSNorm)."""
 
@@ -350,9 +355,7 @@ class DFlashDraftModel(PreTrainedModel):
         for name in REMOTE_CODE_FILES:
             path = Path(save_directory) / name
             if path.exists():
-                text = path.read_text(encoding="utf-8")
-                body = text.split("\n", 1)[1] if text.startswith("# Exported by dflash-hf") else text
-                path.write_text(header + body, encoding="utf-8")
+                path.write_text(header + without_export_header(path.read_text(encoding="utf-8")), encoding="utf-8")
 
 
 DFlashConfig.register_for_auto_class()

@@ -101,15 +101,15 @@ class DFlashProposer:
         self.cache.select_rows(index)
         self.columns.select_rows(keep, index)
 
-    def _attention_mask(self, step: DraftStep) -> torch.Tensor | None:
-        """Record the step's new context columns; the mask [N, 1, 1, C + B] over context and block (None: all real)."""
+    def _attention_mask(self, step: DraftStep, context_counts: list[int]) -> torch.Tensor | None:
+        """Record the step's new context columns (context_counts: positions before each pending token); the mask
+        [N, 1, 1, C + B] over context and block (None: all real)."""
         num_rows, device = len(step.row_ids), self.embed_tokens.weight.device
         if self.columns is None:
             self.columns = CacheColumns(torch.ones(num_rows, 0, dtype=torch.bool, device=device), [0] * num_rows)
         new_valid = step.context_valid
         if new_valid is None:
             new_valid = torch.ones(num_rows, step.target_hidden.shape[1], dtype=torch.bool, device=device)
-        context_counts = step.pending_positions  # positions before each pending token
         self.columns.append(new_valid, [total - seen for total, seen in zip(context_counts, self.columns.real_counts)])
         seen_mask = self.columns.attention_mask(step.block_size)  # [N, C + B] or None
         return None if seen_mask is None else seen_mask[:, None, None, :]
@@ -117,8 +117,9 @@ class DFlashProposer:
     def propose(self, step: DraftStep) -> torch.Tensor | Proposal:
         """The draft's proposals [N, B-1] for positions s+1 .. s+B-1: its argmax, or samples of q when sampling."""
         device, block_size = self.embed_tokens.weight.device, step.block_size
-        attention_mask = self._attention_mask(step)
-        starts = torch.tensor(step.pending_positions, device=device)  # [N]: position s of each pending token
+        pending_positions = step.pending_positions  # position s of each pending token = positions before it
+        attention_mask = self._attention_mask(step, pending_positions)
+        starts = torch.tensor(pending_positions, device=device)  # [N]
         block_ids = torch.full((len(step.row_ids), block_size), self.mask_token_id, dtype=torch.long, device=device)
         block_ids[:, 0] = torch.tensor(step.pending_tokens, device=device)
         hidden = self.draft(

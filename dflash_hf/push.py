@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from .configuration_dflash import REMOTE_CODE_FILES
+from .modeling_dflash import DFlashDraftModel, without_export_header
 
 REQUIRED_METADATA = ("base_model", "library_name", "pipeline_tag", "license", "tags")
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -19,8 +20,6 @@ def hub_ready_folder(folder: str | Path, staging: str | Path) -> Path:
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     if all((folder / name).exists() for name in REMOTE_CODE_FILES) and "auto_map" in config:
         return folder
-    from .modeling_dflash import DFlashDraftModel
-
     staging = Path(staging)
     DFlashDraftModel.from_pretrained(folder, dtype="auto").save_pretrained(staging)  # keep the stored dtype
     for extra in ("README.md", "dflash_card.json"):
@@ -29,17 +28,12 @@ def hub_ready_folder(folder: str | Path, staging: str | Path) -> Path:
     return staging
 
 
-def exported_code(path: Path) -> str:
-    """A remote-code file as the package wrote it, without the export header line."""
-    text = path.read_text(encoding="utf-8")
-    return text.split("\n", 1)[1] if text.startswith("# Exported by dflash-hf") else text
-
-
 def differing_remote_code(folder: str | Path) -> list[str]:
     """The remote-code files of `folder` that differ from the installed package's modules."""
     folder = Path(folder)
     return [name for name in REMOTE_CODE_FILES
-            if (folder / name).exists() and exported_code(folder / name) != (PACKAGE_DIR / name).read_text(encoding="utf-8")]
+            if (folder / name).exists() and without_export_header((folder / name).read_text(encoding="utf-8"))
+            != (PACKAGE_DIR / name).read_text(encoding="utf-8")]
 
 
 def check_hub_folder(folder: str | Path, keep_remote_code: bool = False) -> list[str]:

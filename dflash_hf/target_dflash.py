@@ -176,13 +176,18 @@ CALL_SETTINGS = {"max_new_tokens", "max_length", "do_sample", "temperature", "to
                  "eos_token_id", "pad_token_id", "use_cache"}  # what a call may pass besides the neutral settings
 
 
+def unhonourable_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings among `settings` that the loop cannot honour: set, and not at their neutral value."""
+    return {name: settings[name] for name, neutral in NEUTRAL_GENERATION_SETTINGS.items()
+            if settings.get(name) is not None and settings[name] != neutral
+            and not (name == "guidance_scale" and settings[name] == 1)}
+
+
 def _check_honourable(settings: dict[str, Any], from_call: set[str], config_source: str) -> None:
-    for name, neutral in NEUTRAL_GENERATION_SETTINGS.items():
-        value = settings.get(name)
-        if value is not None and value != neutral and not (name == "guidance_scale" and value == 1):
-            source = "the call" if name in from_call else config_source
-            raise ValueError(f"{source} sets {name}={value!r}, which DFlash speculative decoding cannot apply "
-                             f"(the output would not be the target's own); pass {name}={neutral!r} to override it.")
+    for name, value in unhonourable_settings(settings).items():
+        source = "the call" if name in from_call else config_source
+        raise ValueError(f"{source} sets {name}={value!r}, which DFlash speculative decoding cannot apply (the output "
+                         f"would not be the target's own); pass {name}={NEUTRAL_GENERATION_SETTINGS[name]!r} to override it.")
 
 
 def resolve_generation_choices(target: torch.nn.Module, prompt_length: int, generation_config: Any = None,
@@ -230,8 +235,7 @@ def resolve_generation_choices(target: torch.nn.Module, prompt_length: int, gene
 def neutral_overrides(generation_config: Any) -> dict[str, Any]:
     """The neutral value of every setting in `generation_config` that the loop cannot honour (to compare like with like)."""
     settings = generation_config.to_dict() if generation_config is not None else {}
-    return {name: neutral for name, neutral in NEUTRAL_GENERATION_SETTINGS.items()
-            if settings.get(name) is not None and settings[name] != neutral and not (name == "guidance_scale" and settings[name] == 1)}
+    return {name: NEUTRAL_GENERATION_SETTINGS[name] for name in unhonourable_settings(settings)}
 
 
 # --- Checks ----------------------------------------------------------------------------------------------------------
