@@ -87,6 +87,7 @@ class ProcessContext:
     index: int = 0
     count: int = 1
     gather: Callable[[list], list] = lambda items: items
+    close: Callable[[], None] = lambda: None  # shut the process group down (before the interpreter exits)
 
     @property
     def is_main(self) -> bool:
@@ -105,7 +106,8 @@ def process_context() -> ProcessContext:
     state = PartialState(cpu=not torch.cuda.is_available())  # cpu=True: several CPU processes under torchrun
     if state.num_processes == 1:
         return ProcessContext(state.device)
-    return ProcessContext(state.device, state.process_index, state.num_processes, gather_object)
+    return ProcessContext(state.device, state.process_index, state.num_processes, gather_object,
+                          state.destroy_process_group)
 
 
 @torch.no_grad()

@@ -202,7 +202,12 @@ def main(argv: list[str] | None = None) -> None:
 
         run_demo(args.max_new_tokens, DTYPES[args.dtype], args.draft)
     elif args.command == "bench":
-        run_bench(args)
+        from .benchmark import process_context
+
+        try:
+            run_bench(args)
+        finally:  # torchrun / accelerate processes: no communication thread left running at exit
+            process_context().close()
     elif args.command == "card":
         run_card(args)
     elif args.command == "push":
