@@ -128,10 +128,11 @@ def run_benchmark(
 
     process = process_context()
     tokens = generation_tokens(target, tokenizer, draft)
+    native_draft = transformers_dflash_peer(draft, settings, progress and process.is_main)
     first_prompt = user_prompt_ids(tokenizer, next(iter(datasets.values()))[0][0])
     warm_up = dataclasses.replace(settings, max_new_tokens=8)
     measure_prompts(draft, target, [first_prompt] * settings.batch_size, warm_up, tokens.stop_token_ids,
-                    tokens.mask_token_id)
+                    tokens.mask_token_id, native_draft)
     shards = {name: conversations[process.index :: process.count] for name, conversations in datasets.items()}
     bar = tqdm(total=sum(len(turns) for shard in shards.values() for turns in shard), desc="bench",
                disable=not progress or not process.is_main)
@@ -144,7 +145,8 @@ def run_benchmark(
                                                            tokens.mask_token_id)
             dataset_settings = dataclasses.replace(settings, block_size=block_size)
         records, step_costs = measure_dataset(draft, target, tokenizer, shards[name], dataset_settings, tokens,
-                                              on_turns=lambda records, rows: _show(bar, name, records, rows))
+                                              on_turns=lambda records, rows: _show(bar, name, records, rows),
+                                              native_draft=native_draft)
         block_size = dataset_settings.block_size or draft.block_size
         results.append(summarize(name, process.gather(records), len(conversations), block_size,
                                  process.gather([step_costs])[0], settings.temperature == 0, settings.batch_size))
@@ -152,6 +154,21 @@ def run_benchmark(
             results[-1]["block_size_predictions"] = predictions
     bar.close()
     return results
+
+
+def transformers_dflash_peer(draft: DFlashDraftModel, settings: BenchSettings, verbose: bool) -> torch.nn.Module | None:
+    """The draft's weights as Transformers' native DFlash draft, timed as a peer on single prompts; None where the
+    installed Transformers has no native DFlash, the draft cannot be expressed there, or batches are measured."""
+    from .conversion import to_native
+
+    if settings.batch_size > 1:
+        return None
+    try:
+        return to_native(draft).to(draft.device)
+    except ValueError as error:
+        if verbose:
+            print(f"bench: no Transformers DFlash column ({error})")
+        return None
 
 
 def _show(bar: Any, name: str, records: list[TurnRecord], rows: int) -> None:
@@ -167,6 +184,7 @@ def measure_dataset(
     settings: BenchSettings,
     tokens: GenerationTokens,
     on_turns: Callable[[list[TurnRecord], int], None] = lambda records, rows: None,
+    native_draft: torch.nn.Module | None = None,
 ) -> tuple[list[TurnRecord], dict[str, float] | None]:
     """Records of every turn of `conversations`, `batch_size` conversations at a time, and the step costs.
 
@@ -185,7 +203,8 @@ def measure_dataset(
             for row in rows:
                 histories[row].append({"role": "user", "content": group[row][turn_index]})
             prompts = [chat_prompt_ids(tokenizer, histories[row]) for row in rows]
-            turn_records = measure_prompts(draft, target, prompts, settings, tokens.stop_token_ids, tokens.mask_token_id)
+            turn_records = measure_prompts(draft, target, prompts, settings, tokens.stop_token_ids, tokens.mask_token_id,
+                                           native_draft)
             records.extend(turn_records)
             if step_costs is None:
                 context = typical_context(prompts[0], turn_records[0].new_tokens["plain"], device)
@@ -204,7 +223,7 @@ def measure_dataset(
 
 
 def plot_results(results: list[dict[str, Any]], path: str | Path) -> None:
-    """A PNG: speedup (measured, cost-model bound, prompt lookup) and tau per dataset."""
+    """A PNG: speedup (measured, cost-model bound, prompt lookup, Transformers' DFlash) and tau per dataset."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -213,11 +232,12 @@ def plot_results(results: list[dict[str, Any]], path: str | Path) -> None:
     names = [result["dataset"] for result in results]
     positions = range(len(names))
     figure, (speed_axis, tau_axis) = plt.subplots(1, 2, figsize=(4 + 2 * len(names), 4))
-    width = 0.27
-    speed_axis.bar([p - width for p in positions], [r["speedup"] for r in results], width, label="DFlash (measured)")
-    speed_axis.bar(list(positions), [r["bound"] or 0.0 for r in results], width, label="cost-model bound")
-    speed_axis.bar([p + width for p in positions], [r["speedup_prompt_lookup"] or 0.0 for r in results], width,
-                   label="prompt lookup")
+    bars = [("DFlash (measured)", "speedup"), ("cost-model bound", "bound"), ("prompt lookup", "speedup_prompt_lookup"),
+            ("Transformers' DFlash", "speedup_transformers_dflash")]
+    width = 0.8 / len(bars)
+    for index, (label, key) in enumerate(bars):
+        offset = (index - (len(bars) - 1) / 2) * width
+        speed_axis.bar([p + offset for p in positions], [r.get(key) or 0.0 for r in results], width, label=label)
     speed_axis.axhline(1.0, color="gray", linewidth=0.8)
     speed_axis.set(xticks=list(positions), xticklabels=names, ylabel="speedup over target.generate")
     speed_axis.legend(fontsize=8, loc="lower left", framealpha=0.9)

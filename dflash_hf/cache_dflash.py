@@ -5,6 +5,10 @@ own number of tokens per step, so rows leave unused columns ("holes"); an attent
 them, and the caches are compacted once the holes pass `CACHE_HOLE_BUDGET`. This is the only
 module that touches a cache's internal layout (Transformers 4.57 and 5.x `DynamicCache` alike).
 
+Every verify step cuts the target's cache back to the accepted prefix, so a target must keep per-position keys and
+values: sliding-window layers get a cache layer that keeps every position (the model's own masks still apply the
+window), and targets whose cache holds a recurrent state (linear attention, state-space, convolution) are refused.
+
 Hub remote code: imports only torch and transformers.
 """
 
@@ -52,9 +56,13 @@ class CacheColumns:
     Counts are kept on the host, so asking whether there are holes never waits for the device.
     """
 
-    def __init__(self, valid: torch.Tensor, real_counts: list[int]) -> None:
+    def __init__(self, valid: torch.Tensor, real_counts: list[int], contiguous: bool = False) -> None:
         self.valid = valid  # [N, W] bool
         self.real_counts = real_counts  # per row: number of True in `valid`
+        # contiguous: each row's positions must sit in adjacent columns (holes only before them), because the model
+        # counts its attention window in columns; then any hole after a row's first position is compacted away.
+        self.contiguous = contiguous
+        self.gapped = False  # some row may have a hole after its first position (host-side, conservative)
 
     @property
     def width(self) -> int:
@@ -70,6 +78,7 @@ class CacheColumns:
         """Add columns kept [N, w] (True where the row keeps that column) with their per-row counts."""
         self.valid = torch.cat((self.valid, kept), dim=1)
         self.real_counts = [count + added for count, added in zip(self.real_counts, kept_counts)]
+        self.gapped = self.gapped or any(added < kept.shape[1] for added in kept_counts)
 
     def attention_mask(self, new_columns: int) -> torch.Tensor | None:
         """2-D mask [N, W + new] over cached and new columns, or None when every column is real."""
@@ -83,12 +92,14 @@ class CacheColumns:
         self.real_counts = [self.real_counts[row] for row in keep]
 
     def compaction(self) -> torch.Tensor | None:
-        """The column order [N, W'] that removes the holes once they exceed CACHE_HOLE_BUDGET (else None)."""
+        """The column order [N, W'] that removes the holes once they exceed CACHE_HOLE_BUDGET, or (contiguous) once a
+        row has a hole after its first position (else None)."""
         longest = max(self.real_counts)
-        if self.width - longest <= CACHE_HOLE_BUDGET:
+        if self.width - longest <= CACHE_HOLE_BUDGET and not (self.contiguous and self.gapped):
             return None
         index = compaction_index(self.valid, longest)
         self.valid = self.valid.gather(1, index)
+        self.gapped = False
         return index
 
 
@@ -108,10 +119,101 @@ def returned_cache(outputs: Any) -> Any:
     return outputs.past_key_values if cache is None else cache
 
 
+# Words in a layer type (`layer_types`, `layers_block_type`) that mark a layer whose cache is a recurrent state
+# (linear attention, gated delta rule, state space, short convolution) rather than keys and values per position.
+RECURRENT_LAYER_WORDS = ("linear", "mamba", "ssm", "conv", "recurrent", "rwkv", "delta", "lstm", "hybrid", "retention")
+# Architectures with such layers whose config may not name them per layer: model_type -> the layers' type.
+RECURRENT_MODEL_TYPES = {
+    "mamba": "mamba", "mamba2": "mamba", "falcon_mamba": "mamba", "jamba": "mamba", "bamba": "mamba",
+    "zamba": "mamba", "zamba2": "mamba", "falcon_h1": "mamba", "granitemoehybrid": "mamba", "nemotron_h": "mamba",
+    "rwkv": "rwkv", "xlstm": "mlstm", "recurrent_gemma": "recurrent", "lfm2": "conv", "lfm2_moe": "conv",
+    "qwen3_next": "linear_attention", "qwen3_5": "linear_attention", "qwen3_5_moe": "linear_attention",
+    "kimi_linear": "linear_attention", "minimax": "linear_attention", "olmo_hybrid": "linear_attention",
+    "bailing_hybrid": "linear_attention",
+}
+
+
+def recurrent_layers(config: Any) -> dict[str, list[int]]:
+    """The layer types of a decoder config whose cache is a recurrent state, each with its layer indices (maybe [])."""
+    for name in ("layer_types", "layers_block_type"):
+        types = getattr(config, name, None)
+        found: dict[str, list[int]] = {}
+        for index, layer_type in enumerate(types if isinstance(types, (list, tuple)) else ()):
+            if isinstance(layer_type, str) and any(word in layer_type.lower() for word in RECURRENT_LAYER_WORDS):
+                found.setdefault(layer_type, []).append(index)
+        if found:
+            return found
+    model_type = str(getattr(config, "model_type", "")).removesuffix("_text")
+    return {RECURRENT_MODEL_TYPES[model_type]: []} if model_type in RECURRENT_MODEL_TYPES else {}
+
+
+def _config_cache(config: Any) -> Any:
+    """The DynamicCache a model builds from its config (Transformers picks each layer's class), or None."""
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=config)
+    except Exception:  # a config Transformers cannot lay a cache out for: the model makes its own
+        return None
+
+
+def _is_windowed(layer: Any) -> bool:
+    """A plain sliding-window (or chunked) layer: it drops positions older than its window."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    return type(layer) is DynamicSlidingWindowLayer
+
+
+def check_croppable_target(target: torch.nn.Module, config: Any, cache: Any = None) -> None:
+    """Raise a ValueError, before any forward, when the target's cache cannot be cut back to a prefix.
+
+    `config`: the target's decoder config. Recurrent layers are found by their layer type (Transformers 4.57 and 5.x)
+    and, where Transformers says so (5.x `is_croppable`), by the cache layer class it would use (`cache`: the one
+    `_config_cache` built, if at hand).
+    """
+    recurrent = recurrent_layers(config)
+    cache = _config_cache(config) if cache is None else cache
+    uncroppable = sorted({type(layer).__name__ for layer in getattr(cache, "layers", ())
+                          if not _is_windowed(layer) and getattr(layer, "is_croppable", True) is False})
+    if not recurrent and not uncroppable:
+        return
+    named = ", ".join(f"{layer_type} (layers {', '.join(map(str, indices))})" if indices else layer_type
+                      for layer_type, indices in recurrent.items()) or ", ".join(uncroppable)
+    raise ValueError(
+        f"Target {type(target).__name__} ({getattr(config, 'model_type', '?')}) has layers of type {named}: their "
+        "recurrent state cannot be rolled back to the accepted prefix of a verified block, which DFlash speculative "
+        "decoding does after every step. This target is not supported (the draft itself loads fine); targets whose "
+        "cache holds keys and values per position (full, sliding-window or chunked attention) are."
+    )
+
+
+def full_history_cache(target: torch.nn.Module, config: Any) -> Any:
+    """A fresh cache for the target's prefill that keeps every position, or None where the target's own already does.
+
+    Transformers' sliding-window cache layers drop positions older than the window, so they cannot be cropped back
+    once the window is full. Here those layers are plain `DynamicLayer`s that keep every position; the model's masks
+    still apply the window (they count it in cache columns: see `CacheColumns.contiguous`). Refuses recurrent targets.
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    cache = _config_cache(config)
+    check_croppable_target(target, config, cache)
+    layers = getattr(cache, "layers", None)
+    if not layers or not any(_is_windowed(layer) for layer in layers):
+        return None
+    cache.layers = [DynamicLayer() if _is_windowed(layer) else layer for layer in layers]
+    return cache
+
+
 def check_cache(cache: Any, target: torch.nn.Module, num_rows: int) -> None:
     """Raise a ValueError unless the target's cache can be cropped (and, for a batch, have rows selected)."""
     if cache is None or not hasattr(cache, "crop"):
         raise ValueError(f"Target {type(target).__name__} returned no croppable KV cache; DFlash needs a DynamicCache.")
+    layers = [type(layer).__name__ for layer in getattr(cache, "layers", ()) if _is_windowed(layer)
+              or getattr(layer, "is_croppable", True) is False]
+    if layers:
+        raise ValueError(f"Target {type(target).__name__} returned a cache with {', '.join(sorted(set(layers)))} "
+                         "layers, which cannot be cut back to the accepted prefix.")
     if num_rows > 1 and not (hasattr(cache, "layers") and hasattr(cache, "batch_select_indices")):
         raise ValueError(f"Target {type(target).__name__} returned a {type(cache).__name__}; batches need a DynamicCache.")
 
@@ -131,6 +233,8 @@ def select_cache_rows(cache: Any, index: torch.Tensor) -> None:
 def reorder_cache_columns(cache: Any, index: torch.Tensor) -> None:
     """Apply a per-row column order [N, W'] to every layer of a Transformers DynamicCache (4.57 and 5.x)."""
     for layer in cache.layers:
+        if getattr(layer, "keys", None) is None or layer.keys.dim() != 4:
+            continue  # a layer that stores nothing (Gemma 4's K/V-sharing layers: `DummyLayer`; not yet initialised)
         layer.keys = gather_columns(layer.keys, index)
         layer.values = gather_columns(layer.values, index)
 
@@ -139,11 +243,19 @@ def reorder_cache_columns(cache: Any, index: torch.Tensor) -> None:
 
 
 class DraftContextCache:
-    """Per-layer K/V of the draft's CONTEXT rows (post k_norm and rope); block rows are never stored."""
+    """Per-layer K/V of the draft's CONTEXT rows (post k_norm and rope), and their positions; block rows are never stored."""
 
     def __init__(self, num_layers: int) -> None:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.positions: torch.Tensor | None = None  # [B, C]: the position id of every cached column
+
+    def append_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Record the position ids [B, T_new] of the context columns this call adds; all of them [B, C]."""
+        if self.positions is not None:
+            position_ids = torch.cat((self.positions, position_ids), dim=1)
+        self.positions = position_ids
+        return position_ids
 
     def append(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store new context K/V [B, kv_heads, T_new, D] for a layer and return all of them."""
@@ -161,8 +273,10 @@ class DraftContextCache:
         """Keep the batch rows `index` [n] (rows that finished leave the batch)."""
         self.keys = [None if key is None else key[index] for key in self.keys]
         self.values = [None if value is None else value[index] for value in self.values]
+        self.positions = None if self.positions is None else self.positions[index]
 
     def reorder_columns(self, index: torch.Tensor) -> None:
         """Per-row column order [N, W'] (compaction: drop unused columns, keep each row's positions in order)."""
         self.keys = [None if key is None else gather_columns(key, index) for key in self.keys]
         self.values = [None if value is None else gather_columns(value, index) for value in self.values]
+        self.positions = None if self.positions is None else self.positions.gather(1, index)

@@ -30,6 +30,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-layers", type=int, default=None, help="default 2 (or --init-from's)")
     parser.add_argument("--target-layer-ids", type=int, nargs="*", default=None)
     parser.add_argument("--mask-token", default=None, help="mask token (string) in the target vocabulary")
+    parser.add_argument("--layer-types", nargs="+", default=None, choices=["full_attention", "sliding_attention"],
+                        help="attention of each draft layer (default: all full_attention)")
+    parser.add_argument("--sliding-window", type=int, default=None, help="window of the sliding_attention layers")
+    parser.add_argument("--causal", choices=["true", "false"], default=None,
+                        help="every layer causal (true) or bidirectional (false); default: sliding layers causal")
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--learning-rate", type=float, default=6e-4)
     parser.add_argument("--num-anchors", type=int, default=64)
@@ -163,6 +168,22 @@ def run_push(args: argparse.Namespace) -> None:
     print(("would upload" if args.dry_run else f"uploaded to https://huggingface.co/{args.repo_id}:"), ", ".join(files))
 
 
+def run_convert(args: argparse.Namespace) -> None:
+    """Convert a draft folder to Transformers' native DFlash class (`--to transformers`) or back (`--to dflash`)."""
+    from .conversion import convert
+
+    try:
+        destination = convert(args.source, args.destination, args.to)
+    except ValueError as error:
+        raise SystemExit(f"dflash-hf convert: {error}") from error
+    if args.to == "transformers":
+        print(f"wrote {destination}: AutoModel.from_pretrained({str(destination)!r}) gives MuseGlimmerAssistantModel; "
+              "use it as target.generate(..., assistant_model=draft, speculation_type='dflash')")
+    else:
+        print(f"wrote {destination}: DFlashDraftModel.from_pretrained or AutoModel.from_pretrained(..., "
+              "trust_remote_code=True), then draft.spec_generate(target=..., input_ids=...)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `dflash-hf` argument parser with its subcommands."""
     parser = argparse.ArgumentParser(prog="dflash-hf", description="DFlash speculative decoding for Transformers")
@@ -186,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--dry-run", action="store_true", help="check and list the files, upload nothing")
     push.add_argument("--keep-remote-code", action="store_true",
                       help="upload the folder's remote code even where it differs from the installed dflash-hf's")
+    convert = commands.add_parser("convert", help="convert a draft to Transformers' native DFlash class, or back")
+    convert.add_argument("source", help="draft folder or Hub id (DFlash layout, or native with --to dflash)")
+    convert.add_argument("destination", help="folder to write")
+    convert.add_argument("--to", choices=["transformers", "dflash"], required=True,
+                         help="transformers: MuseGlimmerAssistantModel (Transformers >= 5.24); dflash: the published layout")
     return parser
 
 
@@ -212,6 +238,8 @@ def main(argv: list[str] | None = None) -> None:
         run_card(args)
     elif args.command == "push":
         run_push(args)
+    elif args.command == "convert":
+        run_convert(args)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,49 @@ DEFAULT_BLOCK_SIZE = 16  # dflash-formats.md: `block_size` when a config names n
 ALWAYS_SAVED = ("block_size", "num_target_layers", "dflash_config", "rope_parameters", "rope_theta", "rope_scaling")
 
 
+# Transformers' native DFlash draft (`MuseGlimmerAssistantConfig`, Transformers >= 5.24): its model type, and its class
+# defaults (its config.json may omit a field equal to them; a test on 5.x compares this table with the class).
+NATIVE_MODEL_TYPE = "muse_glimmer_assistant"
+NATIVE_DEFAULTS = {
+    "hidden_size": 6656, "intermediate_size": 19968, "num_hidden_layers": 5, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+    "attention_dropout": 0, "hidden_act": "silu", "block_size": 16, "mask_token_id": 201818,
+    "target_layer_ids": [1, 13, 25, 37, 49], "sliding_window": 2048, "layer_types": None,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+}
+# Fields both configs have under the same name and meaning.
+NATIVE_SHARED_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                        "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
+                        "attention_dropout", "hidden_act", "block_size")
+# DFlash fields a native config can carry as extra attributes (dflash-hf writes them; other native configs lack them).
+NATIVE_EXTRA_FIELDS = ("vocab_size", "num_target_layers", "mask_token")
+
+
+def config_from_native(native: dict[str, Any]) -> dict[str, Any]:
+    """DFlashConfig arguments for a native `muse_glimmer_assistant` config dict: the same draft, exactly.
+
+    Native layers are all bidirectional; its sliding window is inclusive (|q - k| <= W), ours exclusive, so W + 1.
+    """
+    values = {**NATIVE_DEFAULTS, **{key: value for key, value in native.items() if value is not None}}
+    layer_types = values["layer_types"] or ["sliding_attention"] * values["num_hidden_layers"]
+    rope = dict(values["rope_parameters"])
+    arguments = {name: values[name] for name in NATIVE_SHARED_FIELDS}
+    arguments.update(
+        architectures=["DFlashDraftModel"], attention_bias=False, tie_word_embeddings=False,
+        layer_types=layer_types, is_causal=False if "sliding_attention" in layer_types else None,
+        sliding_window=values["sliding_window"] + 1 if "sliding_attention" in layer_types else None,
+        rope_theta=rope.pop("rope_theta"), rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
+        num_target_layers=values.get("num_target_layers"),
+        dflash_config={"target_layer_ids": list(values["target_layer_ids"]), "mask_token_id": values["mask_token_id"],
+                       **({"mask_token": values["mask_token"]} if values.get("mask_token") else {})},
+    )
+    if values.get("vocab_size") is not None:
+        arguments["vocab_size"] = values["vocab_size"]
+    else:  # Transformers' native drafts do not record the target's vocabulary
+        arguments["dflash_config"]["vocab_size_unknown"] = True
+    return arguments
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Target layers feeding the draft when the config names none: evenly spaced from 1 to N-3."""
     if num_draft_layers == 1:
@@ -62,7 +105,9 @@ class DFlashConfig(Qwen3Config):
     The class keeps `model_type = "qwen3"`, as the published drafts do, so the same `config.json` is read by
     Transformers, vLLM and SGLang. After construction the layout is canonical: top-level `block_size` and
     `num_target_layers`; `dflash_config` with `target_layer_ids` (computed when absent), `mask_token_id` when
-    known and `mask_token` when published as a string; rope in the installed Transformers' own style.
+    known and `mask_token` when published as a string; rope in the installed Transformers' own style; the newer
+    fields of dflash-formats.md (`layer_types`, `sliding_window`, `is_causal`, `input_embedding_scale`,
+    `output_multiplier`, `final_logit_softcapping`, and DFlash2's convolution and selector sizes) at top level.
     """
 
     def __init__(self, block_size: int | None = None, num_target_layers: int | None = None,
@@ -70,8 +115,15 @@ class DFlashConfig(Qwen3Config):
         self.block_size = block_size
         self.num_target_layers = num_target_layers
         self.dflash_config = dict(dflash_config or {})
-        super().__init__(**kwargs)
-        normalize_dflash_config(self)
+        # Qwen3Config drops `sliding_window` unless `use_sliding_window`; DFlash drafts name sliding layers by type.
+        published_sliding_window = kwargs.get("sliding_window")
+        try:
+            super().__init__(**kwargs)
+        except (TypeError, ValueError):
+            raise
+        except Exception as error:  # Transformers 5 validates with huggingface_hub's error, not a ValueError
+            raise ValueError(f"Draft config is not a valid Qwen3 config: {error}") from error
+        normalize_dflash_config(self, published_sliding_window)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as saved: rope written both ways (`rope_parameters` and top-level `rope_theta`/`rope_scaling`).
@@ -94,24 +146,36 @@ class DFlashConfig(Qwen3Config):
         return output
 
 
-def _check_supported(config: Qwen3Config) -> None:
+SUPPORTED_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# Fields of the newer drafts (dflash-formats.md), read like every DFlash field, kept at top level once normalised.
+SCALING_DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def is_dflash2(config: Any) -> bool:
+    """Whether the config describes a `DFlash2DraftModel` (convolutions and a candidate selector)."""
+    return "DFlash2DraftModel" in (getattr(config, "architectures", None) or [])
+
+
+def layer_attention(config: Any, layer_idx: int) -> tuple[bool, int | None]:
+    """(causal, sliding window or None) of a draft layer: `is_causal` when set, else causal exactly when sliding."""
+    sliding = config.layer_types[layer_idx] == "sliding_attention"
+    causal = sliding if config.is_causal is None else config.is_causal
+    return causal, config.sliding_window if sliding else None
+
+
+def _check_architecture(config: Qwen3Config) -> None:
     architectures = getattr(config, "architectures", None) or []
-    if any(name != "DFlashDraftModel" and "DFlash" in name for name in architectures):
-        raise ValueError(
-            f"Draft architecture {architectures} is not supported: dflash-hf loads `DFlashDraftModel` "
-            "drafts (Qwen3/LLaMA-3.1 targets); hybrid-target drafts (DFlash2, Qwen3.5/3.6) are out of scope."
-        )
-    layer_types = getattr(config, "layer_types", None) or []
-    if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
-        raise ValueError(
-            f"Draft config uses sliding-window layers (layer_types={layer_types}); dflash-hf supports "
-            "full-attention DFlash drafts only."
-        )
+    unknown = [name for name in architectures if "DFlash" in name and name not in SUPPORTED_ARCHITECTURES]
+    if unknown:
+        raise ValueError(f"Draft architecture {unknown} is not supported: dflash-hf loads "
+                         f"{' and '.join(SUPPORTED_ARCHITECTURES)} drafts (see dflash-formats.md).")
 
 
-def normalize_dflash_config(config: Qwen3Config) -> None:
+def normalize_dflash_config(config: Qwen3Config, published_sliding_window: int | None = None) -> None:
     """Rewrite the published variants into the canonical layout (see DFlashConfig), in place; idempotent."""
-    _check_supported(config)
+    _check_architecture(config)
     dflash_config = dict(getattr(config, "dflash_config", None) or {})
     block_size = int(dflash_field(config, dflash_config, "block_size", DEFAULT_BLOCK_SIZE))
     if block_size < 2:
@@ -136,8 +200,47 @@ def normalize_dflash_config(config: Qwen3Config) -> None:
         mask_token_id = dflash_config.pop("mask_token")
     if mask_token_id is not None:
         dflash_config["mask_token_id"] = int(mask_token_id)
+    _normalize_layer_attention(config, dflash_config, published_sliding_window)
+    for name, default in SCALING_DEFAULTS.items():
+        setattr(config, name, dflash_field(config, dflash_config, name, default))
+        dflash_config.pop(name, None)
+    if config.final_logit_softcapping is not None and config.final_logit_softcapping <= 0:
+        config.final_logit_softcapping = None  # the formats doc: applied only when set and > 0
+    if is_dflash2(config):
+        _normalize_dflash2(config, dflash_config)
     config.dflash_config = dflash_config
     _normalize_rope(config)
+
+
+def _normalize_layer_attention(config: Qwen3Config, dflash_config: dict[str, Any], published_window: int | None) -> None:
+    """Per-layer attention (`layer_types`, `sliding_window`, `is_causal`) at top level, checked; idempotent."""
+    layer_types = dflash_field(config, dflash_config, "layer_types") or ["full_attention"] * config.num_hidden_layers
+    layer_types = list(layer_types)
+    if len(layer_types) != config.num_hidden_layers or any(kind not in LAYER_TYPES for kind in layer_types):
+        raise ValueError(f"Draft config `layer_types` must name one of {LAYER_TYPES} for each of the "
+                         f"{config.num_hidden_layers} layers, got {layer_types}.")
+    window = dflash_field(config, dflash_config, "sliding_window", published_window)
+    if "sliding_attention" in layer_types and (window is None or int(window) < 1):
+        raise ValueError("Draft config has sliding-attention layers but no positive `sliding_window`; "
+                         "set it to the window the draft was trained with.")
+    is_causal = dflash_field(config, dflash_config, "is_causal")
+    for name in ("layer_types", "sliding_window", "is_causal"):
+        dflash_config.pop(name, None)
+    config.layer_types = layer_types
+    config.sliding_window = None if window is None else int(window)
+    config.is_causal = None if is_causal is None else bool(is_causal)
+
+
+def _normalize_dflash2(config: Qwen3Config, dflash_config: dict[str, Any]) -> None:
+    """The DFlash2 fields at top level, each required and positive; the group size divides the hidden size."""
+    for name in DFLASH2_FIELDS:
+        value = dflash_field(config, dflash_config, name)
+        if value is None or int(value) < 1:
+            raise ValueError(f"DFlash2 draft config needs a positive `{name}` (dflash_config or top level), got {value}.")
+        setattr(config, name, int(value))
+        dflash_config.pop(name, None)
+    if config.hidden_size % config.conv_group_size:
+        raise ValueError(f"DFlash2 `conv_group_size` {config.conv_group_size} must divide hidden_size {config.hidden_size}.")
 
 
 def _normalize_rope(config: Qwen3Config) -> None:

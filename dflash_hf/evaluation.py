@@ -18,7 +18,7 @@ from .proposer_dflash import DFlashProposer, Proposal
 from .sampling_dflash import cut_after_stop, mean_acceptance_length
 from .target_dflash import neutral_overrides
 
-METHODS = ("plain", "dflash", "prompt_lookup")
+METHODS = ("plain", "dflash", "prompt_lookup", "transformers_dflash")  # the last: Transformers' own DFlash loop
 
 
 @dataclass
@@ -61,8 +61,10 @@ def measure_prompts(
     settings: BenchSettings,
     stop_token_ids: list[int],
     mask_token_id: int | None = None,
+    native_draft: torch.nn.Module | None = None,
 ) -> list[TurnRecord]:
-    """Generate from N prompts at once (left-padded) with `generate`, DFlash and, for one prompt, prompt lookup.
+    """Generate from N prompts at once (left-padded) with `generate`, DFlash and, for one prompt, prompt lookup and
+    Transformers' own DFlash loop with `native_draft` (the same weights, `conversion.to_native`) when given.
 
     One record per row; each row carries 1/N of the batch's wall time, so summed seconds are wall time.
     """
@@ -99,6 +101,9 @@ def measure_prompts(
     if settings.prompt_lookup_tokens and len(prompts) == 1:  # Transformers' prompt lookup takes one prompt
         methods["prompt_lookup"] = lambda: generated(target.generate(
             input_ids, prompt_lookup_num_tokens=settings.prompt_lookup_tokens, **common))
+    if native_draft is not None and len(prompts) == 1:  # Transformers' DFlash is assisted decoding: one prompt
+        methods["transformers_dflash"] = lambda: generated(target.generate(
+            input_ids, assistant_model=native_draft, speculation_type="dflash", **common))
     timed = {method: _timed(run, device, settings.seed) for method, run in methods.items()}
     share = 1.0 / len(prompts)
     return [
@@ -263,7 +268,8 @@ def summarize(
     tau = records_tau(records)
     plain = tokens_per_s.get("plain", 0.0)
     # sampled outputs differ from run to run by design: equality is only a check of greedy decoding
-    lossless = all(record.new_tokens["dflash"] == record.new_tokens["plain"] for record in records) if greedy else None
+    lossless = {method: all(record.new_tokens[method] == record.new_tokens["plain"] for record in records)
+                if greedy else None for method in methods if method != "plain"}
     return {
         "dataset": dataset,
         "num_prompts": num_prompts,
@@ -275,9 +281,12 @@ def summarize(
         "tokens_per_s": tokens_per_s,
         "speedup": tokens_per_s["dflash"] / plain if plain > 0 else 0.0,
         "speedup_prompt_lookup": tokens_per_s["prompt_lookup"] / plain if plain > 0 and "prompt_lookup" in tokens_per_s else None,
+        "speedup_transformers_dflash": tokens_per_s["transformers_dflash"] / plain
+        if plain > 0 and "transformers_dflash" in tokens_per_s else None,
         "bound": cost_model_bound(tau, step_costs) if step_costs else None,
         "step_costs_ms": {k: v * 1000 for k, v in step_costs.items()} if step_costs else None,
-        "lossless": lossless,
+        "lossless": lossless["dflash"],
+        "lossless_transformers_dflash": lossless.get("transformers_dflash"),
     }
 
 
@@ -286,18 +295,23 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     batched = any(result.get("batch_size", 1) > 1 for result in results)
     lines = [
         "| dataset | prompts |" + (" N |" if batched else "")
-        + " B | tau | plain tok/s | DFlash tok/s | prompt lookup tok/s | speedup | bound | lossless |",
-        "|---|---:|" + ("---:|" if batched else "") + "---:|---:|---:|---:|---:|---:|---:|---|",
+        + " B | tau | plain tok/s | DFlash tok/s | prompt lookup tok/s | Transformers DFlash tok/s | speedup | bound"
+        + " | lossless |",
+        "|---|---:|" + ("---:|" if batched else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for result in results:
         rates = result["tokens_per_s"]
         lookup = f"{rates['prompt_lookup']:.1f}" if "prompt_lookup" in rates else "-"
+        native = f"{rates['transformers_dflash']:.1f}" if "transformers_dflash" in rates else "-"
+        if result.get("lossless_transformers_dflash") is False:
+            native += " (NOT lossless)"
         bound = f"{result['bound']:.2f}x" if result["bound"] is not None else "-"
         lossless = {True: "yes", False: "NO", None: "n/a (sampling)"}[result["lossless"]]
         batch = f" {result.get('batch_size', 1)} |" if batched else ""
         lines.append(
             f"| {result['dataset']} | {result['num_prompts']} |{batch} {result['block_size']} | {result['tau']:.2f} | "
-            f"{rates['plain']:.1f} | {rates['dflash']:.1f} | {lookup} | {result['speedup']:.2f}x | {bound} | {lossless} |"
+            f"{rates['plain']:.1f} | {rates['dflash']:.1f} | {lookup} | {native} | {result['speedup']:.2f}x | {bound} | "
+            f"{lossless} |"
         )
     return "\n".join(lines)
 

@@ -21,6 +21,7 @@ from .cache_dflash import (
     check_cache,
     crop_cache,
     cache_keyword,
+    full_history_cache,
     left_padded_positions,
     reorder_cache_columns,
     returned_cache,
@@ -181,6 +182,8 @@ def pick_block(logits: torch.Tensor, rows: list[int], counts: list[int], setting
 def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
             layer_ids: list[int] | None, settings: GenerationSettings) -> DecodeState:
     """Run the target over the prompts [N, T]: its cache, the first token of every row, the features of the prompts."""
+    cache = full_history_cache(target, target_text_config(target))  # None: the target's own cache can be cropped
+    cache_argument = cache_keyword(target)
     device = target.get_input_embeddings().weight.device
     input_ids = input_ids.to(device)
     num_rows, width = input_ids.shape
@@ -194,13 +197,15 @@ def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
     outputs = target(input_ids=input_ids, attention_mask=valid.long() if padded else None,
                      position_ids=left_padded_positions(valid), use_cache=True,
-                     output_hidden_states=layer_ids is not None, **last_only)
+                     output_hidden_states=layer_ids is not None, **last_only,
+                     **({} if cache is None else {cache_argument: cache}))
+    windowed = cache is not None  # the target counts its attention window in cache columns
     cache = returned_cache(outputs)
     check_cache(cache, target, num_rows)
     state = DecodeState(
         input_ids=input_ids, prompts=prompts, generated=[], acceptance_lengths=[[] for _ in prompts],
-        finished=[], active=list(range(num_rows)), cache=cache, cache_argument=cache_keyword(target),
-        columns=CacheColumns(valid, [len(prompt) for prompt in prompts]), layer_ids=layer_ids,
+        finished=[], active=list(range(num_rows)), cache=cache, cache_argument=cache_argument,
+        columns=CacheColumns(valid, [len(prompt) for prompt in prompts], contiguous=windowed), layer_ids=layer_ids,
         context=None if layer_ids is None else prompt_context(target, outputs, layer_ids, valid, padded),
         started=started,
     )

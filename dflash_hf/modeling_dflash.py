@@ -2,17 +2,23 @@
 
 One forward pass drafts a whole block. Each layer is a Qwen3 decoder layer with "KV injection":
 its keys/values are computed over [fused target context ; block], and every block query attends
-to all of them (non-causal). Embedding and LM head are borrowed from the target.
+to all of them (non-causal), or causally and/or within a sliding window where the config's
+`layer_types` / `is_causal` say so. Embedding and LM head are borrowed from the target.
+`DFlash2DraftModel` adds dynamic causal convolutions around each sub-layer and a candidate
+selector over the head's top-K (dflash-formats.md).
 
 Hub remote code: this file imports only torch, transformers and its sibling files.
 """
 
 from __future__ import annotations
 
+import inspect
+import re
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
@@ -20,7 +26,20 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .cache_dflash import DraftContextCache
-from .configuration_dflash import DFLASH_HF_VERSION, REMOTE_CODE_FILES, DFlashConfig, read_rope_parameters
+from .configuration_dflash import (
+    DFLASH_HF_VERSION,
+    NATIVE_MODEL_TYPE,
+    REMOTE_CODE_FILES,
+    DFlashConfig,
+    config_from_native,
+    is_dflash2,
+    layer_attention,
+    read_rope_parameters,
+)
+
+# Weight name prefixes of Transformers' native DFlash draft (`MuseGlimmerAssistantModel`) -> ours; the rest is shared.
+NATIVE_PREFIXES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
+NATIVE_KEY_MAPPING = {"^" + re.escape(native): ours for native, ours in NATIVE_PREFIXES.items()}  # from_pretrained's form
 
 # The first line of every remote-code file that `save_pretrained` writes.
 REMOTE_CODE_HEADER = "# Exported by dflash-hf {version}: a copy of the package's module; change the package, not this file.\n"
@@ -148,8 +167,37 @@ def attention_function(implementation: str | None) -> Callable[..., tuple[torch.
     return ALL_ATTENTION_FUNCTIONS[implementation]
 
 
+def layer_attention_mask(
+    base_mask: torch.Tensor | None,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    causal: bool,
+    window: int | None,
+) -> torch.Tensor | None:
+    """Bool mask [N, 1, T, S] of one layer kind (dflash-formats.md), over key positions [N, S] of [context ; block].
+
+    causal: a query sees keys at positions <= its own; window w: also qpos - kpos < w, and kpos - qpos < w when not
+    causal. Positions are absolute, so a row's mask does not depend on the holes a batch leaves in the cache;
+    `base_mask` (bool or additive, broadcastable to [N, 1, T, S]) hides padding and holes. None: no restriction.
+    """
+    if not causal and window is None:
+        return base_mask
+    query = query_positions[:, None, :, None]  # [N, 1, T, 1]
+    key = key_positions[:, None, None, :]  # [N, 1, 1, S]
+    allowed = key <= query if causal else torch.ones_like(key >= query)
+    if window is not None:
+        allowed = allowed & (query - key < window)
+        if not causal:
+            allowed = allowed & (key - query < window)
+    if base_mask is None:
+        return allowed
+    if base_mask.dtype != torch.bool:  # additive: 0 where visible, a large negative number where hidden
+        base_mask = base_mask > torch.finfo(base_mask.dtype).min / 2
+    return allowed & base_mask
+
+
 class DFlashAttention(nn.Module):
-    """Non-causal attention of block queries over [context ; block] keys and values."""
+    """Attention of block queries over [context ; block] keys and values (non-causal unless the layer says so)."""
 
     def __init__(self, config: DFlashConfig, layer_idx: int) -> None:
         super().__init__()
@@ -161,7 +209,7 @@ class DFlashAttention(nn.Module):
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
-        self.is_causal = False
+        self.is_causal = False  # causal and sliding layers get their restriction from the mask (queries are a block)
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
@@ -213,15 +261,93 @@ class DFlashAttention(nn.Module):
         return self.o_proj(output.reshape(batch, block_length, -1))  # [B, T, H]
 
 
-class DFlashDecoderLayer(nn.Module):
-    """Qwen3 decoder layer whose attention also reads the fused target context."""
+class DFlashDynamicConvolution(nn.Module):
+    """DFlash2's grouped dynamic causal convolution: `prepare` before a sub-layer, `finish` after it.
 
-    def __init__(self, config: DFlashConfig, layer_idx: int) -> None:
+    Causal along each block only: a block's first rows see no earlier rows (zeros), never another block's.
+    """
+
+    def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
+        self.kernel_size, self.group_size = config.conv_kernel_size, config.conv_group_size
+        self.num_groups = config.hidden_size // config.conv_group_size  # H / g
+        base_kernel = torch.zeros(2, self.kernel_size, config.hidden_size)
+        base_kernel[:, 0] = 1.0  # starts as the identity
+        self.base_kernel = nn.Parameter(base_kernel)  # [2, k, H]
+        self.kernel_projection = nn.Linear(config.hidden_size, 2 * self.kernel_size * self.num_groups, bias=False)
+
+    def convolve(self, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, block_length: int) -> torch.Tensor:
+        """x [N, T, H] with T a whole number of blocks; dynamic [N, T, k, H/g]; base [k, H] -> [N, T, H]."""
+        batch, length, hidden_size = x.shape
+        rows = x.reshape(-1, block_length, self.num_groups, self.group_size)  # [N * blocks, b, H/g, g]
+        dynamic = dynamic.reshape(-1, block_length, self.kernel_size, self.num_groups)  # [N * blocks, b, k, H/g]
+        output = torch.zeros_like(rows)
+        for offset in range(min(self.kernel_size, block_length)):
+            shifted = F.pad(rows[:, : block_length - offset], (0, 0, 0, 0, offset, 0))  # row t holds x[t - offset]
+            weight = base[offset].view(self.num_groups, self.group_size) + dynamic[:, :, offset, :, None]
+            output = output + weight * shifted
+        return output.view(batch, length, hidden_size)
+
+    def prepare(self, x: torch.Tensor, block_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the sub-layer's input, the kernel `finish` uses) for normalised rows x [N, T, H]."""
+        kernels = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.num_groups)
+        return self.convolve(x, kernels[..., 0, :, :], self.base_kernel[0], block_length), kernels[..., 1, :, :]
+
+    def finish(self, y: torch.Tensor, kernel: torch.Tensor, block_length: int) -> torch.Tensor:
+        """The sub-layer's output y [N, T, H] convolved with the kernel `prepare` kept."""
+        return self.convolve(y, kernel, self.base_kernel[1], block_length)
+
+
+class DFlashCandidateSelector(nn.Module):
+    """DFlash2's selector: walks the block choosing among the head's top-K, scored against the previous choice.
+
+    The codebooks are plain parameters (the published safetensors name them without `.weight`).
+    """
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.top_k = config.selector_top_k
+        self.predecessor_codebook = nn.Parameter(torch.randn(config.vocab_size, config.selector_rank) * config.initializer_range)
+        self.successor_codebook = nn.Parameter(torch.randn(config.vocab_size, config.selector_rank) * config.initializer_range)
+        self.hidden_projection = nn.Linear(config.hidden_size, config.selector_rank, bias=False)
+
+    def walk(
+        self,
+        logits: torch.Tensor,
+        hidden_states: torch.Tensor,
+        anchor_tokens: torch.Tensor,
+        choose: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Chosen tokens [N, P] over logits [N, P, V] and hidden states [N, P, H] of the P proposal positions.
+
+        `choose(scores [N, K], candidate_ids [N, K])` returns the index [N] of each row's choice among its K
+        candidates at one position (greedy: the argmax); the first predecessor is the anchor token [N].
+        """
+        unary, candidates = logits.float().topk(min(self.top_k, logits.shape[-1]), dim=-1)  # [N, P, K]
+        projected = self.hidden_projection(hidden_states.to(self.hidden_projection.weight.dtype)).float()  # [N, P, r]
+        successors = F.embedding(candidates, self.successor_codebook).float()  # [N, P, K, r]
+        predecessor, chosen = anchor_tokens, []
+        for position in range(logits.shape[1]):
+            query = F.embedding(predecessor, self.predecessor_codebook).float() * projected[:, position]  # [N, r]
+            scores = unary[:, position] + torch.einsum("nr,nkr->nk", query, successors[:, position])  # [N, K]
+            choice = choose(scores, candidates[:, position])  # [N]
+            predecessor = candidates[:, position].gather(1, choice[:, None]).squeeze(1)
+            chosen.append(predecessor)
+        return torch.stack(chosen, dim=1)
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Qwen3 decoder layer whose attention also reads the fused target context (DFlash2: convolutions around both)."""
+
+    def __init__(self, config: DFlashConfig, layer_idx: int, with_convolutions: bool = False) -> None:
+        super().__init__()
+        self.attention_kind = layer_attention(config, layer_idx)  # (causal, sliding window or None)
         self.self_attn = DFlashAttention(config, layer_idx)
         self.mlp = DFlashMLP(config)
         self.input_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attention_conv = DFlashDynamicConvolution(config) if with_convolutions else None
+        self.mlp_conv = DFlashDynamicConvolution(config) if with_convolutions else None
 
     def forward(
         self,
@@ -231,12 +357,23 @@ class DFlashDecoderLayer(nn.Module):
         context_rope: tuple[torch.Tensor, torch.Tensor],
         cache: DraftContextCache | None = None,
         attention_mask: torch.Tensor | None = None,
+        block_length: int | None = None,
     ) -> torch.Tensor:
-        attended = self.self_attn(
-            self.input_layernorm(hidden_states), context, block_rope, context_rope, cache, attention_mask
-        )
-        hidden_states = hidden_states + attended
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        block_length = block_length or hidden_states.shape[1]
+        attend = lambda rows: self.self_attn(rows, context, block_rope, context_rope, cache, attention_mask)  # noqa: E731
+        hidden_states = hidden_states + self._around(attend, self.attention_conv, self.input_layernorm(hidden_states),
+                                                     block_length)
+        return hidden_states + self._around(self.mlp, self.mlp_conv, self.post_attention_layernorm(hidden_states),
+                                            block_length)
+
+    @staticmethod
+    def _around(sublayer: Callable[[torch.Tensor], torch.Tensor], convolution: DFlashDynamicConvolution | None,
+                rows: torch.Tensor, block_length: int) -> torch.Tensor:
+        """The sub-layer on normalised rows, inside the DFlash2 convolution when there is one."""
+        if convolution is None:
+            return sublayer(rows)
+        prepared, kernel = convolution.prepare(rows, block_length)
+        return convolution.finish(sublayer(prepared), kernel, block_length)
 
 
 class DFlashDraftModel(PreTrainedModel):
@@ -247,6 +384,7 @@ class DFlashDraftModel(PreTrainedModel):
     """
 
     config_class = DFlashConfig
+    with_dflash2_parts = False  # DFlash2DraftModel: convolutions around each sub-layer and a candidate selector
     base_model_prefix = "model"
     _no_split_modules = ["DFlashDecoderLayer"]
     _supports_sdpa = True
@@ -258,12 +396,18 @@ class DFlashDraftModel(PreTrainedModel):
         super().__init__(config)
         if config.dflash_config.get("target_layer_ids") is None:
             raise ValueError("Draft config has neither `dflash_config.target_layer_ids` nor `num_target_layers`.")
+        if is_dflash2(config) != self.with_dflash2_parts:
+            raise ValueError(f"The config describes {config.architectures}; load it with "
+                             f"{'DFlash2DraftModel' if is_dflash2(config) else 'DFlashDraftModel'} "
+                             "(DFlashDraftModel.from_pretrained picks the class itself).")
         num_features = len(config.dflash_config["target_layer_ids"])
         self.fc = nn.Linear(num_features * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i, with_convolutions=self.with_dflash2_parts)
+                                    for i in range(config.num_hidden_layers))
         self.norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DFlashRotaryEmbedding(config)
+        self.candidate_selector = DFlashCandidateSelector(config) if self.with_dflash2_parts else None
         self.post_init()
 
     @property
@@ -286,6 +430,20 @@ class DFlashDraftModel(PreTrainedModel):
         """An empty context cache for one generation."""
         return DraftContextCache(len(self.layers))
 
+    def embed_block(self, block_ids: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
+        """Block inputs [N, T, H]: the raw lookup of ids [N, T] in the target's embedding weight, times
+        `input_embedding_scale` (never the target embedding module's own scaling)."""
+        embeddings = F.embedding(block_ids, embedding_weight)
+        scale = self.config.input_embedding_scale
+        return embeddings if scale == 1.0 else embeddings * scale
+
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's logits from the target head's output: times `output_multiplier`, then soft-capped if set."""
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
     def forward(
         self,
         block_embeddings: torch.Tensor,
@@ -294,22 +452,38 @@ class DFlashDraftModel(PreTrainedModel):
         context_position_ids: torch.Tensor,
         cache: DraftContextCache | None = None,
         attention_mask: torch.Tensor | None = None,
+        block_length: int | None = None,
     ) -> torch.Tensor:
         """Final normalised hidden states [B, T, H] of the block rows.
 
-        block_embeddings [B, T, H]: target embeddings of [t0, MASK, ...]; target_hidden [B, C, L*H]:
-        concatenated target layer outputs of the (new) context positions; position ids are absolute.
-        attention_mask (optional, broadcastable to [B, 1, T, cached C + C + T], bool or additive) restricts what
-        each block row sees (a batch hides padding and rejected columns); without it every block row sees all
-        context rows and the whole block.
+        block_embeddings [B, T, H]: `embed_block` of [t0, MASK, ...]; target_hidden [B, C, L*H]: concatenated target
+        layer outputs of the (new) context positions; position ids are absolute. attention_mask (optional, broadcastable
+        to [B, 1, T, cached C + C + T], bool or additive) hides padding, rejected columns, or (training) other blocks;
+        each layer adds its causal / sliding-window restriction by position. block_length: rows per block when T holds
+        several blocks (training; DFlash2's convolutions stay inside each block), else T.
         """
         context = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))  # [B, C, H]
         hidden_states = block_embeddings.to(self.fc.weight.dtype)
         block_rope = self.rotary_emb(block_position_ids, hidden_states.dtype)
         context_rope = self.rotary_emb(context_position_ids, hidden_states.dtype)
+        context_position_ids = context_position_ids.expand(block_position_ids.shape[0], -1)
+        if cache is not None:
+            context_position_ids = cache.append_positions(context_position_ids)
+        masks = self._layer_masks(attention_mask, block_position_ids, torch.cat((context_position_ids, block_position_ids), 1))
         for layer in self.layers:
-            hidden_states = layer(hidden_states, context, block_rope, context_rope, cache, attention_mask)
+            hidden_states = layer(hidden_states, context, block_rope, context_rope, cache, masks[layer.attention_kind],
+                                  block_length)
         return self.norm(hidden_states)
+
+    def _layer_masks(self, attention_mask: torch.Tensor | None, query_positions: torch.Tensor,
+                     key_positions: torch.Tensor) -> dict[tuple[bool, int | None], torch.Tensor | None]:
+        """The attention mask of each layer kind (causal, window) present in the draft."""
+        kinds = {layer.attention_kind for layer in self.layers}
+        if kinds != {(False, None)} and (self.config._attn_implementation or "").startswith("flash"):
+            raise ValueError("This draft has causal or sliding-window layers, which need a 4-D attention mask that "
+                             f"{self.config._attn_implementation} does not take; load it with attn_implementation="
+                             "'sdpa' or 'eager'.")
+        return {kind: layer_attention_mask(attention_mask, query_positions, key_positions, *kind) for kind in kinds}
 
     def spec_generate(self, target: nn.Module, input_ids: torch.Tensor, *args: Any, **generation_kwargs: Any) -> Any:
         """Lossless speculative decoding with `target`: ids [N, prompt + new], or `SpecGenerateOutput` with stats.
@@ -330,10 +504,24 @@ class DFlashDraftModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
-        """`PreTrainedModel.from_pretrained`, refusing a checkpoint whose weights do not match the draft one for one."""
+        """`PreTrainedModel.from_pretrained` of the class the checkpoint's config names (DFlash or DFlash2), refusing
+        a checkpoint whose weights do not match the draft one for one. A folder of Transformers' native DFlash draft
+        (`muse_glimmer_assistant`) loads as the same draft in our layout."""
         wants_loading_info = kwargs.pop("output_loading_info", False)
+        if cls is DFlashDraftModel and not isinstance(kwargs.get("config"), DFlashConfig):
+            config_kwargs = {key: kwargs[key] for key in ("revision", "cache_dir", "local_files_only", "token")
+                             if key in kwargs}
+            config_dict, _ = DFlashConfig.get_config_dict(args[0] if args else kwargs["pretrained_model_name_or_path"],
+                                                          **config_kwargs)
+            if config_dict.get("model_type") == NATIVE_MODEL_TYPE:
+                kwargs["config"] = DFlashConfig(**config_from_native(config_dict))
+                kwargs.setdefault("key_mapping", NATIVE_KEY_MAPPING)
+            elif "DFlash2DraftModel" in (config_dict.get("architectures") or []):
+                cls = DFlash2DraftModel
+        elif cls is DFlashDraftModel and is_dflash2(kwargs["config"]):
+            cls = DFlash2DraftModel
         try:
-            model, loading_info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+            model, loading_info = super(DFlashDraftModel, cls).from_pretrained(*args, output_loading_info=True, **kwargs)
         except RuntimeError as error:  # Transformers refuses weights of other shapes with a RuntimeError
             if "size" not in str(error):
                 raise
@@ -343,13 +531,16 @@ class DFlashDraftModel(PreTrainedModel):
         if problems:
             details = "; ".join(f"{key}: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"
                                 for key, names in problems.items())
-            raise ValueError(f"The checkpoint's weights do not match a DFlash draft of this config ({details}). "
+            raise ValueError(f"The checkpoint's weights do not match a DFlash draft of this config ({cls.__name__}: {details}). "
                              "Is it a DFlash draft in the published layout (fc, hidden_norm, layers.*, norm)?")
         return (model, loading_info) if wants_loading_info else model
 
     def save_pretrained(self, save_directory: str | Path, *args: Any, **kwargs: Any) -> None:
-        """`PreTrainedModel.save_pretrained`, recording the dflash-hf version in config.json and the remote-code files."""
+        """`PreTrainedModel.save_pretrained` in the published DFlash layout (also for a draft loaded from a native
+        folder), recording the dflash-hf version in config.json and the remote-code files."""
         self.config.dflash_hf_version = DFLASH_HF_VERSION
+        if "save_original_format" in inspect.signature(PreTrainedModel.save_pretrained).parameters:  # Transformers 5
+            kwargs.setdefault("save_original_format", False)  # not the names it was loaded under (key_mapping)
         super().save_pretrained(save_directory, *args, **kwargs)
         header = REMOTE_CODE_HEADER.format(version=DFLASH_HF_VERSION)
         for name in REMOTE_CODE_FILES:
@@ -358,5 +549,14 @@ class DFlashDraftModel(PreTrainedModel):
                 path.write_text(header + without_export_header(path.read_text(encoding="utf-8")), encoding="utf-8")
 
 
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlash2 draft: a DFlash draft with dynamic causal convolutions around attention and MLP, and a candidate
+    selector that picks each proposal among the head's top-K given the previous one (dflash-formats.md)."""
+
+    with_dflash2_parts = True
+    _no_split_modules = ["DFlashDecoderLayer", "DFlashCandidateSelector"]
+
+
 DFlashConfig.register_for_auto_class()
 DFlashDraftModel.register_for_auto_class("AutoModel")
+DFlash2DraftModel.register_for_auto_class("AutoModel")

@@ -18,7 +18,7 @@ from .sampling_dflash import process_logits
 from .target_dflash import few_row_logits
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .modeling_dflash import DFlashDraftModel
+    from .modeling_dflash import DFlashCandidateSelector, DFlashDraftModel
 
 
 @dataclass
@@ -123,7 +123,7 @@ class DFlashProposer:
         block_ids = torch.full((len(step.row_ids), block_size), self.mask_token_id, dtype=torch.long, device=device)
         block_ids[:, 0] = torch.tensor(step.pending_tokens, device=device)
         hidden = self.draft(
-            self.embed_tokens(block_ids),  # [N, B, H]
+            self.draft.embed_block(block_ids, self.embed_tokens.weight),  # [N, B, H]
             step.target_hidden,
             starts[:, None] + torch.arange(block_size, device=device),  # [N, B]
             step.context_position_ids,
@@ -135,10 +135,33 @@ class DFlashProposer:
             self.cache.reorder_columns(index)
         proposal_states = hidden[:, 1:].reshape(-1, hidden.shape[-1])  # [N * (B-1), H]
         proposal_states = proposal_states.contiguous().to(self.lm_head.weight.dtype)
-        logits = few_row_logits(self.lm_head, proposal_states)  # [N * (B-1), V]
-        if step.temperature == 0.0 or not self.sample_proposals:
-            return logits.argmax(dim=-1).view(len(step.row_ids), block_size - 1)
-        return sample_proposals(logits.view(len(step.row_ids), block_size - 1, -1), step)
+        logits = self.draft.scale_logits(few_row_logits(self.lm_head, proposal_states))  # [N * (B-1), V]
+        logits = logits.view(len(step.row_ids), block_size - 1, -1)  # [N, B-1, V]
+        sample = step.temperature > 0.0 and self.sample_proposals
+        if self.draft.candidate_selector is not None:
+            return select_candidates(self.draft.candidate_selector, logits, hidden[:, 1:], block_ids[:, 0], step, sample)
+        return sample_proposals(logits, step) if sample else logits.argmax(dim=-1)
+
+
+def select_candidates(selector: DFlashCandidateSelector, logits: torch.Tensor, hidden_states: torch.Tensor,
+                      anchor_tokens: torch.Tensor, step: DraftStep, sample: bool) -> torch.Tensor | Proposal:
+    """DFlash2 proposals [N, B-1]: the selector's greedy path, or a path sampled from softmax(score / T) after the
+    step's top-k / top-p, whose distribution over the candidates is the draft's q (logits [N, B-1, V])."""
+    if not sample:
+        return selector.walk(logits, hidden_states, anchor_tokens, lambda scores, candidates: scores.argmax(dim=-1))
+    distributions = []  # per position: q over the vocabulary [N, V], zero outside the K candidates
+
+    def sample_choice(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        vocabulary_scores = torch.full_like(logits[:, 0], float("-inf"), dtype=torch.float32)
+        vocabulary_scores.scatter_(1, candidates, scores)  # [N, V]
+        q = process_logits(vocabulary_scores, step.temperature, step.top_k, step.top_p).softmax(dim=-1)
+        distributions.append(q)
+        tokens = torch.stack([torch.multinomial(row, 1, generator=generator).squeeze(-1)
+                              for row, generator in zip(q, step.generators)])  # [N]
+        return (candidates == tokens[:, None]).int().argmax(dim=-1)  # its index among the candidates
+
+    tokens = selector.walk(logits, hidden_states, anchor_tokens, sample_choice)
+    return Proposal(tokens, torch.stack(distributions, dim=1))
 
 
 def sample_proposals(logits: torch.Tensor, step: DraftStep) -> Proposal:

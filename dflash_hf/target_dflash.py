@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .cache_dflash import check_croppable_target
+
 if TYPE_CHECKING:  # pragma: no cover
     from .modeling_dflash import DFlashDraftModel
 
@@ -54,19 +56,35 @@ def few_row_logits(lm_head: torch.nn.Module, states: torch.Tensor) -> torch.Tens
 
 # Targets already probed by `plain_head_parts`: their logits are (or are not) exactly lm_head(base(...)).
 _PLAIN_HEAD_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Config settings with which a target's forward post-processes the head's logits (Gemma's soft-capping, Cohere's and
+# Granite's scales, muP multipliers): soft caps act when set and non-zero, scales when set and not 1.
+LOGIT_SOFT_CAPS = ("final_logit_softcapping", "output_logit_soft_cap", "logits_soft_cap")
+LOGIT_SCALES = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_multiplier",
+                "logits_mup_width_multiplier")
+
+
+def logit_processing(config: Any) -> dict[str, Any]:
+    """The settings of a target config that make its logits differ from the bare LM head's (empty: none)."""
+    caps = {name: getattr(config, name, None) for name in LOGIT_SOFT_CAPS}
+    scales = {name: getattr(config, name, None) for name in LOGIT_SCALES}
+    return {**{name: value for name, value in caps.items() if value},
+            **{name: value for name, value in scales.items() if value is not None and value != 1}}
 
 
 @torch.no_grad()
 def plain_head_parts(target: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
     """(base model, LM head) when the target's logits are exactly `lm_head(base(...).last_hidden_state)`, else None.
 
-    Decided by what the target exposes (a base model under `base_model_prefix`, a plain Linear head) and, once per
-    target, by a two-token probe: logits that a target scales or soft-caps differ from the bare head's.
+    Decided by what the target exposes (a base model under `base_model_prefix`, a plain Linear head), by its config
+    (no setting that soft-caps or scales the logits) and, once per target, by a two-token probe: logits that a target
+    processes otherwise differ from the bare head's.
     """
     base = getattr(target, getattr(target, "base_model_prefix", "") or "model", None)
     head = target.get_output_embeddings()
     if not isinstance(base, torch.nn.Module) or base is target or head is None or not is_plain_linear(head):
         return None
+    if logit_processing(target.config) or logit_processing(target_text_config(target)):
+        return None  # even where the probe's logits are too small to show it (tanh(x / cap) * cap == x in float)
     if target not in _PLAIN_HEAD_PROBED:
         probe = torch.arange(2, device=target.get_input_embeddings().weight.device)[None]  # [1, 2]
         try:
@@ -290,6 +308,7 @@ def check_generation_inputs(
     config = target_text_config(target)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"Target {type(target).__name__} is an encoder-decoder model; DFlash needs a decoder-only target.")
+    check_croppable_target(target, config)  # every step cuts the target's cache back to the accepted prefix
     limit = getattr(config, "max_position_embeddings", None)
     total = input_ids.shape[1] + max_new_tokens
     if limit is not None and total > limit:
@@ -316,7 +335,7 @@ def check_draft_target(
             f"Draft hidden_size {draft.config.hidden_size} does not match the target's hidden size {target_hidden_size}."
         )
     target_vocab = lm_head.weight.shape[0]
-    if draft.config.vocab_size != target_vocab:
+    if draft.config.vocab_size != target_vocab and not draft.config.dflash_config.get("vocab_size_unknown"):
         raise ValueError(f"Draft vocab_size {draft.config.vocab_size} does not match the target's vocabulary {target_vocab}.")
     num_layers = getattr(config, "num_hidden_layers", None)
     if num_layers is None:

@@ -51,6 +51,34 @@ def make_draft(seed: int = 0, **config_kwargs) -> DFlashDraftModel:
     return DFlashDraftModel(draft_config(**config_kwargs)).eval()
 
 
+# Tiny drafts of every format in dflash-formats.md (config overrides on `draft_config`, two layers).
+DRAFT_VARIANTS = {
+    "sliding_mixed": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5),
+    "all_causal": dict(is_causal=True),
+    "sliding_bidirectional": dict(layer_types=["sliding_attention", "sliding_attention"], sliding_window=3,
+                                  is_causal=False),
+    "scaled": dict(input_embedding_scale=8.0, output_multiplier=0.5, final_logit_softcapping=3.0),
+    "dflash2": dict(architectures=["DFlash2DraftModel"], conv_kernel_size=3, conv_group_size=4, selector_rank=8,
+                    selector_top_k=4, layer_types=["sliding_attention", "full_attention"], sliding_window=6),
+}
+
+
+def make_variant_draft(variant: str, seed: int = 0, **config_kwargs) -> DFlashDraftModel:
+    """A tiny random draft of one of DRAFT_VARIANTS; DFlash2's convolution kernels are random too (not identity)."""
+    from dflash_hf.modeling_dflash import DFlash2DraftModel
+
+    config = draft_config(**{**DRAFT_VARIANTS[variant], **config_kwargs})
+    torch.manual_seed(seed)
+    if variant != "dflash2":
+        return DFlashDraftModel(config).eval()
+    draft = DFlash2DraftModel(config).eval()
+    with torch.no_grad():
+        for layer in draft.layers:
+            for convolution in (layer.attention_conv, layer.mlp_conv):
+                convolution.base_kernel.add_(0.3 * torch.randn_like(convolution.base_kernel))
+    return draft
+
+
 def plain_greedy(target: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
                  stop_token_ids: list[int] | None = None) -> torch.Tensor:
     """The target's own greedy decode (Transformers generate), ids [1, prompt + new]."""

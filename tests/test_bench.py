@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -124,8 +125,14 @@ def test_bench_command_end_to_end(saved_models, tmp_path):
     (result,) = json.loads(out.read_text())["results"]
     assert result["dataset"] == "prompts" and result["num_prompts"] == 2 and result["num_turns"] == 3
     assert result["block_size"] == 3 and len(result["acceptance_histogram"]) == 3
-    assert set(result["tokens_per_s"]) == {"plain", "dflash", "prompt_lookup"}
+    native = importlib.util.find_spec("transformers.models.muse_glimmer_assistant") is not None  # Transformers >= 5.24
+    assert set(result["tokens_per_s"]) == {"plain", "dflash", "prompt_lookup"} | ({"transformers_dflash"} if native else set())
     assert result["lossless"] is True and result["bound"] > 0
+    # Transformers' own DFlash loop on the same weights, with its own lossless check (absent where unavailable)
+    assert result["lossless_transformers_dflash"] is (True if native else None)
+    if native:
+        assert result["speedup_transformers_dflash"] == pytest.approx(
+            result["tokens_per_s"]["transformers_dflash"] / result["tokens_per_s"]["plain"])
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 

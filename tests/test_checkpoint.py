@@ -10,14 +10,29 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_hf import DFlashConfig, DFlashDraftModel
-from dflash_hf.configuration_dflash import REMOTE_CODE_FILES, default_target_layer_ids
+from dflash_hf.configuration_dflash import (
+    DFLASH2_FIELDS,
+    REMOTE_CODE_FILES,
+    default_target_layer_ids,
+    is_dflash2,
+    read_rope_parameters,
+)
+from dflash_hf.modeling_dflash import DFlash2DraftModel
 from helpers import make_target
 
 CONFIGS = Path(__file__).resolve().parents[1] / "dflash_hf" / "published_configs"
 
 
+def draft_field(config: dict, name: str, default=None):
+    """A DFlash field as dflash-formats.md reads it: `dflash_config[name]`, then the top level, then `default`."""
+    value = (config.get("dflash_config") or {}).get(name)
+    if value is None:
+        value = config.get(name)
+    return default if value is None else value
+
+
 def published_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Parameter names and shapes exactly as the design doc lists them."""
+    """Parameter names and shapes exactly as the design doc (and, for DFlash2, dflash-formats.md) lists them."""
     hidden, head_dim = config["hidden_size"], config["head_dim"]
     heads, kv_heads, inter = config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"]
     num_features = len(config["dflash_config"]["target_layer_ids"])
@@ -37,19 +52,104 @@ def published_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             prefix + "mlp.up_proj.weight": (inter, hidden),
             prefix + "mlp.down_proj.weight": (hidden, inter),
         })
+        if config.get("attention_bias"):  # Qwen3 attention with `attention_bias`: all four projections carry a bias
+            shapes.update({
+                prefix + "self_attn.q_proj.bias": (heads * head_dim,),
+                prefix + "self_attn.k_proj.bias": (kv_heads * head_dim,),
+                prefix + "self_attn.v_proj.bias": (kv_heads * head_dim,),
+                prefix + "self_attn.o_proj.bias": (hidden,),
+            })
+    shapes.update(dflash2_shapes(config))
     return shapes
+
+
+def dflash2_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """DFlash2's extra parameters (dflash-formats.md); none for a DFlash config or one lacking the DFlash2 sizes."""
+    sizes = [draft_field(config, name) for name in ("conv_kernel_size", "conv_group_size", "selector_rank")]
+    hidden = config["hidden_size"]
+    if "DFlash2DraftModel" not in (config.get("architectures") or []) or None in sizes or hidden % sizes[1]:
+        return {}
+    kernel, group, rank = sizes
+    shapes = {}
+    for i in range(config["num_hidden_layers"]):
+        for part in ("attention_conv", "mlp_conv"):
+            shapes[f"layers.{i}.{part}.base_kernel"] = (2, kernel, hidden)
+            shapes[f"layers.{i}.{part}.kernel_projection.weight"] = (2 * kernel * (hidden // group), hidden)
+    shapes.update({  # the published safetensors name the codebooks without a `.weight` suffix
+        "candidate_selector.predecessor_codebook": (config["vocab_size"], rank),
+        "candidate_selector.successor_codebook": (config["vocab_size"], rank),
+        "candidate_selector.hidden_projection.weight": (rank, hidden),
+    })
+    return shapes
+
+
+def build_on_meta(config: DFlashConfig) -> DFlashDraftModel:
+    """The draft class the config names (DFlash or DFlash2), built without memory."""
+    with torch.device("meta"):
+        return (DFlash2DraftModel if is_dflash2(config) else DFlashDraftModel)(config)
+
+
+def expected_attention(config_dict: dict) -> list[tuple[bool, int | None]]:
+    """(causal, window) per layer as dflash-formats.md defines it from the published fields."""
+    layer_types = draft_field(config_dict, "layer_types", ["full_attention"] * config_dict["num_hidden_layers"])
+    window, is_causal = draft_field(config_dict, "sliding_window"), draft_field(config_dict, "is_causal")
+    kinds = []
+    for kind in layer_types:
+        sliding = kind == "sliding_attention"
+        kinds.append((sliding if is_causal is None else is_causal, window if sliding else None))
+    return kinds
+
+
+PUBLISHED_FIELDS = {  # the newer fields of dflash-formats.md and what a config without them means
+    "layer_types": None, "sliding_window": None, "is_causal": None,
+    "input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None,
+}
+
+
+def expected_fields(config_dict: dict) -> dict:
+    expected = {name: draft_field(config_dict, name, default) for name, default in PUBLISHED_FIELDS.items()}
+    expected["layer_types"] = expected["layer_types"] or ["full_attention"] * config_dict["num_hidden_layers"]
+    if "DFlash2DraftModel" in (config_dict.get("architectures") or []):
+        expected.update({name: draft_field(config_dict, name) for name in DFLASH2_FIELDS})
+    return expected
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.json")), ids=lambda p: p.stem)
 def test_published_configs_build_with_the_documented_weights(path):
     config_dict = json.loads(path.read_text())
-    with torch.device("meta"):
-        draft = DFlashDraftModel(DFlashConfig.from_json_file(str(path)))
+    config = DFlashConfig.from_json_file(str(path))
+    draft = build_on_meta(config)
     actual = {name: tuple(p.shape) for name, p in draft.state_dict().items()}
     assert actual == published_shapes(config_dict)
-    assert draft.block_size == config_dict["block_size"]
+    assert draft.block_size == draft_field(config_dict, "block_size", 16)
     assert draft.target_layer_ids == config_dict["dflash_config"]["target_layer_ids"]
     assert draft.mask_token_id == config_dict["dflash_config"]["mask_token_id"]
+    assert {name: getattr(config, name) for name in expected_fields(config_dict)} == expected_fields(config_dict)
+    assert [layer.attention_kind for layer in draft.layers] == expected_attention(config_dict)
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.json")), ids=lambda p: p.stem)
+def test_published_configs_round_trip_through_save_pretrained(tmp_path, path):
+    """The newer fields (layer types, window, causality, scaling, DFlash2 sizes) survive save and reload."""
+    config_dict = json.loads(path.read_text())
+    DFlashConfig.from_json_file(str(path)).save_pretrained(tmp_path)
+    reloaded = DFlashConfig.from_pretrained(tmp_path)
+    assert {name: getattr(reloaded, name) for name in expected_fields(config_dict)} == expected_fields(config_dict)
+    assert reloaded.architectures == config_dict["architectures"]
+    assert (reloaded.block_size, reloaded.dflash_config["target_layer_ids"], reloaded.dflash_config["mask_token_id"]) == (
+        draft_field(config_dict, "block_size", 16), config_dict["dflash_config"]["target_layer_ids"],
+        config_dict["dflash_config"]["mask_token_id"])
+    rope = read_rope_parameters(DFlashConfig.from_json_file(str(path)))
+    assert read_rope_parameters(reloaded) == rope
+
+
+def test_dflash2_config_matches_the_published_checkpoint_size():
+    """Qwen3.8-27B-DFlash2: one bfloat16 safetensors of 81 tensors, 3,848,808,960 bytes (README provenance)."""
+    draft = build_on_meta(DFlashConfig.from_json_file(str(CONFIGS / "Qwen3.8-27B-DFlash2.json")))
+    state = draft.state_dict()
+    assert isinstance(draft, DFlash2DraftModel) and len(state) == 81
+    assert 2 * sum(p.numel() for p in state.values()) == 3_848_808_960
+    assert state["layers.0.attention_conv.kernel_projection.weight"].shape == (1280, 5120)
 
 
 def test_qwen3_8b_config_matches_the_design_doc():
@@ -161,8 +261,13 @@ def test_save_pretrained_round_trip_is_hub_ready(tmp_path):
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"architectures": ["DFlash2DraftModel"]}, "out of scope"),
-    ({"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True, "sliding_window": 16}, "sliding"),
+    ({"architectures": ["DFlash3DraftModel"]}, r"\['DFlash3DraftModel'\] is not supported"),
+    ({"architectures": ["DFlash2DraftModel"]}, "DFlash2 draft config needs a positive `conv_kernel_size`"),
+    ({"architectures": ["DFlash2DraftModel"], "conv_kernel_size": 3, "conv_group_size": 5, "selector_rank": 4,
+      "selector_top_k": 4}, "`conv_group_size` 5 must divide hidden_size 64"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding-attention layers but no positive `sliding_window`"),
+    ({"layer_types": ["full_attention"]}, "layer.types"),  # Transformers' own check: it names the field
+    ({"layer_types": ["linear_attention", "full_attention"]}, "layer_types"),
     ({"block_size": 1}, "block_size"),
 ])
 def test_unsupported_drafts_are_refused(tmp_path, change, message):

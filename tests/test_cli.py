@@ -51,8 +51,12 @@ def test_train_init_from_starts_at_a_trained_draft_and_keeps_its_architecture(tm
               "--gen-batch-size", "3", "--gen-max-new-tokens", "10", "--num-anchors", "4", "--epochs", "1",
               "--eval-prompts", str(prompts), "--num-eval", "1", "--eval-max-new-tokens", "6"]
     main(["train", "--output", str(tmp_path / "first"), "--block-size", "4", "--draft-layers", "2",
-          "--target-layer-ids", "1", "3", "--mask-token", "w127", *common])
+          "--target-layer-ids", "1", "3", "--mask-token", "w127", "--layer-types", "sliding_attention",
+          "full_attention", "--sliding-window", "3", *common])
     trained = AutoModel.from_pretrained(tmp_path / "first" / "draft", trust_remote_code=True)
+    assert (trained.config.layer_types, trained.config.sliding_window) == (["sliding_attention", "full_attention"], 3)
+    assert [layer.attention_kind for layer in trained.layers] == [(True, 3), (False, None)]
+    assert json.loads((tmp_path / "first" / "evaluation.json").read_text())["lossless"] is True
 
     # no steps: the saved draft is the trained one, with its block size, layers, target layers and mask token
     main(["train", "--output", str(tmp_path / "second"), "--init-from", str(tmp_path / "first" / "draft"),
@@ -67,6 +71,9 @@ def test_train_init_from_starts_at_a_trained_draft_and_keeps_its_architecture(tm
     with pytest.raises(SystemExit, match="--block-size 8 \\(the draft has 4\\)"):
         main(["train", "--output", str(tmp_path / "third"), "--init-from", str(tmp_path / "first" / "draft"),
               "--block-size", "8", *common])
+    with pytest.raises(SystemExit, match="--causal True \\(the draft has None\\)"):
+        main(["train", "--output", str(tmp_path / "third"), "--init-from", str(tmp_path / "first" / "draft"),
+              "--causal", "true", *common])
     with pytest.raises(SystemExit, match="pass one"):
         main(["train", "--output", str(tmp_path / "third"), "--init-from", str(tmp_path / "first" / "draft"),
               "--init-from-target", *common])

@@ -45,12 +45,13 @@ def test_card_command_renders_bench_results(tmp_path):
     assert read_card_info(tmp_path) == info
     bench = {"settings": {"device": "cpu", "dtype": "torch.float32", "threads": 2, "max_new_tokens": 256, "temperature": 0.0},
              "results": [{"dataset": "gsm8k", "num_prompts": 3, "block_size": 4, "tau": 2.5, "acceptance_histogram": [1, 1, 1, 1],
-                          "tokens_per_s": {"plain": 10.0, "dflash": 15.0, "prompt_lookup": 11.0}, "speedup": 1.5,
+                          "tokens_per_s": {"plain": 10.0, "dflash": 15.0, "prompt_lookup": 11.0,
+                                           "transformers_dflash": 12.0}, "speedup": 1.5,
                           "speedup_prompt_lookup": 1.1, "bound": 1.7, "lossless": True}]}
     (tmp_path / "bench.json").write_text(json.dumps(bench))
     main(["card", str(tmp_path), "--bench-json", str(tmp_path / "bench.json"), "--bench-command", "dflash-hf bench -x"])
     text = (tmp_path / "README.md").read_text()
-    assert "| gsm8k | 3 | 4 | 2.50 | 10.0 | 15.0 | 11.0 | 1.50x | 1.70x | yes |" in text
+    assert "| gsm8k | 3 | 4 | 2.50 | 10.0 | 15.0 | 11.0 | 12.0 | 1.50x | 1.70x | yes |" in text
     assert "`dflash-hf bench -x`" in text and metadata(text)["base_model"] == "org/target"
 
 

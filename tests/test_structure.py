@@ -85,7 +85,7 @@ def test_dependencies_point_one_way(module, forbidden):
 @pytest.mark.parametrize("name", REMOTE_CODE_FILES)
 def test_remote_code_imports_only_torch_transformers_and_its_siblings(name):
     tree = ast.parse((PACKAGE / name).read_text())
-    allowed_top = {"torch", "transformers", "__future__", "inspect", "time", "dataclasses", "typing", "weakref",
+    allowed_top = {"torch", "transformers", "__future__", "inspect", "re", "time", "dataclasses", "typing", "weakref",
                    "pathlib", "math"}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

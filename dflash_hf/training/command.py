@@ -69,9 +69,22 @@ def build_draft(args: argparse.Namespace, target: torch.nn.Module, tokenizer: An
     mask_token_id = tokenizer.convert_tokens_to_ids(mask_token)
     if mask_token_id is None or mask_token_id == tokenizer.unk_token_id:
         raise SystemExit(f"mask token {mask_token!r} is not in the target's vocabulary")
-    config = draft_config_for(target, args.draft_layers or 2, args.block_size or 8, mask_token_id, args.target_layer_ids)
+    config = draft_config_for(target, args.draft_layers or 2, args.block_size or 8, mask_token_id, args.target_layer_ids,
+                              layer_attention_settings(args))
     config.dflash_config["mask_token"] = mask_token
     return DFlashDraftModel(config), mask_token
+
+
+def layer_attention_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The draft config's per-layer attention fields from `--layer-types`, `--sliding-window`, `--causal`."""
+    settings: dict[str, Any] = {}
+    if args.layer_types is not None:
+        settings["layer_types"] = args.layer_types
+    if args.sliding_window is not None:
+        settings["sliding_window"] = args.sliding_window
+    if args.causal is not None:
+        settings["is_causal"] = args.causal == "true"
+    return settings
 
 
 def start_from_trained_draft(args: argparse.Namespace, target: torch.nn.Module) -> DFlashDraftModel:
@@ -81,7 +94,10 @@ def start_from_trained_draft(args: argparse.Namespace, target: torch.nn.Module) 
     draft = DFlashDraftModel.from_pretrained(args.init_from, dtype=torch.float32)
     asked = {"--block-size": (args.block_size, draft.block_size), "--draft-layers": (args.draft_layers, len(draft.layers)),
              "--target-layer-ids": (args.target_layer_ids, draft.target_layer_ids),
-             "--mask-token": (args.mask_token, draft.config.dflash_config.get("mask_token"))}
+             "--mask-token": (args.mask_token, draft.config.dflash_config.get("mask_token")),
+             "--layer-types": (args.layer_types, draft.config.layer_types),
+             "--sliding-window": (args.sliding_window, draft.config.sliding_window),
+             "--causal": (None if args.causal is None else args.causal == "true", draft.config.is_causal)}
     conflicts = [f"{flag} {wanted} (the draft has {has})" for flag, (wanted, has) in asked.items()
                  if wanted is not None and wanted != has]
     if conflicts:

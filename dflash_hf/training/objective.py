@@ -125,6 +125,8 @@ def dflash_loss(
     without, to the sequence's own tokens.
     """
     model = getattr(draft, "module", draft)  # the draft itself under a DistributedDataParallel wrapper
+    if model.candidate_selector is not None:
+        raise ValueError("Training DFlash2 drafts (candidate selector) is not supported; train a DFlashDraftModel.")
     block_size, mask_token_id = model.block_size, model.mask_token_id
     if signals is None:
         signals = target_signals(target, input_ids, model.target_layer_ids)
@@ -134,17 +136,18 @@ def dflash_loss(
     blocks = build_blocks(input_ids, loss_mask, anchors, block_size, mask_token_id)
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     with torch.no_grad():
-        block_embeddings = embed_tokens(blocks.block_ids)[None]  # [1, K*B, H]
+        block_embeddings = model.embed_block(blocks.block_ids, embed_tokens.weight)[None]  # [1, K*B, H]
     hidden = draft(
         block_embeddings,
         signals.hidden[None],
         blocks.block_position_ids[None],
         torch.arange(input_ids.shape[0], device=input_ids.device)[None],
         attention_mask=blocks.attention_mask[None, None],
-    )  # [1, K*B, H]
+        block_length=block_size,
+    )  # [1, K*B, H]; causal / sliding layers add their restriction by position
     hidden = hidden.view(len(anchors), block_size, -1)[:, 1:]  # [K, B-1, H]: positions that predict
     # a contiguous 2-D input keeps the LM head on one matrix multiply (a strided 3-D one falls back to bmm)
-    logits = lm_head(hidden.reshape(-1, hidden.shape[-1]).to(lm_head.weight.dtype)).float()
+    logits = model.scale_logits(lm_head(hidden.reshape(-1, hidden.shape[-1]).to(lm_head.weight.dtype))).float()
     logits = logits.view(len(anchors), block_size - 1, -1)  # [K, B-1, V]
     if signals.teacher_probs is not None:
         # the target's distribution for the token at p + 1 is its output at position p

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..configuration_dflash import DFlashConfig, default_target_layer_ids, read_rope_parameters
@@ -15,8 +17,12 @@ def draft_config_for(
     block_size: int,
     mask_token_id: int,
     target_layer_ids: list[int] | None = None,
+    layer_attention: dict[str, Any] | None = None,
 ) -> DFlashConfig:
-    """A draft config shaped like the target's layers (hidden size, heads, MLP, rope), in the published layout."""
+    """A draft config shaped like the target's layers (hidden size, heads, MLP, rope), in the published layout.
+
+    layer_attention: optional `layer_types`, `sliding_window`, `is_causal` (dflash-formats.md).
+    """
     config = target_text_config(target)
     num_target_layers = config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -43,6 +49,7 @@ def draft_config_for(
             "target_layer_ids": target_layer_ids or default_target_layer_ids(num_target_layers, num_layers),
         },
         tie_word_embeddings=False,
+        **(layer_attention or {}),
     )
 
 

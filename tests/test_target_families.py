@@ -1,0 +1,207 @@
+"""spec_generate across target families: lossless for every decoder whose KV cache can be cut back to the accepted
+prefix (sliding-window layers included), refused up front for targets whose cache holds a recurrent state.
+
+Tiny random float32 targets (hidden 64, 4 layers, vocab 128, sliding window 8), one per family and module. A family
+is skipped only when the installed Transformers lacks its class.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from dflash_hf import generation_dflash, left_pad, speculative_decode
+from dflash_hf.cache_dflash import cache_keyword, returned_cache
+from dflash_hf.target_dflash import plain_head_parts, verify_forward
+from helpers import HIDDEN_SIZE, TARGET_LAYERS, VOCAB_SIZE, ReferenceProposer, make_draft, make_target, plain_greedy
+
+WINDOW = 8  # sliding window of the windowed families: prompts and generations below cross it
+NEW_TOKENS = 24
+COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, intermediate_size=128, num_hidden_layers=TARGET_LAYERS,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+              initializer_range=0.1, tie_word_embeddings=False)
+ALTERNATING = ["sliding_attention", "full_attention"] * (TARGET_LAYERS // 2)
+
+# family -> (causal LM class, config class, config settings beyond COMMON)
+FAMILIES = {
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", None),  # helpers.make_target
+    "llama": ("LlamaForCausalLM", "LlamaConfig", None),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=WINDOW)),
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig",  # attention sinks; alternating sliding and full layers
+                dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW, layer_types=ALTERNATING)),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig",  # soft-capped logits: the verify must not use the bare head
+               dict(sliding_window=WINDOW, layer_types=ALTERNATING, final_logit_softcapping=3.0)),
+    "gemma4": ("Gemma4ForCausalLM", "Gemma4TextConfig",  # per-layer inputs, the last two layers reuse earlier K/V
+               dict(sliding_window=WINDOW, layer_types=ALTERNATING, final_logit_softcapping=3.0,
+                    hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB_SIZE, num_kv_shared_layers=2)),
+}
+WINDOWED = ["mistral", "gpt_oss", "gemma3", "gemma4"]
+SOFT_CAPPED = ["gemma3", "gemma4"]
+
+
+def transformers_class(name: str):
+    """The class `name` of the installed Transformers; skips the test (with the reason) when it has none."""
+    found = getattr(transformers, name, None)
+    if found is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    return found
+
+
+def build_target(family: str) -> torch.nn.Module:
+    model_class, config_class, settings = FAMILIES[family]
+    if settings is None:
+        return make_target(family, seed=0)
+    model_class, config_class = transformers_class(model_class), transformers_class(config_class)
+    torch.manual_seed(0)
+    model = model_class(config_class(**{**COMMON, **settings}))
+    model.generation_config.eos_token_id = None  # random weights: no end-of-text token
+    return model.eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from a second thread, and one keeps the module fast on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def targets() -> dict[str, torch.nn.Module]:
+    """Each family's tiny target, built once for the module (on first use: see `target_of`)."""
+    return {}
+
+
+def target_of(targets: dict[str, torch.nn.Module], family: str) -> torch.nn.Module:
+    if family not in targets:
+        targets[family] = build_target(family)
+    return targets[family]
+
+
+def prompt(seed: int, length: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB_SIZE - 1, (1, length), generator=torch.Generator().manual_seed(500 + seed))
+
+
+# --- Lossless: every family equals its own greedy decode -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_spec_generate_equals_plain_greedy(targets, family):
+    """Short prompts and prompts longer than the window; generations that cross it; block sizes 4 and 8."""
+    target = target_of(targets, family)
+    for seed, length in ((0, 5), (1, 3 * WINDOW - 3)):
+        draft = make_draft(seed, block_size=8)
+        input_ids = prompt(seed, length)
+        expected = plain_greedy(target, input_ids, max_new_tokens=NEW_TOKENS)
+        for block_size in (4, 8):
+            output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=NEW_TOKENS,
+                                         block_size=block_size)
+            assert torch.equal(output, expected), f"seed={seed} prompt={length} block_size={block_size}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_left_padded_batch_equals_each_row_alone(targets, family):
+    target = target_of(targets, family)
+    prompts = [prompt(2, 4), prompt(3, 2 * WINDOW + 3)]
+    input_ids, attention_mask = left_pad([ids[0].tolist() for ids in prompts], pad_token_id=0)
+    result = make_draft(2, block_size=8).spec_generate(
+        target=target, input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=NEW_TOKENS, block_size=4,
+        return_stats=True)
+    for row, ids in enumerate(prompts):
+        expected = plain_greedy(target, ids, max_new_tokens=NEW_TOKENS)[0, ids.shape[1]:].tolist()
+        assert result.new_tokens(row) == expected, f"row {row}"
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_rows_accepting_different_lengths_keep_the_window_exact(targets, family, monkeypatch):
+    """One row accepts every proposal, the other only a random prefix: the rejected columns of the second row must not
+    shrink its attention window (the window counts cache columns), so its cache is compacted before each verify."""
+    target = target_of(targets, family)
+    prompts = [prompt(4, 2 * WINDOW + 1), prompt(5, 3)]
+    references = [plain_greedy(target, ids, max_new_tokens=NEW_TOKENS) for ids in prompts]
+    input_ids, attention_mask = left_pad([ids[0].tolist() for ids in prompts], pad_token_id=0)
+    compactions = []
+    reorder = generation_dflash.reorder_cache_columns
+    monkeypatch.setattr(generation_dflash, "reorder_cache_columns",
+                        lambda cache, index: compactions.append(index.shape) or reorder(cache, index))
+    proposer = ReferenceProposer(references, corrupt_seed=6, corrupt_rows={1})
+    result = speculative_decode(target, proposer, input_ids, max_new_tokens=NEW_TOKENS, block_size=6,
+                                attention_mask=attention_mask)
+    for row, reference in enumerate(references):
+        assert result.new_tokens(row) == reference[0, prompts[row].shape[1]:].tolist(), f"row {row}"
+    assert compactions  # the rows' holes were removed, far below the usual hole budget
+    assert len(set(map(tuple, result.acceptance_lengths))) > 1
+
+
+# --- The verify pass gives the target's own logits ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", SOFT_CAPPED)
+def test_verify_logits_are_the_targets_own_soft_capped_logits(targets, family):
+    """Greedy output alone would not show a missing soft-cap (tanh keeps the argmax): compare the logits that
+    sampling uses, for a verify block on top of a cached prefix as in the loop."""
+    target = target_of(targets, family)
+    sequence = prompt(7, 2 * WINDOW + 6)
+    prefix, block = sequence[:, :-6], sequence[:, -6:]
+    keyword = cache_keyword(target)
+
+    def verify_inputs():  # a fresh cache of the prefix, and the block at its positions
+        cache = returned_cache(target(input_ids=prefix, use_cache=True))
+        return dict(input_ids=block, position_ids=torch.arange(prefix.shape[1], sequence.shape[1])[None],
+                    use_cache=True, **{keyword: cache})
+
+    with torch.no_grad():
+        logits, _ = verify_forward(target, **verify_inputs())
+        own = target(**verify_inputs()).logits
+        whole = target(input_ids=sequence).logits[:, -6:]
+        bare = target.get_output_embeddings()(target.model(input_ids=sequence).last_hidden_state[:, -6:])
+    torch.testing.assert_close(logits, own)  # the same pass
+    torch.testing.assert_close(logits, whole, rtol=1e-4, atol=1e-4)  # cached and uncached agree up to rounding
+    assert not torch.allclose(bare, whole, atol=1e-2)  # the bare head's logits would differ: the check is meaningful
+    assert (whole.softmax(-1) - bare.softmax(-1)).abs().max() > 1e-3  # and so would the sampling distribution
+    assert plain_head_parts(target) is None  # the fast path refused itself
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "gpt_oss"])
+def test_plain_heads_keep_the_fast_path(targets, family):
+    assert plain_head_parts(target_of(targets, family)) is not None
+
+
+# --- Recurrent-state targets are refused up front ------------------------------------------------------------------
+
+LINEAR_HEADS = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+RECURRENT = {  # name -> (causal LM class, config class, settings beyond COMMON, layer type the message names)
+    "qwen3_next": ("Qwen3NextForCausalLM", "Qwen3NextConfig",
+                   dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **LINEAR_HEADS),
+                   "linear_attention"),
+    "qwen3_5": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", LINEAR_HEADS, "linear_attention"),
+    "kimi_linear": ("KimiLinearForCausalLM", "KimiLinearConfig",
+                    dict(pad_token_id=0, linear_num_heads=4, linear_head_dim=16, num_experts=4, num_experts_per_token=2,
+                         moe_intermediate_size=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                         v_head_dim=16), "linear_attention"),
+    "lfm2": ("Lfm2ForCausalLM", "Lfm2Config", dict(full_attn_idxs=[1, 3]), "conv"),
+    "jamba": ("JambaForCausalLM", "JambaConfig", dict(num_experts=2, attn_layer_period=2, attn_layer_offset=1,
+                                                      expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8),
+              "(mamba|linear_attention) \\(layers 0, 2\\)"),
+}
+
+
+@pytest.mark.parametrize("name", RECURRENT)
+def test_recurrent_state_targets_are_refused_before_any_forward(name):
+    model_class, config_class, settings, layer_type = RECURRENT[name]
+    model_class, config_class = transformers_class(model_class), transformers_class(config_class)
+    torch.manual_seed(0)
+    target = model_class(config_class(**{**COMMON, **settings})).eval()
+    forwards = []
+    target.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    draft = make_draft(0, block_size=8)  # the draft itself is fine
+    message = f"has layers of type {layer_type}.*recurrent state cannot be rolled back to the accepted prefix"
+    with pytest.raises(ValueError, match=message):
+        draft.spec_generate(target=target, input_ids=prompt(8, 6), max_new_tokens=8)
+    with pytest.raises(ValueError, match=message):  # the loop itself refuses too, whatever the proposer
+        speculative_decode(target, None, prompt(8, 6), max_new_tokens=8, block_size=1)
+    assert forwards == []
