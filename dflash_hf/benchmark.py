@@ -240,7 +240,7 @@ def plot_results(results: list[dict[str, Any]], path: str | Path) -> None:
         speed_axis.bar([p + offset for p in positions], [r.get(key) or 0.0 for r in results], width, label=label)
     speed_axis.axhline(1.0, color="gray", linewidth=0.8)
     speed_axis.set(xticks=list(positions), xticklabels=names, ylabel="speedup over target.generate")
-    speed_axis.legend(fontsize=8, loc="lower left", framealpha=0.9)
+    speed_axis.legend(fontsize=8, loc="best", framealpha=0.9)
     tau_axis.bar(list(positions), [r["tau"] for r in results], 0.5, color="tab:green")
     tau_axis.set(xticks=list(positions), xticklabels=names, ylabel="tau (tokens per target forward)")
     figure.tight_layout()

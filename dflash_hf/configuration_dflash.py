@@ -21,7 +21,10 @@ REMOTE_CODE_FILES = (
     "target_dflash.py",
     "proposer_dflash.py",
     "generation_dflash.py",
+    "custom_generate_dflash.py",
 )
+# `save_pretrained` also writes custom_generate_dflash.py here, where `generate(custom_generate=FOLDER)` looks.
+CUSTOM_GENERATE_FILE = "custom_generate/generate.py"
 DEFAULT_BLOCK_SIZE = 16  # dflash-formats.md: `block_size` when a config names none
 # Written into every saved config.json, even where equal to the class default (readers other than Transformers).
 ALWAYS_SAVED = ("block_size", "num_target_layers", "dflash_config", "rope_parameters", "rope_theta", "rope_scaling")

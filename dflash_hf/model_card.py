@@ -30,6 +30,7 @@ class CardInfo:
     training: dict[str, str] = field(default_factory=dict)
     limitations: list[str] = field(default_factory=list)
     mask_token_note: str | None = None
+    has_custom_generate: bool = True  # the repo holds dflash-hf's export (custom_generate/generate.py); False: z-lab's
 
 
 DEFAULT_LIMITATIONS = [
@@ -137,7 +138,7 @@ def published_card_infos(configs_dir: str | Path) -> dict[str, CardInfo]:
             title=f"DFlash draft for {base_model}",
             description=f"The published DFlash draft `z-lab/{name}`, described by dflash-hf. The weights are the authors'; "
                         "the config layout is the one in dflash-hf's `dflash_hf/published_configs/` (check it against the downloaded file).",
-            results_source=source, results_table=table,
+            results_source=source, results_table=table, has_custom_generate=False,
             training={"recipe": "the authors' (not released): see the DFlash paper, section 4 of dflash-hf's design notes",
                       "training data": "see the paper"},
         )

@@ -27,6 +27,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .cache_dflash import DraftContextCache
 from .configuration_dflash import (
+    CUSTOM_GENERATE_FILE,
     DFLASH_HF_VERSION,
     NATIVE_MODEL_TYPE,
     REMOTE_CODE_FILES,
@@ -542,9 +543,15 @@ class DFlashDraftModel(PreTrainedModel):
         if "save_original_format" in inspect.signature(PreTrainedModel.save_pretrained).parameters:  # Transformers 5
             kwargs.setdefault("save_original_format", False)  # not the names it was loaded under (key_mapping)
         super().save_pretrained(save_directory, *args, **kwargs)
+        # custom_generate/generate.py, where `generate(custom_generate=FOLDER)` looks: this package module, as is
+        from .custom_generate_dflash import generate as custom_generate
+
+        custom_generate_path = Path(save_directory) / CUSTOM_GENERATE_FILE
+        custom_generate_path.parent.mkdir(exist_ok=True)
+        custom_generate_path.write_text(Path(inspect.getfile(custom_generate)).read_text(encoding="utf-8"),
+                                        encoding="utf-8")
         header = REMOTE_CODE_HEADER.format(version=DFLASH_HF_VERSION)
-        for name in REMOTE_CODE_FILES:
-            path = Path(save_directory) / name
+        for path in [Path(save_directory) / name for name in REMOTE_CODE_FILES] + [custom_generate_path]:
             if path.exists():
                 path.write_text(header + without_export_header(path.read_text(encoding="utf-8")), encoding="utf-8")
 

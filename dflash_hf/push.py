@@ -7,7 +7,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .configuration_dflash import REMOTE_CODE_FILES
+from .configuration_dflash import CUSTOM_GENERATE_FILE, REMOTE_CODE_FILES
 from .modeling_dflash import DFlashDraftModel, without_export_header
 
 REQUIRED_METADATA = ("base_model", "library_name", "pipeline_tag", "license", "tags")
@@ -18,7 +18,7 @@ def hub_ready_folder(folder: str | Path, staging: str | Path) -> Path:
     """`folder` if it already holds the remote code; else a copy in `staging` written by `save_pretrained`."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    if all((folder / name).exists() for name in REMOTE_CODE_FILES) and "auto_map" in config:
+    if all((folder / name).exists() for name in remote_code_sources()) and "auto_map" in config:
         return folder
     staging = Path(staging)
     DFlashDraftModel.from_pretrained(folder, dtype="auto").save_pretrained(staging)  # keep the stored dtype
@@ -28,12 +28,18 @@ def hub_ready_folder(folder: str | Path, staging: str | Path) -> Path:
     return staging
 
 
+def remote_code_sources() -> dict[str, Path]:
+    """Each remote-code file of an exported folder, and the package module it is a copy of."""
+    return {**{name: PACKAGE_DIR / name for name in REMOTE_CODE_FILES},
+            CUSTOM_GENERATE_FILE: PACKAGE_DIR / "custom_generate_dflash.py"}
+
+
 def differing_remote_code(folder: str | Path) -> list[str]:
     """The remote-code files of `folder` that differ from the installed package's modules."""
     folder = Path(folder)
-    return [name for name in REMOTE_CODE_FILES
+    return [name for name, source in remote_code_sources().items()
             if (folder / name).exists() and without_export_header((folder / name).read_text(encoding="utf-8"))
-            != (PACKAGE_DIR / name).read_text(encoding="utf-8")]
+            != source.read_text(encoding="utf-8")]
 
 
 def check_hub_folder(folder: str | Path, keep_remote_code: bool = False) -> list[str]:
@@ -41,7 +47,7 @@ def check_hub_folder(folder: str | Path, keep_remote_code: bool = False) -> list
     from huggingface_hub import ModelCard
 
     folder = Path(folder)
-    missing = [name for name in ("config.json", "model.safetensors", "README.md", *REMOTE_CODE_FILES)
+    missing = [name for name in ("config.json", "model.safetensors", "README.md", *remote_code_sources())
                if not (folder / name).exists()]
     if missing:
         raise ValueError(f"{folder} is not Hub-ready: missing {', '.join(missing)}.")

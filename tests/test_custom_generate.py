@@ -1,0 +1,79 @@
+"""`target.generate(custom_generate=DRAFT_FOLDER, trust_remote_code=True)` runs DFlash where dflash_hf cannot be imported."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from helpers import make_draft, make_target
+
+RUN_WITHOUT_PACKAGE = textwrap.dedent("""
+    import json, sys
+    sys.modules["dflash_hf"] = None  # only torch + transformers
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers.generation.streamers import BaseStreamer
+
+    draft_dir, target_dir = sys.argv[1], sys.argv[2]
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    input_ids = torch.tensor([[0, 0, 0, 5, 9, 2], [7, 3, 11, 4, 8, 6]])  # left-padded batch of two
+    attention_mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    common = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=20, do_sample=False,
+                  pad_token_id=0)
+    plain = [target.generate(input_ids=row[mask.bool()][None], max_new_tokens=20, do_sample=False, pad_token_id=0)
+             for row, mask in zip(input_ids, attention_mask)]
+    batched = target.generate(custom_generate=draft_dir, trust_remote_code=True, **common)
+    as_output = target.generate(custom_generate=draft_dir, trust_remote_code=True, return_dict_in_generate=True,
+                                **common)
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.tokens = []
+        def put(self, value):
+            self.tokens += value.flatten().tolist()
+        def end(self):
+            pass
+
+    streamer = Collect()
+    prompt = input_ids[1:]
+    streamed = target.generate(custom_generate=draft_dir, trust_remote_code=True, input_ids=prompt,
+                               max_new_tokens=12, do_sample=False, pad_token_id=0, streamer=streamer)
+    draft = AutoModel.from_pretrained(draft_dir, trust_remote_code=True)
+    with_assistant = target.generate(custom_generate=draft_dir, trust_remote_code=True, assistant_model=draft, **common)
+    try:
+        target.generate(custom_generate=draft_dir, trust_remote_code=True, num_beams=2, **common)
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    print(json.dumps({
+        "plain": [row[0].tolist() for row in plain],
+        "batched": batched.tolist(), "as_output": as_output.sequences.tolist(), "output_class": type(as_output).__name__,
+        "streamed": streamed[0].tolist(), "stream": streamer.tokens, "with_assistant": with_assistant.tolist(),
+        "refusal": refusal,
+    }))
+""")
+
+
+def test_generate_with_custom_generate_runs_our_loop_without_the_package(tmp_path):
+    target, draft = make_target("qwen3", seed=31), make_draft(31, block_size=6)
+    draft.save_pretrained(tmp_path / "draft")
+    target.save_pretrained(tmp_path / "target")
+    assert (tmp_path / "draft" / "custom_generate" / "generate.py").read_text().startswith("# Exported by dflash-hf")
+    (tmp_path / "run.py").write_text(RUN_WITHOUT_PACKAGE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    completed = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "draft"), str(tmp_path / "target")],
+                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    # row for row, what plain greedy generate gives each prompt alone (the batch is left-padded)
+    assert result["batched"][0][3:] == result["plain"][0] and result["batched"][0][:3] == [0, 0, 0]
+    assert result["batched"][1] == result["plain"][1]
+    assert result["as_output"] == result["batched"] and result["output_class"] == "GenerateDecoderOnlyOutput"
+    assert result["with_assistant"] == result["batched"]
+    assert result["streamed"] == result["plain"][1][:6 + 12]
+    assert result["stream"][-12:] == result["streamed"][6:]  # the streamer saw every new token, in order
+    assert "num_beams=2" in result["refusal"]
