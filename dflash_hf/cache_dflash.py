@@ -214,6 +214,10 @@ def check_cache(cache: Any, target: torch.nn.Module, num_rows: int) -> None:
     if layers:
         raise ValueError(f"Target {type(target).__name__} returned a cache with {', '.join(sorted(set(layers)))} "
                          "layers, which cannot be cut back to the accepted prefix.")
+    indexed = sorted({type(layer).__name__ for layer in getattr(cache, "layers", ()) if hasattr(layer, "indexer_keys")})
+    if num_rows > 1 and indexed:  # compaction moves keys and values, not an indexer's own keys
+        raise ValueError(f"Target {type(target).__name__} keeps an attention indexer cache ({', '.join(indexed)}); "
+                         "dflash-hf runs it one prompt at a time: pass one row.")
     if num_rows > 1 and not (hasattr(cache, "layers") and hasattr(cache, "batch_select_indices")):
         raise ValueError(f"Target {type(target).__name__} returned a {type(cache).__name__}; batches need a DynamicCache.")
 

@@ -173,7 +173,7 @@ def run_convert(args: argparse.Namespace) -> None:
     from .conversion import convert
 
     try:
-        destination = convert(args.source, args.destination, args.to)
+        destination = convert(args.source, args.destination, args.to, vocab_size=args.vocab_size)
     except ValueError as error:
         raise SystemExit(f"dflash-hf convert: {error}") from error
     if args.to == "transformers":
@@ -212,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("destination", help="folder to write")
     convert.add_argument("--to", choices=["transformers", "dflash"], required=True,
                          help="transformers: MuseGlimmerAssistantModel (Transformers >= 5.24); dflash: the published layout")
+    convert.add_argument("--vocab-size", type=int, default=None,
+                         help="the target's vocabulary size, for a native draft whose config does not record it")
     return parser
 
 

@@ -55,7 +55,7 @@ def config_from_native(native: dict[str, Any]) -> dict[str, Any]:
     """
     values = {**NATIVE_DEFAULTS, **{key: value for key, value in native.items() if value is not None}}
     layer_types = values["layer_types"] or ["sliding_attention"] * values["num_hidden_layers"]
-    rope = dict(values["rope_parameters"])
+    rope = _native_rope(native)
     arguments = {name: values[name] for name in NATIVE_SHARED_FIELDS}
     arguments.update(
         architectures=["DFlashDraftModel"], attention_bias=False, tie_word_embeddings=False,
@@ -71,6 +71,23 @@ def config_from_native(native: dict[str, Any]) -> dict[str, Any]:
     else:  # Transformers' native drafts do not record the target's vocabulary
         arguments["dflash_config"]["vocab_size_unknown"] = True
     return arguments
+
+
+def _native_rope(native: dict[str, Any]) -> dict[str, Any]:
+    """A native config's rope as one dict, read as its class reads it: `rope_parameters`, else top-level
+    `rope_theta` / `rope_scaling`, else the class default."""
+    if native.get("rope_parameters"):
+        rope = dict(native["rope_parameters"])
+    elif native.get("rope_theta") is not None or native.get("rope_scaling"):
+        rope = {**(native.get("rope_scaling") or {}), "rope_theta": native.get("rope_theta",
+                                                                            NATIVE_DEFAULTS["rope_parameters"]["rope_theta"])}
+    else:
+        rope = dict(NATIVE_DEFAULTS["rope_parameters"])
+    if "rope_theta" not in rope or any(isinstance(value, dict) for value in rope.values()):
+        raise ValueError(f"Native draft config rope {rope} is not one rope with a `rope_theta`; dflash-hf drafts have one "
+                         "rope for every layer.")
+    rope["rope_type"] = rope.get("rope_type", rope.pop("type", "default")) or "default"
+    return rope
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

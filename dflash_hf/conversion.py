@@ -94,7 +94,9 @@ def to_native(draft: DFlashDraftModel) -> torch.nn.Module:
     to_native_names = {ours: native for native, ours in NATIVE_PREFIXES.items()}
     native.load_state_dict({renamed(name, to_native_names): tensor for name, tensor in draft.state_dict().items()},
                            strict=True)
-    return native.to(draft.dtype).eval()
+    for parameter in native.parameters():  # the weights' dtype; buffers (rope frequencies) stay float32, as ours
+        parameter.data = parameter.data.to(draft.dtype)
+    return native.to(draft.device).eval()
 
 
 def from_native(native: torch.nn.Module) -> DFlashDraftModel:
@@ -105,14 +107,23 @@ def from_native(native: torch.nn.Module) -> DFlashDraftModel:
     return draft.to(native.dtype).eval()
 
 
-def convert(source: str | Path, destination: str | Path, to: str) -> Path:
+def convert(source: str | Path, destination: str | Path, to: str, vocab_size: int | None = None) -> Path:
     """Convert the draft folder (or Hub id) `source` into `destination`: `to="transformers"` writes a native
-    `MuseGlimmerAssistantModel` checkpoint, `to="dflash"` the published DFlash layout with remote code."""
+    `MuseGlimmerAssistantModel` checkpoint, `to="dflash"` the published DFlash layout with remote code.
+
+    vocab_size: the target's vocabulary size, needed (and only used) for a native draft that does not record it.
+    """
     if to not in CONVERSION_TARGETS:
         raise ValueError(f"to must be one of {CONVERSION_TARGETS}, got {to!r}.")
     if to == "transformers":
         native_classes()  # refuse before loading anything
     draft = DFlashDraftModel.from_pretrained(source, dtype="auto")
+    if draft.config.dflash_config.get("vocab_size_unknown"):
+        if vocab_size is None:
+            raise ValueError(f"{source} does not record the target's vocabulary size (Transformers' native drafts do "
+                             "not); pass it: --vocab-size V (python: vocab_size=V), V = the target's vocabulary size.")
+        draft.config.vocab_size = vocab_size
+        del draft.config.dflash_config["vocab_size_unknown"]
     model = to_native(draft) if to == "transformers" else draft
     model.save_pretrained(destination)
     return Path(destination)

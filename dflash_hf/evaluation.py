@@ -101,7 +101,8 @@ def measure_prompts(
     if settings.prompt_lookup_tokens and len(prompts) == 1:  # Transformers' prompt lookup takes one prompt
         methods["prompt_lookup"] = lambda: generated(target.generate(
             input_ids, prompt_lookup_num_tokens=settings.prompt_lookup_tokens, **common))
-    if native_draft is not None and len(prompts) == 1:  # Transformers' DFlash is assisted decoding: one prompt
+    # Transformers' DFlash is assisted decoding (one prompt) and drafts the draft's own block size
+    if native_draft is not None and len(prompts) == 1 and settings.block_size in (None, draft.block_size):
         methods["transformers_dflash"] = lambda: generated(target.generate(
             input_ids, assistant_model=native_draft, speculation_type="dflash", **common))
     timed = {method: _timed(run, device, settings.seed) for method, run in methods.items()}

@@ -480,9 +480,9 @@ class DFlashDraftModel(PreTrainedModel):
                      key_positions: torch.Tensor) -> dict[tuple[bool, int | None], torch.Tensor | None]:
         """The attention mask of each layer kind (causal, window) present in the draft."""
         kinds = {layer.attention_kind for layer in self.layers}
-        if kinds != {(False, None)} and (self.config._attn_implementation or "").startswith("flash"):
-            raise ValueError("This draft has causal or sliding-window layers, which need a 4-D attention mask that "
-                             f"{self.config._attn_implementation} does not take; load it with attn_implementation="
+        if kinds != {(False, None)} and (self.config._attn_implementation or "eager") not in ("eager", "sdpa"):
+            raise ValueError("This draft has causal or sliding-window layers, which need a 4-D attention mask; "
+                             f"{self.config._attn_implementation} may not apply one: load it with attn_implementation="
                              "'sdpa' or 'eager'.")
         return {kind: layer_attention_mask(attention_mask, query_positions, key_positions, *kind) for kind in kinds}
 
@@ -510,8 +510,8 @@ class DFlashDraftModel(PreTrainedModel):
         (`muse_glimmer_assistant`) loads as the same draft in our layout."""
         wants_loading_info = kwargs.pop("output_loading_info", False)
         if cls is DFlashDraftModel and not isinstance(kwargs.get("config"), DFlashConfig):
-            config_kwargs = {key: kwargs[key] for key in ("revision", "cache_dir", "local_files_only", "token")
-                             if key in kwargs}
+            config_kwargs = {key: kwargs[key] for key in ("revision", "cache_dir", "local_files_only", "token",
+                                                          "subfolder", "force_download", "proxies") if key in kwargs}
             config_dict, _ = DFlashConfig.get_config_dict(args[0] if args else kwargs["pretrained_model_name_or_path"],
                                                           **config_kwargs)
             if config_dict.get("model_type") == NATIVE_MODEL_TYPE:
@@ -539,6 +539,11 @@ class DFlashDraftModel(PreTrainedModel):
     def save_pretrained(self, save_directory: str | Path, *args: Any, **kwargs: Any) -> None:
         """`PreTrainedModel.save_pretrained` in the published DFlash layout (also for a draft loaded from a native
         folder), recording the dflash-hf version in config.json and the remote-code files."""
+        if self.config.dflash_config.get("vocab_size_unknown"):
+            raise ValueError("This draft came from a native folder that does not record the target's vocabulary size; "
+                             "set draft.config.vocab_size = <the target's vocabulary size> and delete "
+                             "draft.config.dflash_config['vocab_size_unknown'] before saving (or use dflash-hf convert "
+                             "--vocab-size), so that other readers see the right size.")
         self.config.dflash_hf_version = DFLASH_HF_VERSION
         if "save_original_format" in inspect.signature(PreTrainedModel.save_pretrained).parameters:  # Transformers 5
             kwargs.setdefault("save_original_format", False)  # not the names it was loaded under (key_mapping)

@@ -121,10 +121,10 @@ def test_bench_command_end_to_end(saved_models, tmp_path):
     prompts.write_text('{"turns": ["w5 w6 w7"]}\n{"turns": ["w8 w9", "w30 w31"]}\n')
     out = tmp_path / "bench.json"
     main(["bench", *saved_models, "--prompts", str(prompts),
-          "--max-new-tokens", "5", "--block-size", "3", "--json", str(out), "--plot", str(tmp_path / "bench.png")])
+          "--max-new-tokens", "5", "--block-size", "4", "--json", str(out), "--plot", str(tmp_path / "bench.png")])
     (result,) = json.loads(out.read_text())["results"]
     assert result["dataset"] == "prompts" and result["num_prompts"] == 2 and result["num_turns"] == 3
-    assert result["block_size"] == 3 and len(result["acceptance_histogram"]) == 3
+    assert result["block_size"] == 4 and len(result["acceptance_histogram"]) == 4
     native = importlib.util.find_spec("transformers.models.muse_glimmer_assistant") is not None  # Transformers >= 5.24
     assert set(result["tokens_per_s"]) == {"plain", "dflash", "prompt_lookup"} | ({"transformers_dflash"} if native else set())
     assert result["lossless"] is True and result["bound"] > 0
@@ -233,3 +233,16 @@ def test_markdown_table_shows_the_batch_size_only_for_batches():
     assert table[0].startswith("| dataset | prompts | N | B |")
     assert table[2].startswith("| gsm8k | 1 | 1 | 4 |") and table[3].startswith("| gsm8k | 1 | 4 | 4 |")
     assert all(line.count("|") == table[0].count("|") for line in table)
+
+
+def test_transformers_dflash_is_timed_only_at_the_drafts_own_block_size(tiny_models):
+    """Transformers' loop always drafts the draft's trained block: at another block size the column is left out."""
+    pytest.importorskip("transformers.models.muse_glimmer_assistant", reason="Transformers < 5.24: no native DFlash")
+    from dflash_hf.conversion import to_native
+
+    target, draft, _ = tiny_models
+    native = to_native(draft)
+    for block_size, timed in ((None, True), (4, True), (3, False)):
+        (record,) = evaluation.measure_prompts(draft, target, [[5, 6, 7]], BenchSettings(
+            max_new_tokens=4, block_size=block_size, prompt_lookup_tokens=None), [1], native_draft=native)
+        assert ("transformers_dflash" in record.new_tokens) is timed

@@ -124,24 +124,29 @@ def test_what_the_native_class_cannot_express_is_refused_by_name(tmp_path, varia
         main(["convert", str(tmp_path / "draft"), str(tmp_path / "native"), "--to", "transformers"])
 
 
-def test_a_native_folder_loads_as_our_draft_on_any_transformers(tmp_path):
-    """A native checkpoint as Transformers writes it (encoder.* names, inclusive window, defaults omitted) loads with
-    DFlashDraftModel.from_pretrained, also where Transformers has no native class."""
-    source = make_variant_draft("sliding_bidirectional", seed=5)
+def write_native_folder(folder, source) -> None:
+    """A native checkpoint of `source`'s weights as Transformers writes it: encoder.* names, inclusive window,
+    defaults omitted, no vocabulary size (Transformers' native drafts do not record it)."""
     renames = {"fc.": "encoder.fc.", "hidden_norm.": "encoder.output_norm_enc."}
     weights = {}
     for name, tensor in source.state_dict().items():
         prefix = next((old for old in renames if name.startswith(old)), None)
         weights[renames[prefix] + name[len(prefix):] if prefix else name] = tensor.contiguous()
-    (tmp_path / "native").mkdir()
-    save_file(weights, str(tmp_path / "native" / "model.safetensors"), metadata={"format": "pt"})
+    folder.mkdir(parents=True)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config = {"model_type": "muse_glimmer_assistant", "architectures": ["MuseGlimmerAssistantModel"],
               "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "max_position_embeddings": 256,
               "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "sliding_window": 2,
               "layer_types": ["sliding_attention", "sliding_attention"], "block_size": 8, "mask_token_id": 127,
-              "target_layer_ids": [1, 3]}  # no vocab_size: Transformers' native drafts do not record it
-    (tmp_path / "native" / "config.json").write_text(json.dumps(config))
+              "target_layer_ids": [1, 3]}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_a_native_folder_loads_as_our_draft_on_any_transformers(tmp_path):
+    """DFlashDraftModel.from_pretrained reads a native folder, also where Transformers has no native class."""
+    source = make_variant_draft("sliding_bidirectional", seed=5)
+    write_native_folder(tmp_path / "native", source)
     loaded = DFlashDraftModel.from_pretrained(tmp_path / "native")
     assert all(torch.equal(tensor, loaded.state_dict()[name]) for name, tensor in source.state_dict().items())
     assert (loaded.config.sliding_window, loaded.config.is_causal) == (3, False)  # |q - k| <= 2 is our window 3
@@ -155,3 +160,40 @@ def test_convert_to_transformers_says_the_installed_transformers_lacks_the_class
     make_draft(1).save_pretrained(tmp_path / "draft")
     with pytest.raises(SystemExit, match="has no native DFlash draft class .*Transformers >= 5.24"):
         main(["convert", str(tmp_path / "draft"), str(tmp_path / "native"), "--to", "transformers"])
+
+
+def test_native_rope_is_read_as_the_native_class_reads_it():
+    from dflash_hf.configuration_dflash import config_from_native
+
+    base = {"model_type": "muse_glimmer_assistant", "num_hidden_layers": 2, "layer_types": ["full_attention"] * 2}
+    assert config_from_native(base)["rope_theta"] == 500000.0  # the class default
+    assert config_from_native({**base, "rope_theta": 1e6})["rope_theta"] == 1e6  # top level, as the class accepts
+    assert config_from_native({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 2e6}})["rope_theta"] == 2e6
+    with pytest.raises(ValueError, match="not one rope with a `rope_theta`"):
+        config_from_native({**base, "rope_parameters": {"rope_type": "default"}})
+
+
+def test_a_native_draft_without_its_vocabulary_is_not_saved_with_a_made_up_one(tmp_path):
+    write_native_folder(tmp_path / "native", make_variant_draft("sliding_bidirectional", seed=5))
+    draft = DFlashDraftModel.from_pretrained(tmp_path / "native")
+    with pytest.raises(ValueError, match="does not record the target's vocabulary size"):
+        draft.save_pretrained(tmp_path / "saved")
+    with pytest.raises(SystemExit, match="--vocab-size V"):
+        main(["convert", str(tmp_path / "native"), str(tmp_path / "ours"), "--to", "dflash"])
+    main(["convert", str(tmp_path / "native"), str(tmp_path / "ours"), "--to", "dflash", "--vocab-size", "128"])
+    saved = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert saved["vocab_size"] == 128 and "vocab_size_unknown" not in saved["dflash_config"]
+
+
+def test_a_draft_in_a_subfolder_loads(tmp_path):
+    make_draft(4).save_pretrained(tmp_path / "repo" / "draft")
+    assert DFlashDraftModel.from_pretrained(tmp_path / "repo", subfolder="draft").block_size == 8
+
+
+@needs_native
+def test_the_native_copy_keeps_float32_rope_in_a_bfloat16_draft():
+    draft = make_draft(6).to(torch.bfloat16)
+    native = to_native(draft)
+    assert native.rotary_emb.inv_freq.dtype == torch.float32
+    assert all(parameter.dtype == torch.bfloat16 for parameter in native.parameters())
+    torch.testing.assert_close(native.rotary_emb.inv_freq, draft.rotary_emb.inv_freq, rtol=0, atol=0)
