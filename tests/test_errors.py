@@ -92,3 +92,19 @@ def test_mixed_float_dtypes_are_cast_and_stay_lossless(target):
     draft = make_draft(0).to(torch.bfloat16)
     out = draft.spec_generate(target=target, input_ids=PROMPT, max_new_tokens=20)
     assert torch.equal(out, plain_greedy(target, PROMPT, 20))
+
+
+def test_a_batch_on_a_target_with_an_attention_indexer_cache_is_refused(target):
+    """Compaction moves keys and values but not an indexer's own keys (DeepSeek-V3.2-style caches): one row only."""
+    from transformers import DynamicCache
+
+    from dflash_hf.cache_dflash import check_cache
+
+    class IndexedLayer:  # what such a cache layer has besides keys and values
+        indexer_keys = torch.zeros(0)
+
+    cache = DynamicCache()
+    cache.layers = [IndexedLayer()]
+    with pytest.raises(ValueError, match=r"attention indexer cache \(IndexedLayer\).*pass one row"):
+        check_cache(cache, target, num_rows=2)
+    check_cache(cache, target, num_rows=1)  # a single row is fine
