@@ -61,7 +61,7 @@ def config_from_native(native: dict[str, Any]) -> dict[str, Any]:
         architectures=["DFlashDraftModel"], attention_bias=False, tie_word_embeddings=False,
         layer_types=layer_types, is_causal=False if "sliding_attention" in layer_types else None,
         sliding_window=values["sliding_window"] + 1 if "sliding_attention" in layer_types else None,
-        rope_theta=rope.pop("rope_theta"), rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
+        rope_theta=rope.pop("rope_theta"), rope_scaling=None if rope["rope_type"] == "default" else rope,
         num_target_layers=values.get("num_target_layers"),
         dflash_config={"target_layer_ids": list(values["target_layer_ids"]), "mask_token_id": values["mask_token_id"],
                        **({"mask_token": values["mask_token"]} if values.get("mask_token") else {})},
@@ -76,18 +76,12 @@ def config_from_native(native: dict[str, Any]) -> dict[str, Any]:
 def _native_rope(native: dict[str, Any]) -> dict[str, Any]:
     """A native config's rope as one dict, read as its class reads it: `rope_parameters`, else top-level
     `rope_theta` / `rope_scaling`, else the class default."""
-    if native.get("rope_parameters"):
-        rope = dict(native["rope_parameters"])
-    elif native.get("rope_theta") is not None or native.get("rope_scaling"):
-        rope = {**(native.get("rope_scaling") or {}), "rope_theta": native.get("rope_theta",
-                                                                            NATIVE_DEFAULTS["rope_parameters"]["rope_theta"])}
-    else:
-        rope = dict(NATIVE_DEFAULTS["rope_parameters"])
-    if "rope_theta" not in rope or any(isinstance(value, dict) for value in rope.values()):
-        raise ValueError(f"Native draft config rope {rope} is not one rope with a `rope_theta`; dflash-hf drafts have one "
-                         "rope for every layer.")
-    rope["rope_type"] = rope.get("rope_type", rope.pop("type", "default")) or "default"
-    return rope
+    parameters = native.get("rope_parameters")
+    if parameters and "rope_theta" not in parameters:  # also a rope per layer type: {"full_attention": {...}, ...}
+        raise ValueError(f"Native draft config rope {parameters} is not one rope with a `rope_theta`; dflash-hf drafts "
+                         "have one rope for every layer.")
+    default_theta = NATIVE_DEFAULTS["rope_parameters"]["rope_theta"]
+    return read_rope_parameters({**native, "rope_theta": native.get("rope_theta") or default_theta})
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -99,13 +93,15 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 
 def read_rope_parameters(config: Any) -> dict[str, Any]:
-    """The rope settings as one dict (`rope_theta`, `rope_type`, scaling keys) from either config style."""
-    parameters = getattr(config, "rope_parameters", None)
+    """The rope settings as one dict (`rope_theta`, `rope_type`, scaling keys) from either config style (a config
+    object or a config dict)."""
+    get = config.get if isinstance(config, dict) else lambda name: getattr(config, name, None)
+    parameters = get("rope_parameters")
     if isinstance(parameters, dict) and "rope_theta" in parameters:
         merged = dict(parameters)
     else:
-        merged = dict(getattr(config, "rope_scaling", None) or {})
-        merged["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
+        merged = dict(get("rope_scaling") or {})
+        merged["rope_theta"] = get("rope_theta") or 10000.0
     merged["rope_type"] = merged.get("rope_type", merged.get("type", "default")) or "default"
     merged.pop("type", None)
     return merged
@@ -174,8 +170,9 @@ DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selec
 
 
 def is_dflash2(config: Any) -> bool:
-    """Whether the config describes a `DFlash2DraftModel` (convolutions and a candidate selector)."""
-    return "DFlash2DraftModel" in (getattr(config, "architectures", None) or [])
+    """Whether the config (object or dict) describes a `DFlash2DraftModel` (convolutions and a candidate selector)."""
+    architectures = config.get("architectures") if isinstance(config, dict) else getattr(config, "architectures", None)
+    return "DFlash2DraftModel" in (architectures or [])
 
 
 def layer_attention(config: Any, layer_idx: int) -> tuple[bool, int | None]:

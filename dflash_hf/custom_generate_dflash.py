@@ -51,7 +51,7 @@ def load_draft(source: str, target: torch.nn.Module) -> torch.nn.Module:
 
 def generate(model: torch.nn.Module, inputs: torch.Tensor | None = None, **arguments: Any) -> Any:
     """DFlash speculative decoding of `model` (the target) with the arguments `generate` was given."""
-    refused = [name for name in _REFUSED_WHEN_SET if arguments.get(name)]
+    refused = [name for name in _REFUSED_WHEN_SET if arguments.pop(name, None)]  # unset (None, False, []): dropped
     if refused:
         raise ValueError(f"generate(custom_generate=<DFlash draft>) cannot apply {', '.join(refused)}: DFlash "
                          "verifies the draft against the target's own distribution; drop them or use plain generate.")
@@ -75,8 +75,6 @@ def generate(model: torch.nn.Module, inputs: torch.Tensor | None = None, **argum
     if generation_config is not None and getattr(generation_config, "return_dict_in_generate", False):
         generation_config = GenerationConfig.from_dict({**generation_config.to_dict(), "return_dict_in_generate": False})
         as_output = True
-    for name in _REFUSED_WHEN_SET:  # falsy values (None, False, empty lists) of the refused arguments
-        arguments.pop(name, None)
     sequences = draft.spec_generate(target=model, input_ids=input_ids, generation_config=generation_config,
                                     **arguments)
     return GenerateDecoderOnlyOutput(sequences=sequences) if as_output else sequences

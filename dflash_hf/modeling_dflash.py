@@ -517,7 +517,7 @@ class DFlashDraftModel(PreTrainedModel):
             if config_dict.get("model_type") == NATIVE_MODEL_TYPE:
                 kwargs["config"] = DFlashConfig(**config_from_native(config_dict))
                 kwargs.setdefault("key_mapping", NATIVE_KEY_MAPPING)
-            elif "DFlash2DraftModel" in (config_dict.get("architectures") or []):
+            elif is_dflash2(config_dict):
                 cls = DFlash2DraftModel
         elif cls is DFlashDraftModel and is_dflash2(kwargs["config"]):
             cls = DFlash2DraftModel

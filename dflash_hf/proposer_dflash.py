@@ -154,11 +154,9 @@ def select_candidates(selector: DFlashCandidateSelector, logits: torch.Tensor, h
     def sample_choice(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         vocabulary_scores = torch.full_like(logits[:, 0], float("-inf"), dtype=torch.float32)
         vocabulary_scores.scatter_(1, candidates, scores)  # [N, V]
-        q = process_logits(vocabulary_scores, step.temperature, step.top_k, step.top_p).softmax(dim=-1)
-        distributions.append(q)
-        tokens = torch.stack([torch.multinomial(row, 1, generator=generator).squeeze(-1)
-                              for row, generator in zip(q, step.generators)])  # [N]
-        return (candidates == tokens[:, None]).int().argmax(dim=-1)  # its index among the candidates
+        sampled = sample_proposals(vocabulary_scores[:, None], step)  # one position: tokens [N, 1], q [N, 1, V]
+        distributions.append(sampled.draft_probabilities[:, 0])
+        return (candidates == sampled.tokens).int().argmax(dim=-1)  # its index among the candidates
 
     tokens = selector.walk(logits, hidden_states, anchor_tokens, sample_choice)
     return Proposal(tokens, torch.stack(distributions, dim=1))

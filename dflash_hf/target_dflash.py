@@ -12,8 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .cache_dflash import check_croppable_target
-
 if TYPE_CHECKING:  # pragma: no cover
     from .modeling_dflash import DFlashDraftModel
 
@@ -308,7 +306,6 @@ def check_generation_inputs(
     config = target_text_config(target)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"Target {type(target).__name__} is an encoder-decoder model; DFlash needs a decoder-only target.")
-    check_croppable_target(target, config)  # every step cuts the target's cache back to the accepted prefix
     limit = getattr(config, "max_position_embeddings", None)
     total = input_ids.shape[1] + max_new_tokens
     if limit is not None and total > limit:
