@@ -3,7 +3,8 @@
 For every prompt (every turn of a multi-turn conversation) the same target runs plain `generate`,
 DFlash `spec_generate` and Transformers' prompt-lookup decoding (measured by `evaluation`); a dataset's
 summary holds tau, the acceptance-length histogram, tokens/s of each method, the speedup, the cost-model
-bound measured on the same machine, and whether every DFlash output equalled the plain greedy output.
+bound measured on the same machine, and per method how its greedy outputs compare with plain decoding's
+("exact", "near-tie" or "NO": `evaluation.compare_outputs`). The method that runs first rotates from turn to turn.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from .evaluation import (
     records_tau,
     summarize,
     typical_context,
+    warm_up_settings,
 )
 from .modeling_dflash import DFlashDraftModel
 from .prompts import chat_prompt_ids, read_conversations, record_turns, user_prompt_ids
-from .target_dflash import GenerationTokens, generation_tokens
+from .target_dflash import GenerationTokens, generation_tokens, target_device
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,7 @@ def run_benchmark(
     tokens = generation_tokens(target, tokenizer, draft)
     native_draft = transformers_dflash_peer(draft, settings, progress and process.is_main)
     first_prompt = user_prompt_ids(tokenizer, next(iter(datasets.values()))[0][0])
-    warm_up = dataclasses.replace(settings, max_new_tokens=8)
+    warm_up = warm_up_settings(settings, settings.block_size or draft.block_size)  # full blocks, the batch's shape
     measure_prompts(draft, target, [first_prompt] * settings.batch_size, warm_up, tokens.stop_token_ids,
                     tokens.mask_token_id, native_draft)
     shards = {name: conversations[process.index :: process.count] for name, conversations in datasets.items()}
@@ -189,12 +191,14 @@ def measure_dataset(
     """Records of every turn of `conversations`, `batch_size` conversations at a time, and the step costs.
 
     Each turn after the first sees the model's own answer to the previous one (the plain greedy one: every method's
-    prompt is the same). The cost model is timed once, at the first batch's typical context.
+    prompt is the same). The cost model is timed once, at the first batch's typical context. Each `measure_prompts`
+    call gets the next `turn`, so the method that runs first rotates.
     """
-    device = target.get_input_embeddings().weight.device
+    device = target_device(target)
     block_size = settings.block_size or draft.block_size
     records: list[TurnRecord] = []
     step_costs = None
+    turn = 0
     for start in range(0, len(conversations), settings.batch_size):
         group = conversations[start : start + settings.batch_size]
         histories: list[list[dict[str, str]]] = [[] for _ in group]
@@ -204,7 +208,8 @@ def measure_dataset(
                 histories[row].append({"role": "user", "content": group[row][turn_index]})
             prompts = [chat_prompt_ids(tokenizer, histories[row]) for row in rows]
             turn_records = measure_prompts(draft, target, prompts, settings, tokens.stop_token_ids, tokens.mask_token_id,
-                                           native_draft)
+                                           native_draft, turn=turn)
+            turn += 1
             records.extend(turn_records)
             if step_costs is None:
                 context = typical_context(prompts[0], turn_records[0].new_tokens["plain"], device)

@@ -33,6 +33,11 @@ def left_pad(
     return input_ids, attention_mask
 
 
+def host_to_device(values: Sequence[Any], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Python numbers (or nested lists) as a tensor on `device`, copied without waiting for the device's queued work."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def left_padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids [N, T] of left-padded rows: 0 at each row's first real token (pads get 0 too)."""
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
@@ -230,8 +235,12 @@ def crop_cache(cache: Any, length: int) -> None:
 
 
 def select_cache_rows(cache: Any, index: torch.Tensor) -> None:
-    """Keep the batch rows `index` [n] of a Transformers KV cache."""
-    cache.batch_select_indices(index)
+    """Keep the batch rows `index` [n] of a Transformers KV cache (its layers may sit on several devices)."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None or layer.keys.dim() != 4:
+            continue  # a layer that stores nothing (Gemma 4's K/V-sharing layers: `DummyLayer`; not yet initialised)
+        rows = index.to(layer.keys.device)
+        layer.keys, layer.values = layer.keys[rows], layer.values[rows]
 
 
 def reorder_cache_columns(cache: Any, index: torch.Tensor) -> None:
@@ -239,20 +248,35 @@ def reorder_cache_columns(cache: Any, index: torch.Tensor) -> None:
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None or layer.keys.dim() != 4:
             continue  # a layer that stores nothing (Gemma 4's K/V-sharing layers: `DummyLayer`; not yet initialised)
-        layer.keys = gather_columns(layer.keys, index)
-        layer.values = gather_columns(layer.values, index)
+        columns = index.to(layer.keys.device)
+        layer.keys = gather_columns(layer.keys, columns)
+        layer.values = gather_columns(layer.values, columns)
 
 
 # --- The draft's context cache ------------------------------------------------------------------------------------
 
 
 class DraftContextCache:
-    """Per-layer K/V of the draft's CONTEXT rows (post k_norm and rope), and their positions; block rows are never stored."""
+    """Per-layer K/V of the draft's CONTEXT rows (post k_norm and rope), and their positions; block rows are never
+    stored. Each layer's K/V live in a buffer with room to spare (grown by doubling): a step writes its new context
+    columns and, after them, the block's K/V in place, so the attention reads one buffer and nothing is copied."""
 
     def __init__(self, num_layers: int) -> None:
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.key_buffers: list[torch.Tensor | None] = [None] * num_layers  # [B, kv_heads, capacity, D]
+        self.value_buffers: list[torch.Tensor | None] = [None] * num_layers
+        self.lengths = [0] * num_layers  # context columns stored per layer
         self.positions: torch.Tensor | None = None  # [B, C]: the position id of every cached column
+
+    @property
+    def keys(self) -> list[torch.Tensor | None]:
+        """Each layer's cached context keys [B, kv_heads, C, D] (views)."""
+        return [None if buffer is None else buffer[:, :, :length] for buffer, length in zip(self.key_buffers, self.lengths)]
+
+    @property
+    def values(self) -> list[torch.Tensor | None]:
+        """Each layer's cached context values [B, kv_heads, C, D] (views)."""
+        return [None if buffer is None else buffer[:, :, :length]
+                for buffer, length in zip(self.value_buffers, self.lengths)]
 
     def append_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         """Record the position ids [B, T_new] of the context columns this call adds; all of them [B, C]."""
@@ -261,26 +285,53 @@ class DraftContextCache:
         self.positions = position_ids
         return position_ids
 
-    def append(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new context K/V [B, kv_heads, T_new, D] for a layer and return all of them."""
-        if self.keys[layer_idx] is not None:
-            key = torch.cat((self.keys[layer_idx], key), dim=2)
-            value = torch.cat((self.values[layer_idx], value), dim=2)
-        self.keys[layer_idx], self.values[layer_idx] = key, value
-        return key, value
+    def attention_inputs(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, block_key: torch.Tensor,
+                         block_value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a layer's new context K/V [B, kv_heads, n, D]; return the keys and values of all context columns
+        followed by the block's [B, kv_heads, C + n + T, D] (the block's are overwritten by the next call)."""
+        length, added, block_length = self.lengths[layer_idx], key.shape[2], block_key.shape[2]
+        self._reserve(layer_idx, key, length + added + block_length)
+        keys, values = self.key_buffers[layer_idx], self.value_buffers[layer_idx]
+        keys[:, :, length:length + added] = key
+        values[:, :, length:length + added] = value
+        end = length + added + block_length
+        keys[:, :, length + added:end] = block_key
+        values[:, :, length + added:end] = block_value
+        self.lengths[layer_idx] = length + added
+        return keys[:, :, :end], values[:, :, :end]
+
+    def _reserve(self, layer_idx: int, like: torch.Tensor, needed: int) -> None:
+        """Make the layer's buffers hold at least `needed` columns (twice the old capacity when they must grow)."""
+        buffer = self.key_buffers[layer_idx]
+        if buffer is not None and buffer.shape[2] >= needed:
+            return
+        capacity = max(needed, 2 * (0 if buffer is None else buffer.shape[2]))
+        self.key_buffers[layer_idx], self.value_buffers[layer_idx] = (
+            self._moved(old, like, capacity, self.lengths[layer_idx])
+            for old in (buffer, self.value_buffers[layer_idx]))
+
+    @staticmethod
+    def _moved(old: torch.Tensor | None, like: torch.Tensor, capacity: int, length: int) -> torch.Tensor:
+        """A buffer of `capacity` columns shaped like `like` [B, kv_heads, *, D] holding old's first `length`."""
+        buffer = like.new_empty(like.shape[0], like.shape[1], capacity, like.shape[3])
+        if old is not None and length:
+            buffer[:, :, :length] = old[:, :, :length]
+        return buffer
 
     def get_seq_length(self) -> int:
         """Number of context positions stored."""
-        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+        return self.lengths[0]
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep the batch rows `index` [n] (rows that finished leave the batch)."""
-        self.keys = [None if key is None else key[index] for key in self.keys]
-        self.values = [None if value is None else value[index] for value in self.values]
+        self.key_buffers = [None if buffer is None else buffer[index] for buffer in self.key_buffers]
+        self.value_buffers = [None if buffer is None else buffer[index] for buffer in self.value_buffers]
         self.positions = None if self.positions is None else self.positions[index]
 
     def reorder_columns(self, index: torch.Tensor) -> None:
         """Per-row column order [N, W'] (compaction: drop unused columns, keep each row's positions in order)."""
-        self.keys = [None if key is None else gather_columns(key, index) for key in self.keys]
-        self.values = [None if value is None else gather_columns(value, index) for value in self.values]
+        keys, values = self.keys, self.values
+        self.key_buffers = [None if key is None else gather_columns(key, index) for key in keys]
+        self.value_buffers = [None if value is None else gather_columns(value, index) for value in values]
+        self.lengths = [index.shape[1] if key is not None else 0 for key in keys]
         self.positions = None if self.positions is None else self.positions.gather(1, index)

@@ -39,6 +39,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--learning-rate", type=float, default=6e-4)
     parser.add_argument("--num-anchors", type=int, default=64)
     parser.add_argument("--distill", action="store_true", help="soft labels from the target's distribution")
+    parser.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
+                        help="bf16: the draft's forward and loss under bfloat16 autocast; its weights, optimiser "
+                             "and saved draft stay float32")
+    parser.add_argument("--target-dtype", choices=["auto", *DTYPES], default="auto",
+                        help="dtype of the frozen target while training (it only gives features and teacher "
+                             "logits); auto: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--init-from-target", action="store_true",
                         help="start the draft layers as copies of the target's top layers (see initialize_from_target)")
     parser.add_argument("--init-from", default=None,

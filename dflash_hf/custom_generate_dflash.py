@@ -41,7 +41,8 @@ def calling_custom_generate() -> str | None:
 
 def load_draft(source: str, target: torch.nn.Module) -> torch.nn.Module:
     """The DFlash draft of `source` (its remote code), in the target's dtype and on its device; loaded once."""
-    device = target.get_input_embeddings().weight.device
+    embeddings = target.get_input_embeddings()  # where it computes (an Accelerate hook says so when it offloads)
+    device = torch.device(getattr(getattr(embeddings, "_hf_hook", None), "execution_device", None) or embeddings.weight.device)
     key = (source, str(target.dtype), str(device))
     if key not in _LOADED_DRAFTS:
         draft = AutoModel.from_pretrained(source, trust_remote_code=True, dtype=target.dtype)

@@ -4,6 +4,7 @@ cost model built on the loop's own stage functions. `bench`, `train` and `demo` 
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -16,9 +17,23 @@ from .generation_dflash import GenerationSettings, TargetContext, plan_step, pre
 from .modeling_dflash import DFlashDraftModel
 from .proposer_dflash import DFlashProposer, Proposal
 from .sampling_dflash import cut_after_stop, mean_acceptance_length
-from .target_dflash import neutral_overrides
+from .target_dflash import last_logits_only, neutral_overrides, target_device
 
 METHODS = ("plain", "dflash", "prompt_lookup", "transformers_dflash")  # the last: Transformers' own DFlash loop
+VERDICTS = ("exact", "near-tie", "NO")
+# a near-tie: the target's two candidate logits within 16 ulps of the logit's magnitude in the run's dtype; in bf16
+# that is 1/8 of it, the tests' near-tie (`assert_equal_up_to_near_tie`); in float32 about 2e-6 of it
+NEAR_TIE_ULPS = 16
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How a method's greedy output compares with plain `generate`'s: "exact", "near-tie" or "NO"."""
+
+    verdict: str
+    first_divergence: int | None = None  # index (in the new tokens) of the first difference; None: exact
+    logit_gap: float | None = None  # the target's top logit minus the lower of the two tokens' logits there
+    tolerance: float | None = None  # the largest gap that reads as a near-tie
 
 
 @dataclass
@@ -28,6 +43,7 @@ class TurnRecord:
     new_tokens: dict[str, list[int]]  # method -> generated ids (prompt excluded)
     seconds: dict[str, float]  # method -> wall time of its generation
     acceptance_lengths: list[int] = field(default_factory=list)  # DFlash: tokens committed per step
+    verdicts: dict[str, Verdict] = field(default_factory=dict)  # greedy: method -> its comparison with "plain"
 
 
 @dataclass
@@ -42,6 +58,52 @@ class BenchSettings:
     batch_size: int = 1  # prompts per generate / spec_generate call (left-padded); > 1 skips prompt lookup
     auto_block_size: bool = False  # per dataset: calibrate on its first prompt, then take choose_block_size's pick
     acceptance: str = "rejection"  # sampling: speculative (rejection) sampling, or the equality rule
+
+
+def near_tie_tolerance(logit: float, dtype: torch.dtype, ulps: float = NEAR_TIE_ULPS) -> float:
+    """The largest logit gap that reads as a near-tie: `ulps` units of `dtype`'s precision at the logit's magnitude."""
+    return ulps * torch.finfo(dtype).eps * max(abs(logit), 1.0)
+
+
+@torch.no_grad()
+def compare_outputs(
+    target: torch.nn.Module,
+    prompt_ids: list[int],
+    reference_tokens: list[int],
+    candidate_tokens: list[int],
+    dtype: torch.dtype | None = None,
+    ulps: float = NEAR_TIE_ULPS,
+) -> Verdict:
+    """A candidate's greedy tokens against the reference's (plain `generate`), both without the prompt.
+
+    "near-tie" when they first differ where the target's own logits (a plain forward over the prompt and the common
+    prefix) hold both tokens within `near_tie_tolerance` of the best one; "NO" otherwise, or when one output only
+    stops earlier. `dtype`: the run's (default: the target's embedding weights').
+    """
+    if candidate_tokens == reference_tokens:
+        return Verdict("exact")
+    index = next((i for i, (a, b) in enumerate(zip(reference_tokens, candidate_tokens)) if a != b), None)
+    if index is None:  # equal up to the shorter one
+        return Verdict("NO", min(len(reference_tokens), len(candidate_tokens)))
+    weights = target.get_input_embeddings().weight
+    input_ids = torch.tensor([prompt_ids + reference_tokens[:index]], device=target_device(target))
+    logits = target(input_ids=input_ids, **last_logits_only(target)).logits[0, -1].float()
+    best = logits.max().item()
+    gap = best - min(logits[reference_tokens[index]].item(), logits[candidate_tokens[index]].item())
+    tolerance = near_tie_tolerance(best, dtype or weights.dtype, ulps)
+    return Verdict("near-tie" if gap <= tolerance else "NO", index, gap, tolerance)
+
+
+def method_order(methods: list[str], turn: int) -> list[str]:
+    """The order the methods run in at turn `turn`: rotated by one per turn, so no method always runs first."""
+    start = turn % len(methods) if methods else 0
+    return methods[start:] + methods[:start]
+
+
+def warm_up_settings(settings: BenchSettings, block_size: int) -> BenchSettings:
+    """Settings of the untimed warm-up: two full blocks of new tokens, so that the first step and a later one both
+    verify `block_size` tokens (and every method meets those widths) before anything is timed."""
+    return replace(settings, max_new_tokens=2 * block_size + 1)
 
 
 def _timed(run: Callable[[], list[list[int]]], device: torch.device, seed: int) -> tuple[list[list[int]], float]:
@@ -62,13 +124,15 @@ def measure_prompts(
     stop_token_ids: list[int],
     mask_token_id: int | None = None,
     native_draft: torch.nn.Module | None = None,
+    turn: int = 0,
 ) -> list[TurnRecord]:
     """Generate from N prompts at once (left-padded) with `generate`, DFlash and, for one prompt, prompt lookup and
     Transformers' own DFlash loop with `native_draft` (the same weights, `conversion.to_native`) when given.
 
-    One record per row; each row carries 1/N of the batch's wall time, so summed seconds are wall time.
+    One record per row; each row carries 1/N of the batch's wall time, so summed seconds are wall time. The methods
+    run in `method_order(..., turn)`; greedy records hold each method's `compare_outputs` verdict against "plain".
     """
-    device = target.get_input_embeddings().weight.device
+    device = target_device(target)
     pad_id = stop_token_ids[0]
     input_ids, attention_mask = left_pad(prompts, pad_id, device)  # [N, T]
     sampling = {"do_sample": True, "temperature": settings.temperature, "top_k": 0, "top_p": 1.0} \
@@ -105,14 +169,26 @@ def measure_prompts(
     if native_draft is not None and len(prompts) == 1 and settings.block_size in (None, draft.block_size):
         methods["transformers_dflash"] = lambda: generated(target.generate(
             input_ids, assistant_model=native_draft, speculation_type="dflash", **common))
-    timed = {method: _timed(run, device, settings.seed) for method, run in methods.items()}
+    timed = {method: _timed(methods[method], device, settings.seed) for method in method_order(list(methods), turn)}
+    timed = {method: timed[method] for method in methods}  # records list the methods in the usual order
+    return turn_records(target, prompts, timed, results[-1], greedy=settings.temperature == 0)
+
+
+def turn_records(target: torch.nn.Module, prompts: list[list[int]],
+                 timed: dict[str, tuple[list[list[int]], float]], dflash_result: Any, greedy: bool) -> list[TurnRecord]:
+    """One record per prompt from each method's (rows, seconds): 1/N of the wall time each, the DFlash row's
+    acceptance lengths, and (greedy) each method's verdict against "plain"."""
     share = 1.0 / len(prompts)
-    return [
-        TurnRecord(new_tokens={method: rows[row] for method, (rows, _) in timed.items()},
-                   seconds={method: seconds * share for method, (_, seconds) in timed.items()},
-                   acceptance_lengths=list(results[-1].acceptance_lengths[row]))
-        for row in range(len(prompts))
-    ]
+    records = []
+    for row, prompt in enumerate(prompts):
+        new_tokens = {method: rows[row] for method, (rows, _) in timed.items()}
+        # sampled outputs differ from run to run by design: the comparison is a check of greedy decoding
+        verdicts = {method: compare_outputs(target, prompt, new_tokens["plain"], tokens)
+                    for method, tokens in new_tokens.items() if method != "plain"} if greedy else {}
+        records.append(TurnRecord(new_tokens=new_tokens,
+                                  seconds={method: seconds * share for method, (_, seconds) in timed.items()},
+                                  acceptance_lengths=list(dflash_result.acceptance_lengths[row]), verdicts=verdicts))
+    return records
 
 
 # --- The cost model ----------------------------------------------------------------------------------------------
@@ -131,7 +207,8 @@ def measure_step_costs(
     """Median seconds of the cost model's terms after a context [1, T] copied to `batch_size` rows.
 
     The terms: one token of plain decoding per row (the target's own forward, as `generate` runs it), and, timed on
-    the loop's own stages, a B-token verify per row and a draft pass over the rows.
+    the loop's own stages, a B-token verify per row and a draft pass over the rows. Every output (logits, hidden
+    states) is dropped as soon as it is timed; between repetitions only the cache and the proposal are kept.
     """
     device = context_ids.device
     settings = GenerationSettings(max_new_tokens=block_size + 1, block_size=block_size,
@@ -140,11 +217,15 @@ def measure_step_costs(
     state = prefill(target, context_ids.repeat(batch_size, 1), None, proposer.target_layer_ids, settings)
     block = plan_step(state, settings)
     single = plan_step(state, replace(settings, block_size=1))
-    no_new_context = TargetContext(state.context.hidden[:, :0], state.context.position_ids[:, :0], None)
+    hidden = state.context.hidden  # [N, T, L*H]: an empty copy, as a [:, :0] view would keep the prompt's features
+    no_new_context = TargetContext(hidden.new_empty((hidden.shape[0], 0, hidden.shape[2])),
+                                   state.context.position_ids[:, :0].clone(), None)
+    del hidden
     proposal = propose(proposer, state, block, settings)  # hands the whole context to the draft
+    last_only = last_logits_only(target)
 
-    def plain_step() -> Any:  # one token of `generate`: the target's own forward, its full LM head
-        return target(input_ids=single.pending, position_ids=single.positions, use_cache=True,
+    def plain_step() -> Any:  # one token of `generate`: the target's own forward, its full LM head over that token
+        return target(input_ids=single.pending, position_ids=single.positions, use_cache=True, **last_only,
                       **{state.cache_argument: state.cache})
 
     def draft_pass() -> Proposal:
@@ -154,7 +235,7 @@ def measure_step_costs(
     def seconds(run: Callable[[], Any]) -> float:
         synchronize(device)
         started = time.perf_counter()
-        run()
+        run()  # its outputs are not kept: freed here
         synchronize(device)
         elapsed = time.perf_counter() - started
         crop_cache(state.cache, state.columns.width)  # a verify's columns leave the cache again
@@ -217,7 +298,7 @@ def calibrate_block_size(
     mask_token_id: int,
 ) -> tuple[int, dict[int, float]]:
     """Run one prompt at the draft's full block for its acceptance histogram, then `choose_block_size` for N rows."""
-    device = target.get_input_embeddings().weight.device
+    device = target_device(target)
     result = draft.spec_generate(target=target, input_ids=torch.tensor([prompt], device=device),
                                  max_new_tokens=settings.max_new_tokens, temperature=0.0, stop_token_ids=stop_token_ids,
                                  mask_token_id=mask_token_id, return_stats=True,
@@ -250,6 +331,26 @@ def records_tau(records: list[TurnRecord]) -> float:
     return mean_acceptance_length(length for record in records for length in record.acceptance_lengths)
 
 
+def record_verdict(record: TurnRecord, method: str) -> Verdict:
+    """The record's verdict for `method`; records without one (built by hand) compare by equality."""
+    if method in record.verdicts:
+        return record.verdicts[method]
+    return Verdict("exact") if record.new_tokens[method] == record.new_tokens["plain"] else Verdict("NO")
+
+
+def verdict_summary(records: list[TurnRecord], methods: list[str]) -> tuple[dict[str, dict[str, int]], list[dict]]:
+    """Per method the count of each verdict, and every turn that was not exact (its index, method and verdict)."""
+    counts = {method: dict.fromkeys(VERDICTS, 0) for method in methods}
+    divergences = []
+    for index, record in enumerate(records):
+        for method in methods:
+            verdict = record_verdict(record, method)
+            counts[method][verdict.verdict] += 1
+            if verdict.verdict != "exact":
+                divergences.append({"turn": index, "method": method, **dataclasses.asdict(verdict)})
+    return counts, divergences
+
+
 def summarize(
     dataset: str,
     records: list[TurnRecord],
@@ -259,7 +360,12 @@ def summarize(
     greedy: bool,
     batch_size: int = 1,
 ) -> dict[str, Any]:
-    """One dataset's results: tau, histogram, tokens/s per method (all rows), speedup, bound, lossless."""
+    """One dataset's results: tau, histogram, tokens/s per method (all rows), speedup, bound, lossless.
+
+    Greedy only (None under sampling): `verdicts` counts each method's "exact" / "near-tie" / "NO" turns against plain
+    `generate`, `divergences` lists the turns that were not exact, and `lossless` (DFlash) and `lossless_<method>`
+    are true when no turn of the method reads "NO" (every output exact, or diverging first at a near-tie).
+    """
     methods = [m for m in METHODS if all(m in record.seconds for record in records)]
     tokens_per_s = {}
     for method in methods:
@@ -268,9 +374,10 @@ def summarize(
         tokens_per_s[method] = tokens / seconds if seconds > 0 else 0.0
     tau = records_tau(records)
     plain = tokens_per_s.get("plain", 0.0)
-    # sampled outputs differ from run to run by design: equality is only a check of greedy decoding
-    lossless = {method: all(record.new_tokens[method] == record.new_tokens["plain"] for record in records)
-                if greedy else None for method in methods if method != "plain"}
+    # sampled outputs differ from run to run by design: the comparison is only a check of greedy decoding
+    compared = [method for method in methods if method != "plain"]
+    verdicts, divergences = verdict_summary(records, compared) if greedy else (None, None)
+    lossless = {method: verdicts[method]["NO"] == 0 if greedy else None for method in compared}
     return {
         "dataset": dataset,
         "num_prompts": num_prompts,
@@ -287,8 +394,24 @@ def summarize(
         "bound": cost_model_bound(tau, step_costs) if step_costs else None,
         "step_costs_ms": {k: v * 1000 for k, v in step_costs.items()} if step_costs else None,
         "lossless": lossless["dflash"],
+        "lossless_prompt_lookup": lossless.get("prompt_lookup"),
         "lossless_transformers_dflash": lossless.get("transformers_dflash"),
+        "verdicts": verdicts,
+        "divergences": divergences,
     }
+
+
+def lossless_cell(result: dict[str, Any], method: str = "dflash") -> str:
+    """The table's lossless entry: "yes", "yes (k near-tie)", "NO (k of n)", or "n/a (sampling)"."""
+    flag = result.get("lossless" if method == "dflash" else f"lossless_{method}")
+    counts = (result.get("verdicts") or {}).get(method)
+    if flag is None:
+        return "n/a (sampling)"
+    if counts is None:  # results written before verdicts were counted
+        return "yes" if flag else "NO"
+    if counts["NO"]:
+        return f"NO ({counts['NO']} of {sum(counts.values())})"
+    return f"yes ({counts['near-tie']} near-tie)" if counts["near-tie"] else "yes"
 
 
 def markdown_table(results: list[dict[str, Any]]) -> str:
@@ -304,10 +427,12 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
         rates = result["tokens_per_s"]
         lookup = f"{rates['prompt_lookup']:.1f}" if "prompt_lookup" in rates else "-"
         native = f"{rates['transformers_dflash']:.1f}" if "transformers_dflash" in rates else "-"
+        if result.get("lossless_prompt_lookup") is False:
+            lookup += " (NOT lossless)"
         if result.get("lossless_transformers_dflash") is False:
             native += " (NOT lossless)"
         bound = f"{result['bound']:.2f}x" if result["bound"] is not None else "-"
-        lossless = {True: "yes", False: "NO", None: "n/a (sampling)"}[result["lossless"]]
+        lossless = lossless_cell(result)
         batch = f" {result.get('batch_size', 1)} |" if batched else ""
         lines.append(
             f"| {result['dataset']} | {result['num_prompts']} |{batch} {result['block_size']} | {result['tau']:.2f} | "
@@ -330,15 +455,17 @@ def evaluate_draft(
 ) -> dict[str, Any]:
     """`dflash-hf bench`'s greedy measurement of prompts one at a time: tau, tokens/s against `target.generate`, lossless.
 
-    `on_result(prompt_index, record)` sees each prompt's record as soon as it is measured.
+    `on_result(prompt_index, record)` sees each prompt's record as soon as it is measured; the method that runs first
+    rotates from prompt to prompt.
     """
     if not stop_token_ids:
         raise ValueError("evaluate_draft needs a stop token (the first one also pads): see dflash_hf.generation_tokens.")
     settings = BenchSettings(max_new_tokens=max_new_tokens, block_size=block_size, prompt_lookup_tokens=None)
-    measure_prompts(draft, target, prompts[:1], replace(settings, max_new_tokens=8), stop_token_ids)  # warm-up
+    measure_prompts(draft, target, prompts[:1], warm_up_settings(settings, block_size or draft.block_size),
+                    stop_token_ids)
     records = []
     for index, prompt in enumerate(prompts):
-        records += measure_prompts(draft, target, [prompt], settings, stop_token_ids)
+        records += measure_prompts(draft, target, [prompt], settings, stop_token_ids, turn=index)
         if on_result is not None:
             on_result(index, records[-1])
     return summarize("evaluation", records, len(prompts), block_size or draft.block_size, None, greedy=True)

@@ -22,18 +22,28 @@ from .cache_dflash import (
     crop_cache,
     cache_keyword,
     full_history_cache,
+    host_to_device,
     left_padded_positions,
     reorder_cache_columns,
     returned_cache,
     select_cache_rows,
 )
 from .proposer_dflash import DFlashProposer, DraftStep, Proposal, Proposer
-from .sampling_dflash import commit_block, mean_acceptance_length, pick_tokens, process_logits, speculative_sample
+from .sampling_dflash import (
+    commit_block,
+    draw_uniforms,
+    mean_acceptance_length,
+    process_logits,
+    sample_from,
+    speculative_sample,
+)
 from .target_dflash import (
+    FeatureCapture,
     check_draft_target,
     check_generation_inputs,
+    last_logits_only,
     resolve_generation_choices,
-    select_features,
+    target_device,
     target_text_config,
     verify_forward,
 )
@@ -168,15 +178,14 @@ class StepPlan:
 # --- The stages -----------------------------------------------------------------------------------------------------
 
 
-def pick_block(logits: torch.Tensor, rows: list[int], counts: list[int], settings: GenerationSettings) -> torch.Tensor:
-    """The target's tokens [n, b] for logits [n, b, V]; row i only samples its first counts[i] positions."""
+def pick_block(logits: torch.Tensor, rows: list[int], settings: GenerationSettings) -> torch.Tensor:
+    """The target's tokens [n, b] for logits [n, b, V]: its argmax, or a sample per position (row i drawn with the
+    generator of row rows[i])."""
     if settings.temperature == 0.0:
         return logits.argmax(dim=-1)
-    picked = torch.full(logits.shape[:2], -1, dtype=torch.long, device=logits.device)
-    for index, (row, count) in enumerate(zip(rows, counts)):
-        picked[index, :count] = pick_tokens(logits[index, :count], settings.temperature, settings.top_k,
-                                            settings.top_p, settings.generators[row])
-    return picked
+    probabilities = process_logits(logits.flatten(0, 1), settings.temperature, settings.top_k, settings.top_p)
+    uniforms = draw_uniforms([settings.generators[row] for row in rows], logits.shape[1], logits.device)  # [n, b]
+    return sample_from(probabilities.softmax(dim=-1).view(logits.shape), uniforms)
 
 
 def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -184,7 +193,7 @@ def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     """Run the target over the prompts [N, T]: its cache, the first token of every row, the features of the prompts."""
     cache = full_history_cache(target, target_text_config(target))  # None: the target's own cache can be cropped
     cache_argument = cache_keyword(target)
-    device = target.get_input_embeddings().weight.device
+    device = target_device(target)
     input_ids = input_ids.to(device)
     num_rows, width = input_ids.shape
     padded = attention_mask is not None and not bool(attention_mask.bool().all())
@@ -194,22 +203,23 @@ def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
         streamer.put(torch.tensor([prompt]))
     synchronize(device)
     started = time.perf_counter()
-    last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
-    outputs = target(input_ids=input_ids, attention_mask=valid.long() if padded else None,
-                     position_ids=left_padded_positions(valid), use_cache=True,
-                     output_hidden_states=layer_ids is not None, **last_only,
-                     **({} if cache is None else {cache_argument: cache}))
+    positions = {"attention_mask": valid.long(), "position_ids": left_padded_positions(valid)} if padded else {}
+    with FeatureCapture(target, layer_ids, device) as capture:
+        outputs = target(input_ids=input_ids, use_cache=True, **positions, **last_logits_only(target),
+                         **capture.forward_arguments(), **({} if cache is None else {cache_argument: cache}))
     windowed = cache is not None  # the target counts its attention window in cache columns
     cache = returned_cache(outputs)
     check_cache(cache, target, num_rows)
+    features = capture.result(outputs)  # [N, T, L*H] or None
     state = DecodeState(
         input_ids=input_ids, prompts=prompts, generated=[], acceptance_lengths=[[] for _ in prompts],
         finished=[], active=list(range(num_rows)), cache=cache, cache_argument=cache_argument,
         columns=CacheColumns(valid, [len(prompt) for prompt in prompts], contiguous=windowed), layer_ids=layer_ids,
-        context=None if layer_ids is None else prompt_context(target, outputs, layer_ids, valid, padded),
+        context=None if features is None else TargetContext.of(features, left_padded_positions(valid),
+                                                               valid if padded else None),
         started=started,
     )
-    first_tokens = pick_block(outputs.logits[:, -1:], state.active, [1] * num_rows, settings)[:, 0].tolist()
+    first_tokens = pick_block(outputs.logits[:, -1:], state.active, settings)[:, 0].tolist()
     del outputs
     synchronize(device)
     state.first_token_time = time.perf_counter()
@@ -220,25 +230,12 @@ def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     return state
 
 
-def prompt_context(target: torch.nn.Module, outputs: Any, layer_ids: list[int], valid: torch.Tensor,
-                   padded: bool) -> TargetContext:
-    """The prompts' features (the prefill's hidden states at `layer_ids`), after checking the target returned them."""
-    num_layers = target_text_config(target).num_hidden_layers
-    if len(outputs.hidden_states) != num_layers + 1:
-        raise ValueError(
-            f"Target returned {len(outputs.hidden_states)} hidden states for {num_layers} layers; "
-            "expected the embedding output plus one per layer."
-        )
-    features = select_features(outputs.hidden_states, layer_ids)  # [N, T, L*H]
-    return TargetContext.of(features, left_padded_positions(valid), valid if padded else None)
-
-
 def drop_finished(state: DecodeState, proposer: Proposer | None) -> bool:
     """Finished rows leave the batch, its caches and the proposer; whether any row is still active."""
     still_active = [row for row in state.active if not state.finished[row]]
     if still_active and len(still_active) < len(state.active):
         keep = [state.active.index(row) for row in still_active]
-        index = torch.tensor(keep, device=state.device)
+        index = host_to_device(keep, state.device)
         select_cache_rows(state.cache, index)
         state.columns.select_rows(keep, index)
         if state.context is not None:
@@ -264,8 +261,8 @@ def plan_step(state: DecodeState, settings: GenerationSettings) -> StepPlan:
     return StepPlan(
         width=width,
         counts=[min(width, left) for left in remaining],
-        positions=torch.tensor(starts, device=state.device)[:, None] + torch.arange(width, device=state.device),
-        pending=torch.tensor([[state.generated[row][-1]] for row in state.active], device=state.device),
+        positions=host_to_device(starts, state.device)[:, None] + torch.arange(width, device=state.device),
+        pending=host_to_device([[state.generated[row][-1]] for row in state.active], state.device),
     )
 
 
@@ -282,6 +279,8 @@ def propose(proposer: Proposer | None, state: DecodeState, step: StepPlan, setti
         context_valid=None if context is None else context.valid,
         block_size=step.width,
         row_ids=list(state.active),
+        block_position_ids=step.positions,
+        pending_ids=step.pending[:, 0],
         temperature=settings.temperature,
         top_k=settings.top_k,
         top_p=settings.top_p,
@@ -295,19 +294,25 @@ def propose(proposer: Proposer | None, state: DecodeState, step: StepPlan, setti
 
 
 def verify(target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal: Proposal,
-           settings: GenerationSettings) -> tuple[torch.Tensor, Any]:
-    """One target pass over [pending, proposals]: (the target's tokens [n, b], the forward's outputs)."""
+           settings: GenerationSettings) -> torch.Tensor:
+    """One target pass over [pending, proposals]: the target's tokens [n, b]; the features of every verified column
+    become `state.context` (`keep_context` keeps the accepted ones). The cache grows in place.
+
+    Positions are passed only where columns are not positions (padding, holes): without them, Transformers'
+    flash-attention path checks the position ids for packed sequences in every layer, which waits for the device.
+    """
     mask = state.columns.attention_mask(step.width)
+    holes = {} if mask is None else {"attention_mask": mask.long(), "position_ids": step.positions}
+    capture = FeatureCapture(target, state.layer_ids if step.width > 1 else None, state.device)
     logits, outputs = verify_forward(
-        target,
+        target, capture,
         input_ids=torch.cat((step.pending, proposal.tokens), dim=1),  # [n, b]
-        attention_mask=None if mask is None else mask.long(),
-        position_ids=step.positions,
-        use_cache=True,
-        output_hidden_states=state.layer_ids is not None and step.width > 1,
-        **{state.cache_argument: state.cache},
+        use_cache=True, **holes, **{state.cache_argument: state.cache},
     )
-    return target_tokens(logits, proposal, state, step, settings), outputs
+    features = capture.result(outputs)  # [n, b, L*H] or None
+    del outputs  # its cache is state.cache; nothing else of it is kept
+    state.context = None if features is None else TargetContext(features, step.positions, None)
+    return target_tokens(logits.to(state.device), proposal, state, step, settings)
 
 
 def target_tokens(logits: torch.Tensor, proposal: Proposal, state: DecodeState, step: StepPlan,
@@ -318,17 +323,16 @@ def target_tokens(logits: torch.Tensor, proposal: Proposal, state: DecodeState, 
     sampling, so the row holds the accepted proposals, then the residual's (or p's) sample, then -1.
     """
     if proposal.draft_probabilities is None:
-        return pick_block(logits, state.active, step.counts, settings)
+        return pick_block(logits, state.active, settings)
     probabilities = process_logits(logits.flatten(0, 1), settings.temperature, settings.top_k, settings.top_p)
     probabilities = probabilities.softmax(dim=-1).view(logits.shape)  # [n, b, V]: p
-    picked = torch.full(logits.shape[:2], -1, dtype=torch.long, device=logits.device)
-    for index, (row, count) in enumerate(zip(state.active, step.counts)):
-        proposals = proposal.tokens[index, : count - 1]  # what max_new_tokens lets the row commit
-        accepted, token = speculative_sample(proposals, proposal.draft_probabilities[index, : count - 1],
-                                             probabilities[index, :count], settings.generators[row])
-        picked[index, :accepted] = proposals[:accepted]
-        picked[index, accepted] = token
-    return picked
+    uniforms = draw_uniforms([settings.generators[row] for row in state.active], step.width, logits.device)
+    limits = host_to_device([count - 1 for count in step.counts], logits.device)  # what max_new_tokens lets a row keep
+    accepted, tokens = speculative_sample(proposal.tokens, proposal.draft_probabilities, probabilities, uniforms, limits)
+    columns = torch.arange(step.width, device=logits.device)[None, :]  # [1, b]
+    proposals = torch.nn.functional.pad(proposal.tokens, (0, 1), value=-1)  # [n, b]
+    picked = torch.where(columns < accepted[:, None], proposals, -1)
+    return torch.where(columns == accepted[:, None], tokens[:, None], picked)
 
 
 def commit(state: DecodeState, step: StepPlan, proposal: Proposal, tokens_of_target: torch.Tensor,
@@ -349,18 +353,18 @@ def commit(state: DecodeState, step: StepPlan, proposal: Proposal, tokens_of_tar
     return accepted_counts
 
 
-def keep_context(state: DecodeState, step: StepPlan, outputs: Any, accepted_counts: list[int]) -> None:
+def keep_context(state: DecodeState, step: StepPlan, accepted_counts: list[int]) -> None:
     """Keep the verify columns of each row's pending token and accepted proposals: in the cache, and as new features."""
     kept_width = max(accepted_counts) + 1
-    accepted = torch.tensor(accepted_counts, device=state.device)
+    accepted = host_to_device(accepted_counts, state.device)
     kept = torch.arange(kept_width, device=state.device)[None, :] <= accepted[:, None]  # [n, kept_width]
     state.columns.append(kept, [count + 1 for count in accepted_counts])
     crop_cache(state.cache, state.columns.width)
-    if state.layer_ids is None or step.width == 1:
+    if state.context is None:
         return  # no proposer reads features, or this was the last step
     holes = kept_width * len(accepted_counts) != sum(accepted_counts) + len(accepted_counts)
-    features = select_features(outputs.hidden_states, state.layer_ids)[:, :kept_width]  # [n, w, L*H]
-    state.context = TargetContext.of(features, step.positions[:, :kept_width], kept if holes else None)
+    state.context = TargetContext.of(state.context.hidden[:, :kept_width], step.positions[:, :kept_width],
+                                     kept if holes else None)
 
 
 def finish(state: DecodeState, settings: GenerationSettings) -> SpecGenerateOutput:
@@ -370,10 +374,9 @@ def finish(state: DecodeState, settings: GenerationSettings) -> SpecGenerateOutp
     synchronize(state.device)
     ended = time.perf_counter()
     num_new_tokens = [len(tokens) for tokens in state.generated]
-    new_ids = torch.full((len(num_new_tokens), max(num_new_tokens)), settings.pad_token_id,
-                         dtype=state.input_ids.dtype, device=state.device)
-    for row, tokens in enumerate(state.generated):
-        new_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=state.input_ids.dtype, device=state.device)
+    width = max(num_new_tokens)
+    new_ids = host_to_device([tokens + [settings.pad_token_id] * (width - len(tokens)) for tokens in state.generated],
+                             state.device, state.input_ids.dtype)  # [N, W]
     return SpecGenerateOutput(
         output_ids=torch.cat((state.input_ids, new_ids), dim=1),
         num_prompt_tokens=state.input_ids.shape[1],
@@ -408,7 +411,7 @@ def speculative_decode(
 
     `generator` is one generator for the batch or one per row; `streamers` has one streamer per row.
     """
-    device = target.get_input_embeddings().weight.device
+    device = target_device(target)
     settings = GenerationSettings(
         max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature, top_k=top_k, top_p=top_p,
         stop_token_ids=frozenset(stop_token_ids or ()), pad_token_id=pad_token_id,
@@ -421,10 +424,9 @@ def speculative_decode(
         compact_caches(state)
         step = plan_step(state, settings)
         proposal = propose(proposer, state, step, settings)
-        tokens_of_target, outputs = verify(target, state, step, proposal, settings)
+        tokens_of_target = verify(target, state, step, proposal, settings)
         accepted_counts = commit(state, step, proposal, tokens_of_target, settings)
-        keep_context(state, step, outputs, accepted_counts)
-        del outputs
+        keep_context(state, step, accepted_counts)
     return finish(state, settings)
 
 
@@ -505,13 +507,7 @@ def spec_generate(
     if not isinstance(block_size, int) or not 1 <= block_size <= draft.block_size:
         raise ValueError(f"block_size must be an integer from 1 to the draft's trained size {draft.block_size}, got {block_size!r}.")
     num_rows = input_ids.shape[0]
-    attention = getattr(draft.config, "_attn_implementation", None)
-    if num_rows > 1 and attention not in (None, "eager", "sdpa"):
-        raise ValueError(
-            f"A batch of {num_rows} needs a masked draft attention, which {attention!r} does not take here; "
-            "call draft.set_attn_implementation('sdpa') first."
-        )
-    device = target.get_input_embeddings().weight.device
+    device = target_device(target)
     result = speculative_decode(
         target, DFlashProposer(draft, target, mask_token_id, sample_proposals=acceptance == "rejection"), input_ids,
         max_new_tokens=choices.max_new_tokens, block_size=block_size, temperature=choices.temperature,

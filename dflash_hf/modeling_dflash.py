@@ -161,8 +161,17 @@ def eager_attention(
     return output, weights
 
 
-def attention_function(implementation: str | None) -> Callable[..., tuple[torch.Tensor, Any]]:
-    """Attention kernel from Transformers' backend table (sdpa, flash_attention_2, ...), or local eager."""
+MASKED_ATTENTION = ("eager", "sdpa")  # the backends that apply a 4-D [B, 1, T, S] mask as given
+
+
+def attention_function(implementation: str | None, masked: bool = False) -> Callable[..., tuple[torch.Tensor, Any]]:
+    """Attention kernel from Transformers' backend table (sdpa, flash_attention_2, ...), or local eager.
+
+    A masked call (padding, holes, causal or sliding layers, training's block mask) under a backend that would read
+    the 4-D mask as a 2-D padding mask (flash-attention, flex, ...) runs on sdpa instead; unmasked calls keep it.
+    """
+    if masked and implementation not in (None, *MASKED_ATTENTION):
+        implementation = "sdpa"
     if implementation in (None, "eager"):
         return eager_attention
     return ALL_ATTENTION_FUNCTIONS[implementation]
@@ -242,13 +251,14 @@ class DFlashAttention(nn.Module):
         query = apply_rotary(self.q_norm(query).transpose(1, 2), *block_rope)  # [B, heads, T, D]
 
         context_key, context_value = self._keys_values(context, *context_rope)  # context: [B, C, H]
-        if cache is not None:
-            context_key, context_value = cache.append(self.layer_idx, context_key, context_value)
         block_key, block_value = self._keys_values(block_states, *block_rope)
-        key = torch.cat((context_key, block_key), dim=2)  # [B, kv_heads, C + T, D]
-        value = torch.cat((context_value, block_value), dim=2)
+        if cache is not None:  # [B, kv_heads, cached C + C + T, D], written in place
+            key, value = cache.attention_inputs(self.layer_idx, context_key, context_value, block_key, block_value)
+        else:
+            key = torch.cat((context_key, block_key), dim=2)  # [B, kv_heads, C + T, D]
+            value = torch.cat((context_value, block_value), dim=2)
 
-        attend = attention_function(self.config._attn_implementation)
+        attend = attention_function(self.config._attn_implementation, masked=attention_mask is not None)
         output, _ = attend(
             self,
             query,
@@ -480,10 +490,6 @@ class DFlashDraftModel(PreTrainedModel):
                      key_positions: torch.Tensor) -> dict[tuple[bool, int | None], torch.Tensor | None]:
         """The attention mask of each layer kind (causal, window) present in the draft."""
         kinds = {layer.attention_kind for layer in self.layers}
-        if kinds != {(False, None)} and (self.config._attn_implementation or "eager") not in ("eager", "sdpa"):
-            raise ValueError("This draft has causal or sliding-window layers, which need a 4-D attention mask; "
-                             f"{self.config._attn_implementation} may not apply one: load it with attn_implementation="
-                             "'sdpa' or 'eager'.")
         return {kind: layer_attention_mask(attention_mask, query_positions, key_positions, *kind) for kind in kinds}
 
     def spec_generate(self, target: nn.Module, input_ids: torch.Tensor, *args: Any, **generation_kwargs: Any) -> Any:

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from .cache_dflash import CacheColumns
-from .sampling_dflash import process_logits
-from .target_dflash import few_row_logits
+from .cache_dflash import CacheColumns, host_to_device
+from .sampling_dflash import draw_uniforms, process_logits, sample_from
+from .target_dflash import execution_device, few_row_logits, materialized_weight
 
 if TYPE_CHECKING:  # pragma: no cover
     from .modeling_dflash import DFlashCandidateSelector, DFlashDraftModel
@@ -36,6 +36,8 @@ class DraftStep:
     top_k: int | None = None
     top_p: float | None = None
     generators: tuple[torch.Generator | None, ...] = ()  # one per row of this step
+    block_position_ids: torch.Tensor | None = None  # [N, block_size]: positions s .. s + B - 1 on the target's device
+    pending_ids: torch.Tensor | None = None  # [N]: the pending tokens on the target's device
 
     @property
     def pending_tokens(self) -> list[int]:
@@ -89,6 +91,7 @@ class DFlashProposer:
         self.target_layer_ids = draft.target_layer_ids
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
+        self.device = execution_device(self.embed_tokens)
         self.mask_token_id = mask_token_id
         self.cache = draft.new_cache()
         self.columns: CacheColumns | None = None  # real context positions among the cache's columns
@@ -97,14 +100,14 @@ class DFlashProposer:
         """Drop the cached context of rows that left the batch; `keep` indexes the rows that stay."""
         if self.columns is None:
             return
-        index = torch.tensor(keep, device=self.embed_tokens.weight.device)
+        index = host_to_device(keep, self.device)
         self.cache.select_rows(index)
         self.columns.select_rows(keep, index)
 
     def _attention_mask(self, step: DraftStep, context_counts: list[int]) -> torch.Tensor | None:
         """Record the step's new context columns (context_counts: positions before each pending token); the mask
         [N, 1, 1, C + B] over context and block (None: all real)."""
-        num_rows, device = len(step.row_ids), self.embed_tokens.weight.device
+        num_rows, device = len(step.row_ids), self.device
         if self.columns is None:
             self.columns = CacheColumns(torch.ones(num_rows, 0, dtype=torch.bool, device=device), [0] * num_rows)
         new_valid = step.context_valid
@@ -116,16 +119,20 @@ class DFlashProposer:
 
     def propose(self, step: DraftStep) -> torch.Tensor | Proposal:
         """The draft's proposals [N, B-1] for positions s+1 .. s+B-1: its argmax, or samples of q when sampling."""
-        device, block_size = self.embed_tokens.weight.device, step.block_size
-        pending_positions = step.pending_positions  # position s of each pending token = positions before it
-        attention_mask = self._attention_mask(step, pending_positions)
-        starts = torch.tensor(pending_positions, device=device)  # [N]
+        device, block_size = self.device, step.block_size
+        attention_mask = self._attention_mask(step, step.pending_positions)  # position s: the positions before it
+        block_position_ids = step.block_position_ids  # [N, B]
+        if block_position_ids is None:
+            block_position_ids = host_to_device(step.pending_positions, device)[:, None] + torch.arange(block_size, device=device)
+        pending_ids = host_to_device(step.pending_tokens, device) if step.pending_ids is None else step.pending_ids
         block_ids = torch.full((len(step.row_ids), block_size), self.mask_token_id, dtype=torch.long, device=device)
-        block_ids[:, 0] = torch.tensor(step.pending_tokens, device=device)
+        block_ids[:, 0] = pending_ids
+        with materialized_weight(self.embed_tokens) as embedding_weight:
+            block_embeddings = self.draft.embed_block(block_ids, embedding_weight)  # [N, B, H]
         hidden = self.draft(
-            self.draft.embed_block(block_ids, self.embed_tokens.weight),  # [N, B, H]
+            block_embeddings,
             step.target_hidden,
-            starts[:, None] + torch.arange(block_size, device=device),  # [N, B]
+            block_position_ids,
             step.context_position_ids,
             cache=self.cache,
             attention_mask=attention_mask,
@@ -167,6 +174,5 @@ def sample_proposals(logits: torch.Tensor, step: DraftStep) -> Proposal:
     with that row's generator."""
     probabilities = process_logits(logits.flatten(0, 1), step.temperature, step.top_k, step.top_p).softmax(dim=-1)
     probabilities = probabilities.view(logits.shape)  # [N, B-1, V]
-    tokens = torch.stack([torch.multinomial(row, 1, generator=generator).squeeze(-1)
-                          for row, generator in zip(probabilities, step.generators)])
+    tokens = sample_from(probabilities, draw_uniforms(step.generators, logits.shape[1], logits.device))  # [N, B-1]
     return Proposal(tokens, probabilities)

@@ -28,6 +28,25 @@ def process_logits(
     return scores
 
 
+def draw_uniforms(generators: tuple[torch.Generator | None, ...] | list[torch.Generator | None], count: int,
+                  device: torch.device) -> torch.Tensor:
+    """Uniform numbers in [0, 1) [n, count] in float64, row i drawn with generators[i] (None: torch's global one)."""
+    return torch.stack([torch.rand(count, generator=generator, device=device, dtype=torch.float64)
+                        for generator in generators])
+
+
+def sample_from(probabilities: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per distribution [..., V] (weights: need not sum to 1) by inverse CDF with uniforms [...] in [0, 1).
+
+    Exact in float64, and nothing waits for the device (unlike `torch.multinomial`); tokens of zero weight are never
+    drawn.
+    """
+    cumulative = probabilities.double().cumsum(dim=-1)  # [..., V]
+    thresholds = uniforms.to(cumulative.device, torch.float64)[..., None] * cumulative[..., -1:]  # [..., 1]
+    tokens = torch.searchsorted(cumulative, thresholds, right=True).squeeze(-1)
+    return tokens.clamp(max=probabilities.shape[-1] - 1)
+
+
 def pick_tokens(
     logits: torch.Tensor,
     temperature: float = 0.0,
@@ -39,7 +58,7 @@ def pick_tokens(
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     probabilities = process_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
-    return torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)  # [N]
+    return sample_from(probabilities, draw_uniforms([generator], logits.shape[0], logits.device)[0])  # [N]
 
 
 def count_accepted(proposals: list[int], target_tokens: list[int]) -> int:
@@ -87,27 +106,35 @@ def speculative_sample(
     proposals: torch.Tensor,
     draft_probabilities: torch.Tensor,
     target_probabilities: torch.Tensor,
-    generator: torch.Generator | None = None,
-) -> tuple[int, int]:
-    """Standard speculative sampling of one row: (accepted proposals, the token that follows them).
+    uniforms: torch.Tensor,
+    limits: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Standard speculative sampling of n rows at once: (accepted proposals [n], the token that follows them [n]).
 
-    proposals [k] were sampled from draft_probabilities [k, V]; target_probabilities [k + 1, V] are the target's
-    (processed) distributions at the same positions and one past them. Proposal i is kept with probability
-    min(1, p_i / q_i) while all before it were kept; at the first rejection the token is sampled from the normalised
-    residual max(p - q, 0), and after k acceptances from p at position k. Every token then follows p exactly.
+    proposals [n, k] were sampled from draft_probabilities [n, k, V]; target_probabilities [n, k + 1, V] are the
+    target's (processed) distributions at the same positions and one past them; uniforms [n, k + 1] in [0, 1): k for
+    the acceptance tests, one for the token; limits [n]: how many proposals row i may keep (default k). Proposal i is
+    kept with probability min(1, p_i / q_i) while all before it were kept; at the first rejection the token is drawn
+    from the normalised residual max(p - q, 0), after all allowed acceptances from p. Every token then follows p
+    exactly. Pure tensor code: nothing waits for the device.
     """
-    num_proposals = proposals.shape[0]
-    positions = torch.arange(num_proposals, device=proposals.device)
-    uniforms = torch.rand(num_proposals, generator=generator, device=proposals.device)
-    kept = uniforms * draft_probabilities[positions, proposals] < target_probabilities[positions, proposals]  # [k]
-    accepted = int(kept.long().cumprod(dim=0).sum())  # one device sync
-    distribution = target_probabilities[accepted]  # [V]
-    if accepted < num_proposals:
-        residual = (distribution - draft_probabilities[accepted]).clamp(min=0.0)
-        if bool(residual.sum() > 0):
-            distribution = residual
-        else:  # p <= q everywhere yet p != q: rounding only (p == q keeps with probability 1), so keep the proposal
-            accepted += 1
-            distribution = target_probabilities[accepted]
-    token = torch.multinomial(distribution / distribution.sum(), 1, generator=generator)
-    return accepted, int(token)
+    num_rows, num_proposals = proposals.shape
+    rows = torch.arange(num_rows, device=proposals.device)
+    limits = torch.full_like(rows, num_proposals) if limits is None else limits.to(proposals.device)
+    q_of_proposals = draft_probabilities.gather(-1, proposals[..., None]).squeeze(-1)  # [n, k]
+    p_of_proposals = target_probabilities[:, :num_proposals].gather(-1, proposals[..., None]).squeeze(-1)
+    allowed = torch.arange(num_proposals, device=proposals.device) < limits[:, None]  # [n, k]
+    kept = (uniforms[:, :num_proposals].to(q_of_proposals.dtype) * q_of_proposals < p_of_proposals) & allowed
+    accepted = kept.long().cumprod(dim=1).sum(dim=1)  # [n]
+    rejected = accepted < limits  # a proposal was turned down (else: the bonus token, from p)
+    if num_proposals > 0:
+        residual = (target_probabilities[rows, accepted]
+                    - draft_probabilities[rows, accepted.clamp(max=num_proposals - 1)]).clamp(min=0.0)  # [n, V]
+        has_residual = residual.sum(dim=-1) > 0
+        # p <= q everywhere yet p != q: rounding only (p == q keeps with probability 1), so keep the proposal
+        accepted = accepted + (rejected & ~has_residual).long()
+        use_residual = rejected & has_residual
+    else:
+        residual, use_residual = target_probabilities[:, 0], torch.zeros_like(rejected)
+    distribution = torch.where(use_residual[:, None], residual, target_probabilities[rows, accepted])  # [n, V]
+    return accepted, sample_from(distribution, uniforms[:, num_proposals])

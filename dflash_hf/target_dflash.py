@@ -6,9 +6,12 @@ Hub remote code: imports only torch and transformers.
 
 from __future__ import annotations
 
+import inspect
+import warnings
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -27,6 +30,99 @@ def select_features(hidden_states: tuple[torch.Tensor, ...], target_layer_ids: l
     return torch.cat([hidden_states[layer_id + 1] for layer_id in target_layer_ids], dim=-1)
 
 
+# --- Devices: where a (possibly Accelerate-dispatched or offloaded) target computes --------------------------------
+
+
+def execution_device(module: torch.nn.Module) -> torch.device:
+    """Where `module` computes: its Accelerate hook's execution device (dispatched or offloaded), else its weights'."""
+    hook = getattr(module, "_hf_hook", None)
+    for item in getattr(hook, "hooks", None) or ([] if hook is None else [hook]):  # a SequentialHook holds several
+        device = getattr(item, "execution_device", None)
+        if device is not None:
+            return torch.device(device)
+    parameter = next((p for p in module.parameters() if p.device.type != "meta"), None)
+    return torch.device("cpu") if parameter is None else parameter.device
+
+
+def target_device(target: torch.nn.Module) -> torch.device:
+    """The loop's device: where the target's input embedding computes (its input ids go there)."""
+    return execution_device(target.get_input_embeddings())
+
+
+@contextmanager
+def materialized_weight(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """The module's weight, on its execution device for the `with` block (an offloaded weight is loaded meanwhile)."""
+    if module.weight.device.type != "meta":
+        yield module.weight
+        return
+    from accelerate.utils import align_module_device  # only offloaded (Accelerate-hooked) models get here
+
+    with align_module_device(module, execution_device(module)):
+        yield module.weight
+
+
+# --- Features: the chosen layers' outputs, and nothing else ---------------------------------------------------------
+
+
+def decoder_layers(target: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The target's list of decoder layers (the ModuleList of `num_hidden_layers` modules in its decoder), or None."""
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
+    num_layers = getattr(target_text_config(target), "num_hidden_layers", None)
+    for module in (decoder.children() if isinstance(decoder, torch.nn.Module) else ()):
+        if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers:
+            return module
+    return None
+
+
+class FeatureCapture:
+    """The target's features during one forward: the outputs of `target_layer_ids`, copied by forward hooks into one
+    buffer [N, T, L*H] on `device`, so the forward keeps no other layer's hidden states (`output_hidden_states`).
+
+    Layer i's feature is `hidden_states[i + 1]` of Transformers' outputs: layer i's output, and for the last layer
+    the decoder's normalised output. A target whose layers cannot be found falls back to `output_hidden_states`.
+    """
+
+    def __init__(self, target: torch.nn.Module, target_layer_ids: list[int] | None, device: torch.device) -> None:
+        self.target_layer_ids, self.device = target_layer_ids, device
+        self.features: torch.Tensor | None = None  # [N, T, L*H] once the forward ran
+        layers = decoder_layers(target) if target_layer_ids else None
+        self.fallback = bool(target_layer_ids) and layers is None
+        self.modules = [] if layers is None else [
+            target.get_decoder() if layer_id == len(layers) - 1 else layers[layer_id] for layer_id in target_layer_ids]
+        self.handles: list[Any] = []
+
+    def forward_arguments(self) -> dict[str, Any]:
+        """What the forward must be asked for: hidden states only where no hook can capture the features."""
+        return {"output_hidden_states": True} if self.fallback else {}
+
+    def result(self, outputs: Any) -> torch.Tensor | None:
+        """The captured features [N, T, L*H] (None when no layer was asked for)."""
+        if self.fallback:
+            return select_features(outputs.hidden_states, self.target_layer_ids).to(self.device)
+        return self.features
+
+    def _hook(self, slot: int) -> Any:
+        def copy_output(module: torch.nn.Module, args: Any, output: Any) -> None:
+            hidden = getattr(output, "last_hidden_state", None)
+            hidden = hidden if hidden is not None else output[0] if isinstance(output, (tuple, list)) else output
+            if self.features is None:
+                shape = (*hidden.shape[:-1], len(self.modules) * hidden.shape[-1])
+                self.features = torch.empty(shape, dtype=hidden.dtype, device=self.device)
+            width = hidden.shape[-1]
+            self.features[..., slot * width:(slot + 1) * width].copy_(hidden)
+        return copy_output
+
+    def __enter__(self) -> FeatureCapture:
+        self.features = None
+        self.handles = [module.register_forward_hook(self._hook(slot)) for slot, module in enumerate(self.modules)]
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
 # --- LM head and verify pass ---------------------------------------------------------------------------------------
 
 
@@ -43,10 +139,11 @@ def is_plain_linear(module: torch.nn.Module) -> bool:
 def few_row_logits(lm_head: torch.nn.Module, states: torch.Tensor) -> torch.Tensor:
     """LM-head logits [N, V] of a few rows [N, H].
 
-    For a plain Linear head this computes (W @ states^T)^T: a GEMM with a few columns, which CPU BLAS runs about
-    twice as fast as a few rows times W^T (measured on AVX2 with MKL). Any other head (hooked, offloaded) is called.
+    On CPU, for a plain Linear head, this computes (W @ states^T)^T: a GEMM with a few columns, which CPU BLAS runs
+    about twice as fast as a few rows times W^T (measured on AVX2 with MKL). On an accelerator, and for any other head
+    (hooked, offloaded), the head itself is called: the same product `generate` computes, contiguous logits.
     """
-    if not is_plain_linear(lm_head):
+    if states.device.type != "cpu" or not is_plain_linear(lm_head):
         return lm_head(states)
     logits = (lm_head.weight @ states.T).T  # [N, V]
     return logits if lm_head.bias is None else logits + lm_head.bias
@@ -84,7 +181,7 @@ def plain_head_parts(target: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
     if logit_processing(target.config) or logit_processing(target_text_config(target)):
         return None  # even where the probe's logits are too small to show it (tanh(x / cap) * cap == x in float)
     if target not in _PLAIN_HEAD_PROBED:
-        probe = torch.arange(2, device=target.get_input_embeddings().weight.device)[None]  # [1, 2]
+        probe = torch.arange(2, device=target_device(target))[None]  # [1, 2]
         try:
             own = target(input_ids=probe, use_cache=False).logits
             bare = head(base(input_ids=probe, use_cache=False).last_hidden_state)
@@ -94,14 +191,22 @@ def plain_head_parts(target: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
     return (base, head) if _PLAIN_HEAD_PROBED[target] else None
 
 
-def verify_forward(target: torch.nn.Module, **inputs: Any) -> tuple[torch.Tensor, Any]:
-    """A verify pass: (logits [n, b, V], the forward's outputs with its cache and hidden states)."""
+def last_logits_only(target: torch.nn.Module) -> dict[str, int]:
+    """`logits_to_keep=1` where the target's forward takes it (the LM head over the last position only), else {}."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
+
+
+def verify_forward(target: torch.nn.Module, capture: FeatureCapture | None = None, **inputs: Any
+                   ) -> tuple[torch.Tensor, Any]:
+    """A verify pass: (logits [n, b, V], the forward's outputs with its cache); `capture` collects the features."""
+    capture = capture or FeatureCapture(target, None, torch.device("cpu"))
     parts = plain_head_parts(target)
-    if parts is None:
-        outputs = target(**inputs)
-        return outputs.logits, outputs
-    base, head = parts
-    outputs = base(**inputs)
+    with capture:
+        if parts is None:
+            outputs = target(**inputs, **capture.forward_arguments())
+            return outputs.logits, outputs
+        base, head = parts
+        outputs = base(**inputs, **capture.forward_arguments())
     hidden = outputs.last_hidden_state  # [n, b, H]
     logits = few_row_logits(head, hidden.reshape(-1, hidden.shape[-1]))
     return logits.view(hidden.shape[0], hidden.shape[1], -1), outputs
@@ -345,10 +450,10 @@ def check_draft_target(
     bad_layers = [i for i in draft.target_layer_ids if not 0 <= i < num_layers]
     if bad_layers:
         raise ValueError(f"target_layer_ids {bad_layers} are outside the target's {num_layers} layers.")
-    return _check_mask_device_length(draft, embeddings.weight, mask_token_id, total_length)
+    return _check_mask_device_length(draft, embeddings, mask_token_id, total_length)
 
 
-def _check_mask_device_length(draft: DFlashDraftModel, embedding_weight: torch.Tensor, mask_token_id: int | None,
+def _check_mask_device_length(draft: DFlashDraftModel, embeddings: torch.nn.Module, mask_token_id: int | None,
                               total_length: int) -> int:
     """The rest of `check_draft_target`: mask id, device, dtype, the draft's position limit."""
     if mask_token_id is None:
@@ -359,18 +464,26 @@ def _check_mask_device_length(draft: DFlashDraftModel, embedding_weight: torch.T
             f"The draft config names its mask token only as {name!r}; pass "
             "mask_token_id=tokenizer.convert_tokens_to_ids(...) to spec_generate."
         )
+    embedding_weight, device = embeddings.weight, execution_device(embeddings)
     if not 0 <= mask_token_id < embedding_weight.shape[0]:
         raise ValueError(f"mask_token_id {mask_token_id} is outside the target vocabulary (size {embedding_weight.shape[0]}).")
     draft_parameter = next(draft.parameters())
-    if draft_parameter.device != embedding_weight.device:
+    if draft_parameter.device != device:
         raise ValueError(
-            f"Draft is on {draft_parameter.device} but the target's embedding is on {embedding_weight.device}; "
-            "move both to the same device."
+            f"Draft is on {draft_parameter.device} but the target's embedding computes on {device}; "
+            f"move the draft there: draft.to({str(device)!r})."
         )
     if not (draft_parameter.is_floating_point() and embedding_weight.is_floating_point()):
         raise ValueError(
             f"Draft dtype {draft_parameter.dtype} and target dtype {embedding_weight.dtype} cannot be mixed: "
             "both must be floating point (float32, bfloat16 or float16)."
+        )
+    if draft_parameter.dtype != embedding_weight.dtype:
+        warnings.warn(
+            f"The draft is {draft_parameter.dtype} but the target is {embedding_weight.dtype}: every step runs the "
+            f"draft in {draft_parameter.dtype} and casts its inputs and outputs (slower; the output is the target's "
+            f"either way). Load the draft with dtype={embedding_weight.dtype} or call draft.to({embedding_weight.dtype}).",
+            stacklevel=3,
         )
     draft_limit = getattr(draft.config, "max_position_embeddings", None)
     if draft_limit is not None and total_length > draft_limit:

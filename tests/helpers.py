@@ -165,3 +165,22 @@ def make_tokenizer(vocab_size: int = VOCAB_SIZE):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="w0", eos_token="w1", unk_token="w2")
     tokenizer.chat_template = "{% for m in messages %}w3 {{ m['content'] }} w1 {% endfor %}{% if add_generation_prompt %}w4{% endif %}"
     return tokenizer
+
+
+class FixedLogitsTarget(torch.nn.Module):
+    """A stand-in target whose next-token logits are `logits` [V] after any prefix; it records the prefixes it saw."""
+
+    def __init__(self, logits: list[float], dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(len(logits), 1, dtype=dtype)
+        self.register_buffer("next_logits", torch.tensor(logits, dtype=dtype))
+        self.prefixes: list[list[int]] = []
+
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        return self.embed
+
+    def forward(self, input_ids: torch.Tensor, logits_to_keep: int = 0, **kwargs):
+        from types import SimpleNamespace
+
+        self.prefixes.append(input_ids[0].tolist())
+        return SimpleNamespace(logits=self.next_logits.expand(input_ids.shape[0], input_ids.shape[1], -1))

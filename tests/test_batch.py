@@ -139,7 +139,8 @@ def test_memory_stays_bounded_while_rows_accept_different_lengths():
     def record(module, args, kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if cache is not None:
-            longest = int(kwargs["position_ids"][:, 0].max())  # real positions before the longest row's pending token
+            positions = kwargs.get("position_ids")  # passed only when the cache has holes (else columns = positions)
+            longest = cache.get_seq_length() if positions is None else int(positions[:, 0].max())
             widths.append((cache.get_seq_length(), longest))
 
     handle = target.model.register_forward_pre_hook(record, with_kwargs=True)  # the verify runs the base model

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
+import weakref
 
 import pytest
 import torch
@@ -14,14 +16,16 @@ from dflash_hf.benchmark import load_conversations, read_prompt_file, run_benchm
 from dflash_hf.evaluation import (
     BenchSettings,
     TurnRecord,
+    Verdict,
     acceptance_histogram,
+    compare_outputs,
     cost_model_bound,
     markdown_table,
     summarize,
 )
 from dflash_hf.cli import main
 from dflash_hf.prompts import chat_prompt_ids
-from helpers import make_draft, make_target, make_tokenizer
+from helpers import FixedLogitsTarget, make_draft, make_target, make_tokenizer
 
 STEP_COSTS = {"target_1": 0.010, "target_block": 0.015, "draft": 0.005}
 
@@ -246,3 +250,144 @@ def test_transformers_dflash_is_timed_only_at_the_drafts_own_block_size(tiny_mod
         (record,) = evaluation.measure_prompts(draft, target, [[5, 6, 7]], BenchSettings(
             max_new_tokens=4, block_size=block_size, prompt_lookup_tokens=None), [1], native_draft=native)
         assert ("transformers_dflash" in record.new_tokens) is timed
+
+
+def test_compare_outputs_reads_exact_near_tie_and_no():
+    tied = FixedLogitsTarget([0.0] * 5 + [3.0, 3.0] + [0.0] * 3)  # tokens 5 and 6 tie exactly for the best logit
+    assert compare_outputs(tied, [1, 2], [7, 5, 9], [7, 5, 9]) == Verdict("exact")
+    assert tied.prefixes == []  # equal outputs need no forward
+    verdict = compare_outputs(tied, [1, 2], [7, 5, 9], [7, 6, 2])
+    assert (verdict.verdict, verdict.first_divergence, verdict.logit_gap) == ("near-tie", 1, 0.0)
+    assert tied.prefixes == [[1, 2, 7]]  # the target's own logits after the prompt and the common prefix
+    assert compare_outputs(tied, [1], [5], [8]).verdict == "NO"  # token 8 is far below the tied pair
+    apart = FixedLogitsTarget([0.0] * 5 + [10.0, 0.0] + [0.0] * 3)
+    verdict = compare_outputs(apart, [1], [5, 5], [6, 5])
+    assert (verdict.verdict, verdict.first_divergence, verdict.logit_gap) == ("NO", 0, 10.0)
+    assert compare_outputs(apart, [1], [5, 5], [5]).verdict == "NO"  # stopping earlier is no tie
+    close = FixedLogitsTarget([0.0] * 5 + [10.0, 9.9] + [0.0] * 3)  # 0.1 apart: a few bf16 ulps, many float32 ones
+    assert compare_outputs(close, [1], [5], [6], dtype=torch.bfloat16).verdict == "near-tie"
+    assert compare_outputs(close, [1], [5], [6], dtype=torch.float32).verdict == "NO"
+    assert compare_outputs(close, [1], [5], [6]).verdict == "NO"  # the target's own dtype: float32
+
+
+def test_summary_counts_verdicts_and_a_near_tie_stays_lossless():
+    tie = Verdict("near-tie", 2, 0.0, 0.1)
+    records = [record([5, 6, 7], [5, 6, 7], [3]),
+               TurnRecord(new_tokens={"plain": [5, 6, 7], "dflash": [5, 6, 8], "prompt_lookup": [5, 6, 7]},
+                          seconds={"plain": 1.0, "dflash": 1.0, "prompt_lookup": 1.0}, acceptance_lengths=[2, 1],
+                          verdicts={"dflash": tie, "prompt_lookup": Verdict("exact")})]
+    summary = summarize("x", records, 2, 4, STEP_COSTS, greedy=True)
+    assert summary["lossless"] is True and summary["lossless_prompt_lookup"] is True
+    assert summary["verdicts"]["dflash"] == {"exact": 1, "near-tie": 1, "NO": 0}
+    assert summary["divergences"] == [{"turn": 1, "method": "dflash", "verdict": "near-tie", "first_divergence": 2,
+                                       "logit_gap": 0.0, "tolerance": 0.1}]
+    assert "| yes (1 near-tie) |" in markdown_table([summary])
+    json.dumps(summary)
+    records[1].verdicts["dflash"] = Verdict("NO", 2, 5.0, 0.1)
+    summary = summarize("x", records, 2, 4, STEP_COSTS, greedy=True)
+    assert summary["lossless"] is False and summary["verdicts"]["dflash"]["NO"] == 1
+    assert "| NO (1 of 2) |" in markdown_table([summary])
+    sampled = summarize("x", records, 2, 4, STEP_COSTS, greedy=False)
+    assert sampled["verdicts"] is None and "n/a (sampling)" in markdown_table([sampled])
+
+
+def test_greedy_records_carry_a_verdict_per_method(tiny_models):
+    target, draft, _ = tiny_models
+    settings = BenchSettings(max_new_tokens=5, block_size=4, prompt_lookup_tokens=2)
+    (greedy,) = evaluation.measure_prompts(draft, target, [[5, 6, 7, 5, 6]], settings, [1])
+    assert greedy.verdicts == {"dflash": Verdict("exact"), "prompt_lookup": Verdict("exact")}
+    (sampled,) = evaluation.measure_prompts(draft, target, [[5, 6, 7]], BenchSettings(
+        max_new_tokens=3, block_size=4, temperature=1.0, prompt_lookup_tokens=None), [1])
+    assert sampled.verdicts == {}
+
+
+def test_the_method_that_runs_first_rotates(tiny_models, monkeypatch):
+    target, draft, _ = tiny_models
+    calls: list[str] = []
+    generate, spec_generate = target.generate, draft.spec_generate
+
+    def plain_or_lookup(*args, **kwargs):
+        calls.append("prompt_lookup" if "prompt_lookup_num_tokens" in kwargs else "plain")
+        return generate(*args, **kwargs)
+
+    def dflash(*args, **kwargs):
+        calls.append("dflash")
+        return spec_generate(*args, **kwargs)
+
+    monkeypatch.setattr(target, "generate", plain_or_lookup)
+    monkeypatch.setattr(draft, "spec_generate", dflash)
+    orders = []
+    for turn in range(4):
+        calls.clear()
+        (record,) = evaluation.measure_prompts(draft, target, [[5, 6, 7]], BenchSettings(
+            max_new_tokens=3, block_size=4, prompt_lookup_tokens=2), [1], turn=turn)
+        orders.append(list(calls))
+        assert list(record.new_tokens) == ["plain", "dflash", "prompt_lookup"]  # records keep the usual order
+    assert orders == [["plain", "dflash", "prompt_lookup"], ["dflash", "prompt_lookup", "plain"],
+                      ["prompt_lookup", "plain", "dflash"], ["plain", "dflash", "prompt_lookup"]]
+
+
+@pytest.fixture(scope="module")
+def block_8_draft():
+    return make_draft(seed=3, block_size=8, mask_token_id=127)
+
+
+def test_warm_up_covers_full_blocks_and_turns_rotate(tiny_models, block_8_draft, monkeypatch):
+    """The warm-up verifies full blocks in the timed batch's shape; each later call gets the next turn."""
+    target, _, tokenizer = tiny_models
+    seen: list[tuple[int, int, int]] = []  # (rows, max_new_tokens, turn) per call
+    measure = evaluation.measure_prompts
+
+    def spy(draft, target, prompts, settings, *args, turn=0, **kwargs):
+        seen.append((len(prompts), settings.max_new_tokens, turn))
+        return measure(draft, target, prompts, settings, *args, turn=turn, **kwargs)
+
+    monkeypatch.setattr(benchmark, "measure_prompts", spy)
+    conversations = [["w10 w11"], ["w20 w21"], ["w30"]]
+    run_benchmark(block_8_draft, target, tokenizer, {"x": conversations},
+                  BenchSettings(max_new_tokens=4, batch_size=2, prompt_lookup_tokens=None), progress=False)
+    (rows, warm_up_tokens, _), *timed = seen
+    assert rows == 2 and warm_up_tokens >= 8 + 1  # a full block of 8 after the prefill's token, two rows
+    assert timed == [(2, 4, 0), (1, 4, 1)]
+    seen.clear()
+    monkeypatch.setattr(evaluation, "measure_prompts", spy)
+    evaluation.evaluate_draft(block_8_draft, target, [[5, 6], [7, 8]], max_new_tokens=3, stop_token_ids=[1])
+    assert seen[0][1] >= 8 + 1 and [turn for _, _, turn in seen[1:]] == [0, 1]
+
+
+def test_step_costs_keep_no_logits_or_hidden_states_between_repetitions(tiny_models, monkeypatch):
+    from dflash_hf.target_dflash import plain_head_parts
+
+    target, draft, _ = tiny_models
+    earlier: list[weakref.ref] = []  # logits, hidden states and prompt features of earlier target calls
+    calls: list[tuple[str, dict]] = []
+
+    def record(name: str, module: torch.nn.Module) -> None:
+        forward = module.forward
+
+        @functools.wraps(forward)  # keeps the signature: `logits_to_keep` is seen
+        def recording(*args, **kwargs):
+            assert all(ref() is None for ref in earlier), "an earlier call's logits or hidden states are still held"
+            outputs = forward(*args, **kwargs)
+            calls.append((name, kwargs))
+            kept = (getattr(outputs, "logits", None), getattr(outputs, "last_hidden_state", None),
+                    *(outputs.hidden_states or ()))
+            earlier.extend(weakref.ref(tensor) for tensor in kept if tensor is not None)
+            return outputs
+
+        monkeypatch.setattr(module, "forward", recording)
+
+    record("target", target)
+    record("base", plain_head_parts(target)[0])  # the verify runs the base model and its own head
+    prefill = evaluation.prefill
+
+    def keeping_features(*args, **kwargs):
+        state = prefill(*args, **kwargs)
+        earlier.append(weakref.ref(state.context.hidden))  # handed to the draft, then no longer needed
+        return state
+
+    monkeypatch.setattr(evaluation, "prefill", keeping_features)
+    evaluation.measure_step_costs(draft, target, torch.arange(5, 25)[None], block_size=4, mask_token_id=127, repeats=3)
+    plain_steps = [kwargs for name, kwargs in calls if name == "target" and kwargs["input_ids"].shape[1] == 1]
+    assert len(plain_steps) == 4 and all(kwargs.get("logits_to_keep") == 1 for kwargs in plain_steps)  # warm-up + 3
+    assert sum(name == "base" and kwargs["input_ids"].shape[1] == 4 for name, kwargs in calls) == 4  # the verifies

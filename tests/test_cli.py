@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModel
 
 from dflash_hf.cli import main
@@ -27,7 +28,7 @@ def test_train_command_writes_a_hub_ready_draft(tmp_path):
     argv = ["train", "--target", str(tmp_path / "target"), "--output", str(run), "--prompts", str(prompts),
             "--num-prompts", "4", "--gen-batch-size", "2", "--gen-max-new-tokens", "12", "--block-size", "4",
             "--draft-layers", "1", "--mask-token", "w127", "--epochs", "2", "--num-anchors", "6", "--distill",
-            "--init-from-target",
+            "--init-from-target", "--mixed-precision", "bf16",
             "--eval-prompts", str(prompts), "--num-eval", "2", "--eval-max-new-tokens", "10", "--eval-dtype", "float32"]
     main(argv)
     assert len((run / "responses.jsonl").read_text().splitlines()) == 4
@@ -40,6 +41,8 @@ def test_train_command_writes_a_hub_ready_draft(tmp_path):
     assert config["dflash_config"]["target_layer_ids"] == [2]  # one draft layer: [N // 2]
     draft = AutoModel.from_pretrained(run / "draft", trust_remote_code=True)
     assert type(draft).__name__ == "DFlashDraftModel"
+    assert {tensor.dtype for tensor in load_file(run / "draft" / "model.safetensors").values()} == {torch.float32}
+    assert json.loads((run / "training_log.json").read_text())["settings"]["mixed_precision"] == "bf16"
     # a second run resumes: nothing is regenerated or retrained
     main(argv)
     assert json.loads((run / "training_log.json").read_text())["steps"] == 8
@@ -77,3 +80,18 @@ def test_train_init_from_starts_at_a_trained_draft_and_keeps_its_architecture(tm
     with pytest.raises(SystemExit, match="pass one"):
         main(["train", "--output", str(tmp_path / "third"), "--init-from", str(tmp_path / "first" / "draft"),
               "--init-from-target", *common])
+
+
+def test_train_target_dtype_defaults_to_bfloat16_on_cuda_and_float32_on_cpu():
+    from dflash_hf.cli import build_parser
+    from dflash_hf.training.command import training_target_dtype
+
+    args = build_parser().parse_args(["train", "--output", "run"])
+    assert (args.target_dtype, args.mixed_precision) == ("auto", "no")
+    assert training_target_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
+    assert training_target_dtype("auto", torch.device("cpu")) == torch.float32
+    assert training_target_dtype("float16", torch.device("cuda")) == torch.float16
+    assert training_target_dtype("float32", torch.device("cuda")) == torch.float32
+    train_help = " ".join(build_parser()._subparsers._group_actions[0].choices["train"].format_help().split())
+    assert "auto: bfloat16 on CUDA, float32 on CPU" in train_help
+    assert "bfloat16 autocast" in train_help and "stay float32" in train_help

@@ -189,13 +189,6 @@ def test_incremental_context_cache_equals_one_full_pass(variant):
     torch.testing.assert_close(incremental, full, rtol=1e-5, atol=1e-5)
 
 
-def test_flash_attention_is_refused_for_causal_and_sliding_layers():
-    draft = make_variant_draft("sliding_mixed")
-    draft.config._attn_implementation = "flash_attention_2"
-    with pytest.raises(ValueError, match="causal or sliding-window layers.*attn_implementation='sdpa'"):
-        draft(*random_inputs())
-
-
 # --- Embeddings and logits -------------------------------------------------------------------------------------------
 
 

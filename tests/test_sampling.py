@@ -183,17 +183,31 @@ def test_speculative_sample_keeps_the_target_distribution(broken):
     """One position: accept with min(1, p/q), else the residual. Sampling p instead of the residual is caught."""
     p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4]])  # [k + 1, V], k = 1
     q = torch.tensor([[0.1, 0.6, 0.1, 0.2]])  # [k, V]
-    generator = torch.Generator().manual_seed(3)
-    counts, num_samples = [0] * 4, 20000
-    for _ in range(num_samples):
-        proposal = torch.multinomial(q[0], 1, generator=generator)
-        accepted, token = speculative_sample(proposal, q, p, generator)
-        if broken and accepted == 0:  # the wrong rule: resample from p
-            token = int(torch.multinomial(p[0], 1, generator=generator))
-        counts[int(proposal) if accepted else token] += 1
+    generator, num_samples = torch.Generator().manual_seed(3), 20000
+    proposals = torch.multinomial(q[0], num_samples, replacement=True, generator=generator)[:, None]  # [n, 1]
+    uniforms = torch.rand(num_samples, 2, generator=generator, dtype=torch.float64)
+    accepted, tokens = speculative_sample(proposals, q.expand(num_samples, -1, -1), p.expand(num_samples, -1, -1),
+                                          uniforms)
+    if broken:  # the wrong rule: resample from p after a rejection
+        tokens = torch.where(accepted == 0, torch.multinomial(p[0], num_samples, replacement=True, generator=generator),
+                             tokens)
+    first_tokens = torch.where(accepted == 1, proposals[:, 0], tokens)
+    counts = torch.bincount(first_tokens, minlength=4).tolist()
     first = p[0].double().tolist()
     p_value = float(chisquare(counts, [num_samples * value / sum(first) for value in first]).pvalue)
     assert (p_value < 1e-3) if broken else (p_value > 1e-3)
+
+
+def test_speculative_sample_rows_follow_their_limits_and_p():
+    """Rows of one call keep at most `limits` proposals; after k kept proposals the bonus token follows p at k."""
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])  # [k + 1, V], k = 2: p keeps token 1 twice
+    q = torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]])
+    proposals = torch.tensor([[1, 1], [1, 1], [1, 1]])  # [n, k]
+    uniforms = torch.full((3, 3), 0.5, dtype=torch.float64)
+    accepted, tokens = speculative_sample(proposals, q.expand(3, -1, -1), p.expand(3, -1, -1), uniforms,
+                                          limits=torch.tensor([2, 1, 0]))
+    assert accepted.tolist() == [2, 1, 0]
+    assert tokens.tolist() == [2, 1, 1]  # p at position 2, 1 and 0: the bonus from p, never a proposal of q
 
 
 def test_rejection_sampling_accepts_more_than_the_equality_rule_for_a_close_draft(setup):
@@ -239,8 +253,9 @@ def test_speculative_sample_never_commits_the_proposal_it_rejected():
     """p slightly below q everywhere (rounding): a rejection finds no residual and keeps the proposal instead."""
     q = torch.tensor([[0.25, 0.25, 0.25, 0.25], [0.25, 0.25, 0.25, 0.25]])
     p = torch.cat((q[:1] * 0.999, q[1:]))  # [k + 1, V], k = 1: p < q at every token of position 0
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(3000):
-        proposal = torch.multinomial(q[0], 1, generator=generator)
-        accepted, token = speculative_sample(proposal, q[:1], p, generator)
-        assert accepted == 1 or token != int(proposal)
+    generator, num_samples = torch.Generator().manual_seed(0), 3000
+    proposals = torch.multinomial(q[0], num_samples, replacement=True, generator=generator)[:, None]
+    uniforms = torch.rand(num_samples, 2, generator=generator, dtype=torch.float64)
+    accepted, tokens = speculative_sample(proposals, q[:1].expand(num_samples, -1, -1), p.expand(num_samples, -1, -1),
+                                          uniforms)
+    assert bool(((accepted == 1) | (tokens != proposals[:, 0])).all())

@@ -132,3 +132,23 @@ def test_the_package_never_unpickles_with_weights_only_false():
     offenders = [str(path.relative_to(package)) for path in sorted(package.rglob("*.py"))
                  if re.search(r"weights_only\s*=\s*False", path.read_text(encoding="utf-8"))]
     assert offenders == []
+
+
+def test_bf16_mixed_precision_trains_under_autocast_and_keeps_float32_weights(tmp_path, target, rows):
+    logs = {}
+    for precision in ("no", "bf16"):
+        settings = TrainingSettings(epochs=2, learning_rate=2e-3, num_anchors=8, mixed_precision=precision)
+        draft = make_draft(5, block_size=4)
+        logs[precision] = train_draft(draft, target, rows, settings, tmp_path / precision, progress=False)
+    bf16 = logs["bf16"].losses
+    assert len(bf16) == 8 and all(torch.isfinite(torch.tensor(bf16)))
+    assert sum(bf16[-4:]) < sum(bf16[:4])  # it learns
+    assert bf16 != logs["no"].losses  # the forward really ran in bfloat16 ...
+    assert bf16[0] == pytest.approx(logs["no"].losses[0], rel=2e-2)  # ... computing the same loss
+    assert {p.dtype for p in draft.parameters()} == {torch.float32}  # master weights
+    saved = load_file(tmp_path / "bf16" / CHECKPOINT_DIR / DRAFT_WEIGHTS_FILE)
+    assert {tensor.dtype for tensor in saved.values()} == {torch.float32}
+    optimizer_state = torch.load(tmp_path / "bf16" / CHECKPOINT_DIR / OPTIMIZER_SCHEDULER_FILE, weights_only=True)
+    assert {s["exp_avg"].dtype for s in optimizer_state["optimizer"]["state"].values()} == {torch.float32}
+    with pytest.raises(ValueError, match="mixed_precision 'fp8'"):
+        TrainingSettings(mixed_precision="fp8")

@@ -186,3 +186,26 @@ def test_training_blocks_predict_what_the_decoding_loop_accepts(arch):
     leading_correct = ((predictions == blocks.labels) & blocks.label_mask).long().cumprod(1).sum(1)
     assert leading_correct.tolist() == accepted
     assert len(set(accepted)) >= 3  # the check saw short and long acceptances
+
+
+def test_a_flash_attention_draft_trains_like_sdpa(monkeypatch):
+    """Training's 4-D block mask never reaches a flash-attention backend: masked calls run on sdpa, same loss."""
+    from dflash_hf import modeling_dflash
+
+    received = []
+
+    def flash_attention(module, query, key, value, attention_mask, **kwargs):
+        received.append(attention_mask)
+        return modeling_dflash.ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setattr(modeling_dflash, "ALL_ATTENTION_FUNCTIONS",
+                        {**modeling_dflash.ALL_ATTENTION_FUNCTIONS, "flash_attention_2": flash_attention})
+    target = make_target("qwen3", seed=4)
+    sequence = torch.randint(0, VOCAB_SIZE - 1, (24,), generator=torch.Generator().manual_seed(4))
+    losses = {}
+    for backend in ("sdpa", "flash_attention_2"):
+        draft = make_draft(5, block_size=4)
+        draft.config._attn_implementation = backend
+        losses[backend] = dflash_loss(draft, target, sequence, torch.ones(24), 4, torch.Generator().manual_seed(0)).loss
+    assert received == []  # every training call is masked
+    torch.testing.assert_close(losses["flash_attention_2"], losses["sdpa"], rtol=0, atol=0)

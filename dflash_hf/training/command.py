@@ -17,10 +17,26 @@ from ..model_card import card_info_for_config, write_model_card
 from ..modeling_dflash import DFlashDraftModel
 from ..prompts import default_data_dir, user_prompt_ids
 from ..smollm2 import SMOLLM2_MASK_TOKEN
-from ..target_dflash import check_draft_target, generation_tokens
+from ..target_dflash import check_draft_target, generation_tokens, target_device
 from .data import generate_responses, read_prompts
 from .recipe import draft_config_for, initialize_from_target
 from .trainer import TrainingLog, TrainingSettings, train_draft
+
+# --target-dtype auto: the frozen target only gives features (and teacher logits), so it runs in bfloat16 on CUDA;
+# on CPU, float32 (few-row bfloat16 matmuls are slow without native bf16).
+AUTO_TARGET_DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float32}
+
+
+def training_device() -> torch.device:
+    """The device this process trains on: its GPU under CUDA (Accelerate's choice per process), else the CPU."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available()).device
+
+
+def training_target_dtype(choice: str, device: torch.device) -> torch.dtype:
+    """The target's dtype while training: `--target-dtype`, where `auto` is AUTO_TARGET_DTYPE of the device type."""
+    return AUTO_TARGET_DTYPE.get(device.type, torch.float32) if choice == "auto" else DTYPES[choice]
 
 
 def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
@@ -30,17 +46,19 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     output.mkdir(parents=True, exist_ok=True)
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     prompt_files = args.prompts or [str(data_dir / "gsm8k_train.jsonl")]
+    device = training_device()
     target, tokenizer = load_target(args.target, DTYPES[args.gen_dtype])
+    target = target.to(device)  # generation runs where training will
     rows = generate_responses(target, tokenizer, read_prompts(prompt_files, args.num_prompts), output / "responses.jsonl",
                               batch_size=args.gen_batch_size, max_new_tokens=args.gen_max_new_tokens,
                               temperature=args.gen_temperature, seed=args.seed)
-    target = target.float()
+    target = target.to(training_target_dtype(args.target_dtype, device))
     torch.manual_seed(args.seed)
     draft, mask_token = build_draft(args, target, tokenizer)
     if args.init_from_target:
         initialize_from_target(draft, target, torch.tensor(rows[0]["prompt_ids"] + rows[0]["response_ids"]))
     settings = TrainingSettings(epochs=args.epochs, learning_rate=args.learning_rate, num_anchors=args.num_anchors,
-                                distill=args.distill, seed=args.seed)
+                                distill=args.distill, seed=args.seed, mixed_precision=args.mixed_precision)
     log = train_draft(draft, target, rows, settings, output, max_steps=args.max_steps)
 
     target = target.to(DTYPES[args.eval_dtype])
@@ -91,7 +109,7 @@ def start_from_trained_draft(args: argparse.Namespace, target: torch.nn.Module) 
     """The draft of `--init-from`, in float32, after checking it fits the target and the other flags."""
     if args.init_from_target:
         raise SystemExit("--init-from and --init-from-target both say where the weights start; pass one")
-    draft = DFlashDraftModel.from_pretrained(args.init_from, dtype=torch.float32)
+    draft = DFlashDraftModel.from_pretrained(args.init_from, dtype=torch.float32).to(target_device(target))
     asked = {"--block-size": (args.block_size, draft.block_size), "--draft-layers": (args.draft_layers, len(draft.layers)),
              "--target-layer-ids": (args.target_layer_ids, draft.target_layer_ids),
              "--mask-token": (args.mask_token, draft.config.dflash_config.get("mask_token")),

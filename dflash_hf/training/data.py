@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from ..cache_dflash import left_pad
 from ..prompts import read_conversations, user_prompt_ids
 from ..sampling_dflash import cut_after_stop
-from ..target_dflash import generation_tokens
+from ..target_dflash import generation_tokens, target_device
 
 
 def read_prompts(paths: Iterable[str | Path], limit: int | None = None) -> list[str]:
@@ -57,7 +57,7 @@ def generate_responses(
     """
     rows = {row["index"]: row for row in read_rows(output_path)}
     todo = [i for i in range(len(prompts)) if i not in rows]
-    device = target.get_input_embeddings().weight.device
+    device = target_device(target)
     tokens = generation_tokens(target, tokenizer)  # stop on every EOS id, as bench and the evaluation do
     if temperature > 0:
         torch.manual_seed(seed)

@@ -7,15 +7,20 @@ before its anchor plus its own block.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-from ..target_dflash import select_features
 from ..modeling_dflash import DFlashDraftModel
+from ..target_dflash import FeatureCapture, plain_head_parts
 
 DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's gamma per block size
+# LM-head rows per chunk, in the loss and the teacher's top-k: peak logits memory is about this x V x 4 B x a few
+# (Qwen3-8B: 1024 x 151,936 x 4 B = 0.6 GiB per copy), whatever the number of blocks.
+LOSS_CHUNK_ROWS = 1024
 
 
 def loss_decay_gamma(block_size: int) -> float:
@@ -95,18 +100,103 @@ class TargetSignals:
     teacher_probs: torch.Tensor | None = None  # [T, k]: top-k probabilities of the token at p + 1 (renormalised)
     teacher_ids: torch.Tensor | None = None  # [T, k]
 
+    def apply(self, function: Callable[[torch.Tensor], torch.Tensor]) -> TargetSignals:
+        """The same signals with `function` applied to each tensor."""
+        return replace(self, **{f.name: function(getattr(self, f.name)) for f in fields(self)
+                                if getattr(self, f.name) is not None})
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> TargetSignals:
+        """The same signals on `device` (no copy where they already are)."""
+        return self.apply(lambda tensor: tensor.to(device, non_blocking=non_blocking))
+
+
+def teacher_rows(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Positions [T] (bool) whose next-token distribution a loss over `loss_mask` [T] can use: p with p + 1 a label."""
+    rows = torch.zeros_like(loss_mask, dtype=torch.bool)
+    rows[:-1] = loss_mask[1:].bool()
+    return rows
+
+
+@torch.no_grad()
+def target_features(target: torch.nn.Module, input_ids: torch.Tensor, target_layer_ids: list[int]
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(features [T, L*H], final normalised hidden states [T, H], logits [T, V]) of one sequence [T].
+
+    The features are captured by `FeatureCapture` (no other layer's hidden states kept). Where the target's logits
+    are exactly its head's (`plain_head_parts`) only the base model runs (no logits: None); otherwise the target's
+    own forward gives its logits (and no final states: None).
+    """
+    parts = plain_head_parts(target)
+    with FeatureCapture(target, target_layer_ids, input_ids.device) as capture:
+        model = target if parts is None else parts[0]
+        outputs = model(input_ids=input_ids[None], use_cache=False, **capture.forward_arguments())
+    features = capture.result(outputs)[0]
+    if parts is None:
+        return features, None, outputs.logits[0]
+    return features, outputs.last_hidden_state[0], None
+
 
 @torch.no_grad()
 def target_signals(
-    target: torch.nn.Module, input_ids: torch.Tensor, target_layer_ids: list[int], teacher_top_k: int | None = None
+    target: torch.nn.Module,
+    input_ids: torch.Tensor,
+    target_layer_ids: list[int],
+    teacher_top_k: int | None = None,
+    needed_rows: torch.Tensor | None = None,
+    chunk_rows: int = LOSS_CHUNK_ROWS,
 ) -> TargetSignals:
-    """Run the frozen target once over a sequence [T]; keep the features and, if asked, its top-k."""
-    outputs = target(input_ids[None], output_hidden_states=True)
-    hidden = select_features(outputs.hidden_states, target_layer_ids)[0]
+    """Run the frozen target once over a sequence [T]; keep the features and, if asked, its top-k.
+
+    needed_rows [T] (bool, e.g. `teacher_rows(loss_mask)`): positions whose top-k the loss reads (default: all);
+    the others get zero probabilities. The LM head runs on those rows only, `chunk_rows` at a time, wherever the
+    target's logits are exactly its head's (`plain_head_parts`); otherwise the target's own forward gives them.
+    """
+    hidden, final, logits = target_features(target, input_ids, target_layer_ids)
     if teacher_top_k is None:
         return TargetSignals(hidden)
-    top = outputs.logits[0].float().topk(teacher_top_k, dim=-1)
-    return TargetSignals(hidden, top.values.softmax(-1), top.indices)
+    rows = torch.ones_like(input_ids, dtype=torch.bool) if needed_rows is None else needed_rows.to(input_ids.device)
+    positions = rows.nonzero().flatten()  # [P]
+    probs = torch.zeros(len(input_ids), teacher_top_k, device=input_ids.device)  # [T, k]
+    ids = torch.zeros(len(input_ids), teacher_top_k, dtype=torch.long, device=input_ids.device)
+    lm_head = target.get_output_embeddings()
+    for chunk in positions.split(chunk_rows):
+        chunk_logits = lm_head(final[chunk]) if logits is None else logits[chunk]  # [c, V]
+        top = chunk_logits.float().topk(teacher_top_k, dim=-1)
+        probs[chunk], ids[chunk] = top.values.softmax(-1), top.indices
+    return TargetSignals(hidden, probs, ids)
+
+
+def _supervised_row_losses(
+    model: DFlashDraftModel, lm_head: torch.nn.Module, rows: torch.Tensor, labels: torch.Tensor,
+    teacher_probs: torch.Tensor | None, teacher_ids: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss [n], argmax prediction [n]) of supervised rows [n, H]: cross-entropy to labels [n], or to the teacher."""
+    logits = model.scale_logits(lm_head(rows.to(lm_head.weight.dtype))).float()  # [n, V]
+    if teacher_probs is None:
+        return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1)
+    return -(teacher_probs * logits.log_softmax(-1).gather(-1, teacher_ids)).sum(-1), logits.argmax(-1)
+
+
+def chunked_row_losses(
+    model: DFlashDraftModel, lm_head: torch.nn.Module, rows: torch.Tensor, labels: torch.Tensor,
+    teacher_probs: torch.Tensor | None = None, teacher_ids: torch.Tensor | None = None,
+    chunk_rows: int = LOSS_CHUNK_ROWS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_supervised_row_losses` of rows [N, H], `chunk_rows` at a time; with gradients each chunk is checkpointed,
+    so the backward recomputes one chunk's logits at a time instead of keeping all of them."""
+    recompute = torch.is_grad_enabled() and rows.requires_grad
+    losses, predictions = [], []
+    for start in range(0, rows.shape[0], chunk_rows):
+        piece = slice(start, start + chunk_rows)
+        args = (rows[piece], labels[piece], None if teacher_probs is None else teacher_probs[piece],
+                None if teacher_ids is None else teacher_ids[piece])
+        if recompute:
+            loss, prediction = checkpoint(_supervised_row_losses, model, lm_head, *args, use_reentrant=False)
+        else:
+            loss, prediction = _supervised_row_losses(model, lm_head, *args)
+        losses.append(loss)
+        predictions.append(prediction)
+    return torch.cat(losses), torch.cat(predictions)
 
 
 def dflash_loss(
@@ -117,19 +207,20 @@ def dflash_loss(
     num_anchors: int,
     generator: torch.Generator | None = None,
     signals: TargetSignals | None = None,
+    chunk_rows: int = LOSS_CHUNK_ROWS,
 ) -> StepResult:
     """Position-decayed loss of the draft on one sequence [T], all blocks in one forward.
 
-    `signals` (from `target_signals`, possibly cached) default to one target forward without a teacher.
-    With a teacher the loss is the cross-entropy to the target's top-k distribution (distillation);
-    without, to the sequence's own tokens.
+    `signals` (from `target_signals`, possibly cached on the host) default to one target forward without a teacher.
+    With a teacher the loss is the cross-entropy to the target's top-k distribution (distillation); without, to the
+    sequence's own tokens. Logits are computed for supervised rows only, `chunk_rows` at a time.
     """
     model = getattr(draft, "module", draft)  # the draft itself under a DistributedDataParallel wrapper
     if model.candidate_selector is not None:
         raise ValueError("Training DFlash2 drafts (candidate selector) is not supported; train a DFlashDraftModel.")
     block_size, mask_token_id = model.block_size, model.mask_token_id
-    if signals is None:
-        signals = target_signals(target, input_ids, model.target_layer_ids)
+    device = input_ids.device
+    signals = target_signals(target, input_ids, model.target_layer_ids) if signals is None else signals.to(device)
     anchors = sample_anchors(loss_mask, num_anchors, generator)
     if len(anchors) == 0:
         raise ValueError("The sequence has no response token to train on (loss_mask is empty after position 0).")
@@ -141,24 +232,23 @@ def dflash_loss(
         block_embeddings,
         signals.hidden[None],
         blocks.block_position_ids[None],
-        torch.arange(input_ids.shape[0], device=input_ids.device)[None],
+        torch.arange(input_ids.shape[0], device=device)[None],
         attention_mask=blocks.attention_mask[None, None],
         block_length=block_size,
     )  # [1, K*B, H]; causal / sliding layers add their restriction by position
     hidden = hidden.view(len(anchors), block_size, -1)[:, 1:]  # [K, B-1, H]: positions that predict
-    # a contiguous 2-D input keeps the LM head on one matrix multiply (a strided 3-D one falls back to bmm)
-    logits = model.scale_logits(lm_head(hidden.reshape(-1, hidden.shape[-1]).to(lm_head.weight.dtype))).float()
-    logits = logits.view(len(anchors), block_size - 1, -1)  # [K, B-1, V]
+    supervised = blocks.label_mask  # [K, B-1]
+    teacher_probs = teacher_ids = None
     if signals.teacher_probs is not None:
         # the target's distribution for the token at p + 1 is its output at position p
-        positions = blocks.block_position_ids.view(len(anchors), block_size)[:, :-1].clamp(max=input_ids.shape[0] - 1)
-        log_probs = logits.log_softmax(-1).gather(-1, signals.teacher_ids[positions])  # [K, B-1, k]
-        token_loss = -(signals.teacher_probs[positions] * log_probs).sum(-1)
-    else:
-        token_loss = F.cross_entropy(logits.flatten(0, 1), blocks.labels.flatten(), reduction="none").view_as(blocks.labels)
-    weights = position_weights(block_size).to(logits.device)[None, :] * blocks.label_mask  # [K, B-1]
+        positions = blocks.block_position_ids.view(len(anchors), block_size)[:, :-1][supervised]  # [N]
+        teacher_probs, teacher_ids = signals.teacher_probs[positions], signals.teacher_ids[positions]  # [N, k]
+    token_loss, predictions = chunked_row_losses(model, lm_head, hidden[supervised], blocks.labels[supervised],
+                                                 teacher_probs, teacher_ids, chunk_rows)  # [N], [N]
+    weights = position_weights(block_size).to(device)[None, :].expand_as(supervised)[supervised]  # [N]
     loss = (token_loss * weights).sum() / weights.sum().clamp(min=1e-8)
-    hits = (logits.argmax(-1) == blocks.labels) & blocks.label_mask  # [K, B-1]
+    hits = torch.zeros_like(supervised)  # [K, B-1]
+    hits[supervised] = predictions == blocks.labels[supervised]
     leading_correct = hits.long().cumprod(dim=1).sum(dim=1)  # what greedy verification would accept
-    return StepResult(loss=loss, correct=hits.sum(0).detach(), counted=blocks.label_mask.sum(0),
+    return StepResult(loss=loss, correct=hits.sum(0).detach(), counted=supervised.sum(0),
                       leading_correct=leading_correct.detach())

@@ -2,6 +2,7 @@
 
 One sequence per optimiser step, many anchors per sequence (design doc section 4). Runs as is on
 one CPU or GPU and data-parallel under `accelerate launch` (Accelerate is the distributed engine).
+Cached target signals live on the host (pinned when CUDA is available) and go to the device one step at a time.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -20,7 +21,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from transformers import get_cosine_schedule_with_warmup
 
 from ..modeling_dflash import DFlashDraftModel
-from .objective import StepResult, TargetSignals, dflash_loss, target_signals
+from .objective import StepResult, TargetSignals, dflash_loss, target_signals, teacher_rows
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -31,6 +32,7 @@ DRAFT_WEIGHTS_FILE = "draft.safetensors"
 OPTIMIZER_SCHEDULER_FILE = "optimizer_scheduler.pt"  # tensors and plain types only: loads with weights_only=True
 STATE_FILE = "state.json"  # the TrainingLog and the format version; written last
 LEGACY_CHECKPOINT_FILE = "checkpoint.pt"  # the pickled checkpoint of earlier versions, refused
+MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16}  # --mixed-precision: the autocast dtype of the forward
 
 
 @dataclass
@@ -46,9 +48,14 @@ class TrainingSettings:
     max_length: int = 3072
     distill: bool = False  # soft labels: the target's top-k next-token distribution
     teacher_top_k: int = 32
-    cache_target: bool = True  # run the target once per sequence, not once per epoch
+    cache_target: bool = True  # run the target once per sequence, not once per epoch (signals kept on the host)
+    mixed_precision: str = "no"  # "bf16": forward and loss under bf16 autocast; weights and optimiser stay float32
     seed: int = 0
     checkpoint_every: int = 200  # optimiser steps between resumable checkpoints
+
+    def __post_init__(self) -> None:
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise ValueError(f"mixed_precision {self.mixed_precision!r}: expected one of {list(MIXED_PRECISION)}")
 
 
 @dataclass
@@ -71,6 +78,19 @@ def training_sequences(rows: list[dict], max_length: int) -> list[tuple[torch.Te
         if sum(mask[1:]) > 0:
             sequences.append((torch.tensor(ids), torch.tensor(mask)))
     return sequences
+
+
+def host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    """`tensor` in host memory, pinned if `pin` (page-locked: uploads can overlap compute); no copy if already so."""
+    if tensor.device.type == "cpu" and tensor.is_pinned() == pin:
+        return tensor
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin).copy_(tensor)
+
+
+def on_host(signals: TargetSignals) -> TargetSignals:
+    """A sequence's target signals in host memory, pinned when CUDA is available: the device holds one step's."""
+    pin = torch.cuda.is_available()
+    return signals.apply(lambda tensor: host_copy(tensor, pin))
 
 
 def _epoch_order(num_sequences: int, epoch: int, seed: int) -> list[int]:
@@ -164,6 +184,20 @@ class _EpochAccuracy:
         return f"loss {log.losses[-1]:.3f} acc@1..4 {accuracy} block tau {log.block_tau:.2f}"
 
 
+def _training_step(accelerator: Any, draft: torch.nn.Module, target: torch.nn.Module,
+                   sequence: tuple[torch.Tensor, torch.Tensor, TargetSignals], optimization: tuple[Any, Any],
+                   settings: TrainingSettings, step: int) -> StepResult:
+    """The loss on one sequence (input ids, loss mask, target signals) under the settings' autocast, then one
+    optimiser step; the loss's result."""
+    input_ids, loss_mask, signals = sequence
+    autocast_dtype = MIXED_PRECISION[settings.mixed_precision]
+    with torch.autocast(accelerator.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        result = dflash_loss(draft, target, input_ids, loss_mask, settings.num_anchors,
+                             torch.Generator().manual_seed(settings.seed * 1_000_003 + step), signals)
+    _optimizer_step(accelerator, draft, *optimization, result.loss, settings.max_grad_norm)
+    return result
+
+
 def train_draft(
     draft: DFlashDraftModel,
     target: torch.nn.Module,
@@ -194,13 +228,13 @@ def train_draft(
     log = load_checkpoint(checkpoint_dir, unwrapped, optimizer, scheduler) or TrainingLog()
     started, last = time.perf_counter() - log.seconds, total_steps if max_steps is None else min(total_steps, max_steps)
 
-    def signals_of(input_ids: torch.Tensor) -> TargetSignals:
+    def signals_of(input_ids: torch.Tensor, loss_mask: torch.Tensor) -> TargetSignals:
         return target_signals(target, input_ids.to(accelerator.device), unwrapped.target_layer_ids,
-                              settings.teacher_top_k if settings.distill else None)
+                              settings.teacher_top_k if settings.distill else None, teacher_rows(loss_mask))
 
-    cached: list[TargetSignals] | None = None
-    if settings.cache_target and log.steps < last:
-        cached = [signals_of(ids) for ids, _ in tqdm(shard, desc="target features", disable=not progress)]
+    # on the host: the device holds one sequence's signals at a time
+    cached = [on_host(signals_of(input_ids, loss_mask)) for input_ids, loss_mask in tqdm(
+        shard, desc="target features", disable=not progress)] if settings.cache_target and log.steps < last else None
     bar = tqdm(total=total_steps, initial=log.steps, disable=not (progress and accelerator.is_main_process), desc="training")
     order_epoch, order, accuracy = -1, [], _EpochAccuracy(unwrapped.block_size)
     while log.steps < last:
@@ -209,10 +243,10 @@ def train_draft(
             order_epoch, order = epoch, _epoch_order(steps_per_epoch, epoch, settings.seed)
             accuracy = _EpochAccuracy(unwrapped.block_size)
         input_ids, loss_mask = (t.to(accelerator.device) for t in shard[order[index]])
-        signals = cached[order[index]] if cached is not None else signals_of(input_ids)
-        anchors = torch.Generator().manual_seed(settings.seed * 1_000_003 + log.steps)
-        result = dflash_loss(draft, target, input_ids, loss_mask, settings.num_anchors, anchors, signals)
-        _optimizer_step(accelerator, draft, optimizer, scheduler, result.loss, settings.max_grad_norm)
+        signals = (cached[order[index]] if cached is not None else signals_of(input_ids, loss_mask)).to(
+            accelerator.device, non_blocking=True)
+        result = _training_step(accelerator, draft, target, (input_ids, loss_mask, signals), (optimizer, scheduler),
+                                settings, log.steps)
         bar.set_postfix_str(accuracy.record(result, log))
         bar.update(1)
         if log.steps % settings.checkpoint_every == 0 or log.steps == last:

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The first thing to run on a lent GPU (no internet there): environment, tests/test_cuda.py, then a synthetic bench
+# where `dflash-hf bench --synthetic` exists. Installs nothing from the internet. Everything goes to stdout and, when
+# $OUT is set, to $OUT/gpu_check.log (pytest's JUnit XML and the bench JSON next to it). About 7 minutes at most.
+#
+#   bash scripts/gpu_check.sh                      # from the repository root
+#   PYTHON=/path/to/python bash scripts/gpu_check.sh
+#   PYTEST_ARGS="-k memory" BENCH_ARGS="--num-prompts 2" bash scripts/gpu_check.sh
+#
+# Exit status: pytest's (the bench is informative only).
+
+set -u -o pipefail
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$(pwd)
+RESULTS=${OUT:-$(mktemp -d)}
+mkdir -p "$RESULTS"
+STARTED=$SECONDS
+section() { printf '\n===== %s (t=%ds) =====\n' "$*" "$((SECONDS - STARTED))"; }
+
+main() {
+
+section "machine"
+date -u
+timeout 20 nvidia-smi || echo "nvidia-smi failed or is missing"
+
+# The Python with a CUDA torch: $PYTHON, else the repository's .venv (a carried one is usually a CPU build), python3, python.
+section "python"
+PY=""
+FIRST=""
+for candidate in "${PYTHON:-}" "$ROOT/.venv/bin/python" python3 python; do
+    [ -n "$candidate" ] && command -v "$candidate" >/dev/null 2>&1 || continue
+    timeout 60 "$candidate" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)" >/dev/null 2>&1
+    case $? in
+        0) PY=$candidate; break ;;  # torch with a CUDA device
+        3) FIRST=${FIRST:-$candidate} ;;  # torch without one
+    esac
+done
+if [ -z "$PY" ]; then
+    PY=${FIRST:-python3}
+    echo "WARNING: no Python here sees a CUDA device through torch; using $PY (the CUDA tests will skip)"
+fi
+echo "python: $(command -v "$PY") ($("$PY" --version 2>&1))"
+
+# dflash_hf importable from outside the repository, or installed in place without dependencies or downloads.
+if ! (cd / && timeout 60 "$PY" -c "import dflash_hf" >/dev/null 2>&1); then
+    echo "dflash_hf is not installed: pip install -e . --no-deps --no-build-isolation"
+    timeout 60 "$PY" -m pip install -q -e . --no-deps --no-build-isolation \
+        || echo "WARNING: the editable install failed; running from the source tree (PYTHONPATH)"
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+section "versions"
+timeout 60 "$PY" - <<'EOF' || echo "WARNING: the version report failed"
+import importlib, platform
+import torch
+print("platform", platform.platform())
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    for index in range(torch.cuda.device_count()):
+        properties = torch.cuda.get_device_properties(index)
+        print(f"  cuda:{index} {properties.name}, {properties.total_memory / 2**30:.1f} GiB, "
+              f"capability {properties.major}.{properties.minor}")
+    print("  bf16 supported", torch.cuda.is_bf16_supported())
+for name in ("transformers", "accelerate", "flash_attn", "safetensors", "tokenizers", "scipy", "pytest", "dflash_hf"):
+    try:
+        module = importlib.import_module(name)
+        print(name, getattr(module, "__version__", "?"), getattr(module, "__file__", ""))
+    except Exception as error:  # missing, or broken against this torch
+        print(name, "NOT IMPORTABLE:", type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+EOF
+
+section "tests/test_cuda.py"
+# -rsP: the reasons for skips, and what the passing tests print (memory, host syncs per step, sampling p-values)
+# shellcheck disable=SC2086
+timeout "${PYTEST_TIMEOUT:-240}" "$PY" -m pytest -q -rsP -p no:cacheprovider tests/test_cuda.py \
+    --junitxml "$RESULTS/test_cuda.xml" --durations 15 ${PYTEST_ARGS:-}
+TEST_STATUS=$?
+[ "$TEST_STATUS" -eq 124 ] && echo "WARNING: pytest ran past ${PYTEST_TIMEOUT:-240} s and was stopped"
+echo "pytest exit status: $TEST_STATUS"
+
+section "bench --synthetic"
+if [ $((SECONDS - STARTED)) -gt "${BENCH_START_BEFORE:-330}" ]; then
+    echo "skipped: ${BENCH_START_BEFORE:-330} s have passed (the whole check stays under 8 minutes)"
+elif timeout 30 "$PY" -m dflash_hf.cli bench --help 2>/dev/null | grep -q -- --synthetic; then
+    # shellcheck disable=SC2086
+    timeout "${BENCH_TIMEOUT:-90}" "$PY" -m dflash_hf.cli bench --synthetic --json "$RESULTS/bench_synthetic.json" \
+        ${BENCH_ARGS:-}
+    echo "bench exit status: $?"
+else
+    echo "skipped: this version of dflash-hf bench has no --synthetic"
+fi
+
+section "done"
+echo "total $((SECONDS - STARTED)) s; pytest exit status $TEST_STATUS"
+return "$TEST_STATUS"
+}
+
+if [ -n "${OUT:-}" ]; then
+    main 2>&1 | tee -a "$RESULTS/gpu_check.log"
+    exit "${PIPESTATUS[0]}"
+fi
+main 2>&1
