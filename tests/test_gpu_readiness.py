@@ -216,3 +216,25 @@ def test_prefill_memory_does_not_grow_with_the_number_of_target_layers():
         assert states[0].context.hidden.shape == (1, length, 2 * HIDDEN_SIZE)
     assert abs(beyond_cache[12] - beyond_cache[4]) < hidden_state_bytes
     assert every_state[12] - every_state[4] > 6 * hidden_state_bytes  # power: the same target keeping every state
+
+
+# --- The draft's context cache: written in place ---------------------------------------------------------------------
+
+
+def test_the_draft_context_cache_grows_in_place_and_equals_one_pass():
+    """Each step writes its context columns (and the block's, overwritten next step) into one buffer per layer: no
+    copy of the cached context per step, buffers reallocated only when doubling; the result equals one full pass."""
+    draft = make_draft(9)
+    generator = torch.Generator().manual_seed(9)
+    features = torch.randn(1, 40, 2 * HIDDEN_SIZE, generator=generator)
+    block = torch.randn(1, 8, HIDDEN_SIZE, generator=generator)
+    cache, pointers = draft.new_cache(), []
+    with torch.no_grad():
+        for start in range(0, 40, 4):
+            incremental = draft(block, features[:, start:start + 4], torch.arange(start + 4, start + 12)[None],
+                                torch.arange(start, start + 4)[None], cache=cache)
+            pointers.append(cache.key_buffers[0].data_ptr())
+        full = draft(block, features, torch.arange(40, 48)[None], torch.arange(40)[None])
+    assert cache.get_seq_length() == 40
+    assert len(set(pointers)) <= 4  # 10 steps, the buffer reallocated only when it doubled
+    torch.testing.assert_close(incremental, full, rtol=1e-5, atol=1e-5)
