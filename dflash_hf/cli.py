@@ -39,6 +39,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--learning-rate", type=float, default=6e-4)
     parser.add_argument("--num-anchors", type=int, default=64)
     parser.add_argument("--distill", action="store_true", help="soft labels from the target's distribution")
+    parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="K",
+                        help="save a draft vocabulary: the K most frequent tokens of the target's own responses "
+                             "(config dflash_config.draft_vocab); the draft's LM head then runs over K rows, not the "
+                             "whole vocabulary (output unchanged)")
     parser.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
                         help="bf16: the draft's forward and loss under bfloat16 autocast; its weights, optimiser "
                              "and saved draft stay float32")

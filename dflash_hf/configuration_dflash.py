@@ -225,6 +225,7 @@ def normalize_dflash_config(config: Qwen3Config, published_sliding_window: int |
         config.final_logit_softcapping = None  # the formats doc: applied only when set and > 0
     if is_dflash2(config):
         _normalize_dflash2(config, dflash_config)
+    _check_draft_vocab(config, dflash_config)
     config.dflash_config = dflash_config
     _normalize_rope(config)
 
@@ -246,6 +247,19 @@ def _normalize_layer_attention(config: Qwen3Config, dflash_config: dict[str, Any
     config.layer_types = layer_types
     config.sliding_window = None if window is None else int(window)
     config.is_causal = None if is_causal is None else bool(is_causal)
+
+
+def _check_draft_vocab(config: Qwen3Config, dflash_config: dict[str, Any]) -> None:
+    """`dflash_config.draft_vocab` (optional, dflash-hf's): distinct token ids of the target's vocabulary, most frequent
+    first, that the draft proposes from (its LM head over those rows only); loaders that do not know it ignore it."""
+    draft_vocab = dflash_config.get("draft_vocab")
+    if draft_vocab is None:
+        return
+    ids = [int(token) for token in draft_vocab] if isinstance(draft_vocab, (list, tuple)) else []
+    if not ids or len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= config.vocab_size:
+        raise ValueError(f"Draft config `draft_vocab` must be a non-empty list of distinct token ids below vocab_size "
+                         f"{config.vocab_size}; got {str(draft_vocab)[:80]}. Remove it to propose from every token.")
+    dflash_config["draft_vocab"] = ids
 
 
 def _normalize_dflash2(config: Qwen3Config, dflash_config: dict[str, Any]) -> None:

@@ -39,10 +39,19 @@ def calling_custom_generate() -> str | None:
     return None
 
 
+def embedding_device(embeddings: torch.nn.Module) -> torch.device:
+    """Where the target's embedding computes: its Accelerate hook's execution device (an int for a GPU index, or
+    inside a SequentialHook) when it is dispatched or offloaded, else its weight's device."""
+    hook = getattr(embeddings, "_hf_hook", None)
+    for item in getattr(hook, "hooks", None) or ([] if hook is None else [hook]):
+        if getattr(item, "execution_device", None) is not None:
+            return torch.device(item.execution_device)
+    return embeddings.weight.device
+
+
 def load_draft(source: str, target: torch.nn.Module) -> torch.nn.Module:
     """The DFlash draft of `source` (its remote code), in the target's dtype and on its device; loaded once."""
-    embeddings = target.get_input_embeddings()  # where it computes (an Accelerate hook says so when it offloads)
-    device = torch.device(getattr(getattr(embeddings, "_hf_hook", None), "execution_device", None) or embeddings.weight.device)
+    device = embedding_device(target.get_input_embeddings())
     key = (source, str(target.dtype), str(device))
     if key not in _LOADED_DRAFTS:
         draft = AutoModel.from_pretrained(source, trust_remote_code=True, dtype=target.dtype)

@@ -9,7 +9,6 @@ Hub remote code: imports only torch and transformers.
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
@@ -28,7 +27,7 @@ from .cache_dflash import (
     returned_cache,
     select_cache_rows,
 )
-from .proposer_dflash import DFlashProposer, DraftStep, Proposal, Proposer
+from .proposer_dflash import DFlashProposer, DraftStep, Proposal, Proposer, draft_vocab_ids
 from .sampling_dflash import (
     commit_block,
     draw_uniforms,
@@ -482,6 +481,7 @@ def spec_generate(
     pad_token_id: int | None = None,
     return_stats: bool = False,
     acceptance: str = "rejection",
+    draft_vocab: bool | Sequence[int] | torch.Tensor | None = None,
     do_sample: bool | None = None,
     generation_config: Any = None,
     **generation_settings: Any,
@@ -493,6 +493,8 @@ def spec_generate(
     (greedy) or follows its sampling distribution. Batches are left-padded (`attention_mask`); see `SpecGenerateOutput`.
     When sampling, `acceptance="rejection"` samples the draft's proposals and keeps them by speculative sampling;
     `"equality"` proposes the draft's argmax and keeps a proposal when the target samples the same token.
+    `draft_vocab`: the token ids the draft proposes from (None: its config's `draft_vocab` if any; False: every token);
+    verification is unchanged, so the output stays the target's own.
     """
     if acceptance not in ("rejection", "equality"):
         raise ValueError(f"acceptance must be 'rejection' or 'equality', got {acceptance!r}.")
@@ -509,7 +511,9 @@ def spec_generate(
     num_rows = input_ids.shape[0]
     device = target_device(target)
     result = speculative_decode(
-        target, DFlashProposer(draft, target, mask_token_id, sample_proposals=acceptance == "rejection"), input_ids,
+        target, DFlashProposer(draft, target, mask_token_id, sample_proposals=acceptance == "rejection",
+                               draft_vocab=draft_vocab_ids(draft, draft_vocab, target.get_output_embeddings().weight.shape[0])),
+        input_ids,
         max_new_tokens=choices.max_new_tokens, block_size=block_size, temperature=choices.temperature,
         top_k=choices.top_k, top_p=choices.top_p, stop_token_ids=choices.stop_token_ids,
         generator=row_generators(generator, num_rows, device, seed if choices.temperature > 0 else None),

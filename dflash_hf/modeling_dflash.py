@@ -437,6 +437,11 @@ class DFlashDraftModel(PreTrainedModel):
         mask_token_id = self.config.dflash_config.get("mask_token_id")
         return None if mask_token_id is None else int(mask_token_id)
 
+    @property
+    def draft_vocab(self) -> list[int] | None:
+        """Token ids the draft proposes from (`dflash_config.draft_vocab`, most frequent first), or None: every token."""
+        return self.config.dflash_config.get("draft_vocab")
+
     def new_cache(self) -> DraftContextCache:
         """An empty context cache for one generation."""
         return DraftContextCache(len(self.layers))

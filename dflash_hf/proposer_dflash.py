@@ -9,13 +9,13 @@ Hub remote code: imports only torch and transformers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 
 from .cache_dflash import CacheColumns, host_to_device
 from .sampling_dflash import draw_uniforms, process_logits, sample_from
-from .target_dflash import execution_device, few_row_logits, materialized_weight
+from .target_dflash import execution_device, few_row_logits, few_row_product, is_plain_linear, materialized_weight
 
 if TYPE_CHECKING:  # pragma: no cover
     from .modeling_dflash import DFlashCandidateSelector, DFlashDraftModel
@@ -85,13 +85,14 @@ class DFlashProposer:
     """Proposes blocks with a DFlash draft; owns the draft's context cache for one generation."""
 
     def __init__(self, draft: DFlashDraftModel, target: torch.nn.Module, mask_token_id: int,
-                 sample_proposals: bool = True) -> None:
+                 sample_proposals: bool = True, draft_vocab: torch.Tensor | None = None) -> None:
         self.draft = draft
         self.sample_proposals = sample_proposals  # at temperature > 0: sample from q (else propose the argmax)
         self.target_layer_ids = draft.target_layer_ids
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.device = execution_device(self.embed_tokens)
+        self.vocab = None if draft_vocab is None else DraftVocabulary(self.lm_head, draft_vocab.to(self.device))
         self.mask_token_id = mask_token_id
         self.cache = draft.new_cache()
         self.columns: CacheColumns | None = None  # real context positions among the cache's columns
@@ -142,12 +143,65 @@ class DFlashProposer:
             self.cache.reorder_columns(index)
         proposal_states = hidden[:, 1:].reshape(-1, hidden.shape[-1])  # [N * (B-1), H]
         proposal_states = proposal_states.contiguous().to(self.lm_head.weight.dtype)
-        logits = self.draft.scale_logits(few_row_logits(self.lm_head, proposal_states))  # [N * (B-1), V]
-        logits = logits.view(len(step.row_ids), block_size - 1, -1)  # [N, B-1, V]
         sample = step.temperature > 0.0 and self.sample_proposals
-        if self.draft.candidate_selector is not None:
-            return select_candidates(self.draft.candidate_selector, logits, hidden[:, 1:], block_ids[:, 0], step, sample)
+        selector = self.draft.candidate_selector
+        if self.vocab is not None and not sample and selector is None:  # greedy: the argmax over the draft's vocabulary
+            logits = self.draft.scale_logits(self.vocab.logits(proposal_states))  # [N * (B-1), K]
+            return self.vocab.ids[logits.argmax(dim=-1).to(device)].view(len(step.row_ids), block_size - 1)
+        if self.vocab is not None:
+            logits = self.vocab.full_logits(self.draft.scale_logits(self.vocab.logits(proposal_states)))
+        else:
+            logits = self.draft.scale_logits(few_row_logits(self.lm_head, proposal_states))  # [N * (B-1), V]
+        logits = logits.view(len(step.row_ids), block_size - 1, -1)  # [N, B-1, V]
+        if selector is not None:
+            return select_candidates(selector, logits, hidden[:, 1:], block_ids[:, 0], step, sample)
         return sample_proposals(logits, step) if sample else logits.argmax(dim=-1)
+
+
+def draft_vocab_ids(draft: DFlashDraftModel, choice: bool | Sequence[int] | torch.Tensor | None,
+                    target_vocab_size: int) -> torch.Tensor | None:
+    """The ids [K] the draft proposes from for a call's `draft_vocab` choice (None: every token).
+
+    None: the draft's own (`dflash_config.draft_vocab`, if any); False: every token; True: the draft's own (refused
+    when it has none); a list or tensor of ids: those.
+    """
+    if choice is None or choice is True:
+        if choice is True and draft.draft_vocab is None:
+            raise ValueError("draft_vocab=True but the draft's config has no `draft_vocab`; pass the token ids, or "
+                             "train with `dflash-hf train --draft-vocab-size K`.")
+        choice = draft.draft_vocab
+    if choice is None or choice is False:
+        return None
+    ids = torch.as_tensor(choice, dtype=torch.long).flatten()
+    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= target_vocab_size or len(ids.unique()) != len(ids):
+        raise ValueError(f"draft_vocab must hold distinct token ids of the target's vocabulary (0 to "
+                         f"{target_vocab_size - 1}); got {ids.numel()} ids from {int(ids.min()) if ids.numel() else None} "
+                         f"to {int(ids.max()) if ids.numel() else None}.")
+    return ids
+
+
+class DraftVocabulary:
+    """The draft's vocabulary: K token ids of the target's and their rows of its LM head, copied once per generation,
+    so each draft pass computes K logits per position instead of V. Verification is unchanged: still exact."""
+
+    def __init__(self, lm_head: torch.nn.Module, ids: torch.Tensor) -> None:
+        self.ids = ids  # [K]
+        self.vocab_size = lm_head.weight.shape[0]
+        self.lm_head = None if is_plain_linear(lm_head) else lm_head  # an unknown head is called, then indexed
+        if self.lm_head is None:
+            self.weight = lm_head.weight[ids]  # [K, H]
+            self.bias = None if lm_head.bias is None else lm_head.bias[ids]
+
+    def logits(self, states: torch.Tensor) -> torch.Tensor:
+        """Logits [M, K] of states [M, H] over the draft's vocabulary."""
+        if self.lm_head is not None:
+            return self.lm_head(states)[:, self.ids.to(states.device)]
+        return few_row_product(self.weight, self.bias, states)
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits [M, V] over the target's vocabulary from the draft's [M, K]: -inf outside the draft's vocabulary."""
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        return full.scatter_(1, self.ids.to(logits.device).expand(logits.shape[0], -1), logits)
 
 
 def select_candidates(selector: DFlashCandidateSelector, logits: torch.Tensor, hidden_states: torch.Tensor,

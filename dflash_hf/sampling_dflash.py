@@ -47,20 +47,6 @@ def sample_from(probabilities: torch.Tensor, uniforms: torch.Tensor) -> torch.Te
     return tokens.clamp(max=probabilities.shape[-1] - 1)
 
 
-def pick_tokens(
-    logits: torch.Tensor,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """One token per row of logits [N, V]: argmax at temperature 0, else a sample of the processed distribution."""
-    if temperature == 0.0:
-        return logits.argmax(dim=-1)
-    probabilities = process_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
-    return sample_from(probabilities, draw_uniforms([generator], logits.shape[0], logits.device)[0])  # [N]
-
-
 def count_accepted(proposals: list[int], target_tokens: list[int]) -> int:
     """Number of leading proposals (B-1) equal to the target's tokens (B) at the same positions."""
     accepted = 0
@@ -124,7 +110,7 @@ def speculative_sample(
     q_of_proposals = draft_probabilities.gather(-1, proposals[..., None]).squeeze(-1)  # [n, k]
     p_of_proposals = target_probabilities[:, :num_proposals].gather(-1, proposals[..., None]).squeeze(-1)
     allowed = torch.arange(num_proposals, device=proposals.device) < limits[:, None]  # [n, k]
-    kept = (uniforms[:, :num_proposals].to(q_of_proposals.dtype) * q_of_proposals < p_of_proposals) & allowed
+    kept = (uniforms[:, :num_proposals] * q_of_proposals.double() < p_of_proposals.double()) & allowed  # in float64
     accepted = kept.long().cumprod(dim=1).sum(dim=1)  # [n]
     rejected = accepted < limits  # a proposal was turned down (else: the bonus token, from p)
     if num_proposals > 0:

@@ -83,7 +83,7 @@ class FeatureCapture:
     """
 
     def __init__(self, target: torch.nn.Module, target_layer_ids: list[int] | None, device: torch.device) -> None:
-        self.target_layer_ids, self.device = target_layer_ids, device
+        self.target, self.target_layer_ids, self.device = target, target_layer_ids, device
         self.features: torch.Tensor | None = None  # [N, T, L*H] once the forward ran
         layers = decoder_layers(target) if target_layer_ids else None
         self.fallback = bool(target_layer_ids) and layers is None
@@ -97,12 +97,22 @@ class FeatureCapture:
 
     def result(self, outputs: Any) -> torch.Tensor | None:
         """The captured features [N, T, L*H] (None when no layer was asked for)."""
-        if self.fallback:
-            return select_features(outputs.hidden_states, self.target_layer_ids).to(self.device)
-        return self.features
+        if not self.fallback:
+            return self.features
+        num_layers = target_text_config(self.target).num_hidden_layers
+        if len(outputs.hidden_states) != num_layers + 1:
+            raise ValueError(f"Target returned {len(outputs.hidden_states)} hidden states for {num_layers} layers; "
+                             "expected the embedding output plus one per layer.")
+        return select_features(outputs.hidden_states, self.target_layer_ids).to(self.device)
 
     def _hook(self, slot: int) -> Any:
+        """A forward hook that copies its module's output into columns `slot` of the features (once per forward)."""
+        written = []
+
         def copy_output(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if written and written[0] is self.features:
+                raise ValueError(f"Target layer {self.target_layer_ids[slot]} ran twice in one forward (shared or "
+                                 "looped layers): its features are ambiguous; DFlash needs one output per layer.")
             hidden = getattr(output, "last_hidden_state", None)
             hidden = hidden if hidden is not None else output[0] if isinstance(output, (tuple, list)) else output
             if self.features is None:
@@ -110,6 +120,7 @@ class FeatureCapture:
                 self.features = torch.empty(shape, dtype=hidden.dtype, device=self.device)
             width = hidden.shape[-1]
             self.features[..., slot * width:(slot + 1) * width].copy_(hidden)
+            written[:] = [self.features]
         return copy_output
 
     def __enter__(self) -> FeatureCapture:
@@ -136,17 +147,24 @@ def is_plain_linear(module: torch.nn.Module) -> bool:
     )
 
 
-def few_row_logits(lm_head: torch.nn.Module, states: torch.Tensor) -> torch.Tensor:
-    """LM-head logits [N, V] of a few rows [N, H].
+def few_row_product(weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor) -> torch.Tensor:
+    """states [N, H] times weight^T [H, V] (+ bias): [N, V].
 
-    On CPU, for a plain Linear head, this computes (W @ states^T)^T: a GEMM with a few columns, which CPU BLAS runs
-    about twice as fast as a few rows times W^T (measured on AVX2 with MKL). On an accelerator, and for any other head
-    (hooked, offloaded), the head itself is called: the same product `generate` computes, contiguous logits.
+    On CPU this computes (W @ states^T)^T: a GEMM with a few columns, which CPU BLAS runs about twice as fast as a few
+    rows times W^T (measured on AVX2 with MKL). On an accelerator, `F.linear`: the product `generate` computes.
     """
-    if states.device.type != "cpu" or not is_plain_linear(lm_head):
+    if states.device.type != "cpu":
+        return torch.nn.functional.linear(states, weight, bias)
+    logits = (weight @ states.T).T  # [N, V]
+    return logits if bias is None else logits + bias
+
+
+def few_row_logits(lm_head: torch.nn.Module, states: torch.Tensor) -> torch.Tensor:
+    """LM-head logits [N, V] of a few rows [N, H]: `few_row_product` for a plain Linear head; any other head (hooked,
+    offloaded) is called."""
+    if not is_plain_linear(lm_head):
         return lm_head(states)
-    logits = (lm_head.weight @ states.T).T  # [N, V]
-    return logits if lm_head.bias is None else logits + lm_head.bias
+    return few_row_product(lm_head.weight, lm_head.bias, states)
 
 
 # Targets already probed by `plain_head_parts`: their logits are (or are not) exactly lm_head(base(...)).

@@ -28,7 +28,7 @@ def test_train_command_writes_a_hub_ready_draft(tmp_path):
     argv = ["train", "--target", str(tmp_path / "target"), "--output", str(run), "--prompts", str(prompts),
             "--num-prompts", "4", "--gen-batch-size", "2", "--gen-max-new-tokens", "12", "--block-size", "4",
             "--draft-layers", "1", "--mask-token", "w127", "--epochs", "2", "--num-anchors", "6", "--distill",
-            "--init-from-target", "--mixed-precision", "bf16",
+            "--init-from-target", "--mixed-precision", "bf16", "--draft-vocab-size", "40",
             "--eval-prompts", str(prompts), "--num-eval", "2", "--eval-max-new-tokens", "10", "--eval-dtype", "float32"]
     main(argv)
     assert len((run / "responses.jsonl").read_text().splitlines()) == 4
@@ -39,8 +39,11 @@ def test_train_command_writes_a_hub_ready_draft(tmp_path):
     config = json.loads((run / "draft" / "config.json").read_text())
     assert config["dflash_config"]["mask_token_id"] == 127 and config["block_size"] == 4
     assert config["dflash_config"]["target_layer_ids"] == [2]  # one draft layer: [N // 2]
+    responses = [json.loads(line)["response_ids"] for line in (run / "responses.jsonl").read_text().splitlines()]
+    vocab = config["dflash_config"]["draft_vocab"]  # the responses' tokens first, most frequent first
+    assert len(vocab) == 40 and set(vocab[:len({t for r in responses for t in r})]) == {t for r in responses for t in r}
     draft = AutoModel.from_pretrained(run / "draft", trust_remote_code=True)
-    assert type(draft).__name__ == "DFlashDraftModel"
+    assert type(draft).__name__ == "DFlashDraftModel" and draft.draft_vocab == vocab
     assert {tensor.dtype for tensor in load_file(run / "draft" / "model.safetensors").values()} == {torch.float32}
     assert json.loads((run / "training_log.json").read_text())["settings"]["mixed_precision"] == "bf16"
     # a second run resumes: nothing is regenerated or retrained

@@ -7,7 +7,7 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from dflash_hf import left_pad
-from dflash_hf.sampling_dflash import commit_block, count_accepted, first_stop_index, pick_tokens, process_logits
+from dflash_hf.sampling_dflash import commit_block, count_accepted, first_stop_index, process_logits
 
 
 @pytest.mark.parametrize("proposals,target_tokens,expected", [
@@ -55,11 +55,16 @@ def test_process_logits_matches_transformers_warpers(temperature, top_k, top_p):
     torch.testing.assert_close(actual.softmax(-1), expected.softmax(-1))
 
 
-def test_pick_tokens_greedy_is_argmax_and_sampling_respects_top_k():
-    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(pick_tokens(logits), logits.argmax(-1))
-    generator = torch.Generator().manual_seed(2)
+def test_pick_block_greedy_is_argmax_and_sampling_respects_top_k():
+    from dataclasses import replace
+
+    from dflash_hf.generation_dflash import GenerationSettings, pick_block
+
+    logits = torch.randn(4, 3, 30, generator=torch.Generator().manual_seed(1))  # [n, b, V]
+    greedy = GenerationSettings(max_new_tokens=4, block_size=3, generators=(None,) * 4)
+    assert torch.equal(pick_block(logits, [0, 1, 2, 3], greedy), logits.argmax(-1))
+    sampled = replace(greedy, temperature=2.0, top_k=3, generators=(torch.Generator().manual_seed(2),) * 4)
     allowed = logits.topk(3, dim=-1).indices
     for _ in range(50):
-        picked = pick_tokens(logits, temperature=2.0, top_k=3, generator=generator)
-        assert bool((allowed == picked[:, None]).any(-1).all())
+        picked = pick_block(logits, [0, 1, 2, 3], sampled)
+        assert bool((allowed == picked[..., None]).any(-1).all())

@@ -238,3 +238,17 @@ def test_the_draft_context_cache_grows_in_place_and_equals_one_pass():
     assert cache.get_seq_length() == 40
     assert len(set(pointers)) <= 4  # 10 steps, the buffer reallocated only when it doubled
     torch.testing.assert_close(incremental, full, rtol=1e-5, atol=1e-5)
+
+
+def test_a_layer_that_runs_twice_in_one_forward_is_refused():
+    """Shared (looped) layers have no single output per layer: the features would be ambiguous."""
+    from dflash_hf.target_dflash import FeatureCapture
+
+    target = make_target("llama", seed=10)
+    target.model.layers[1] = target.model.layers[0]  # one module, run as layers 0 and 1
+    with pytest.raises(ValueError, match="layer 0 ran twice in one forward"):
+        with torch.no_grad(), FeatureCapture(target, [0, 2], torch.device("cpu")):
+            target(torch.tensor([[1, 2, 3]]))
+    with torch.no_grad(), FeatureCapture(target, [2, 3], torch.device("cpu")) as capture:  # other layers: fine
+        target(torch.tensor([[1, 2, 3]]))
+    assert capture.features.shape == (1, 3, 2 * HIDDEN_SIZE)

@@ -19,7 +19,7 @@ from ..prompts import default_data_dir, user_prompt_ids
 from ..smollm2 import SMOLLM2_MASK_TOKEN
 from ..target_dflash import check_draft_target, generation_tokens, target_device
 from .data import generate_responses, read_prompts
-from .recipe import draft_config_for, initialize_from_target
+from .recipe import draft_config_for, frequent_token_ids, initialize_from_target
 from .trainer import TrainingLog, TrainingSettings, train_draft
 
 # --target-dtype auto: the frozen target only gives features (and teacher logits), so it runs in bfloat16 on CUDA;
@@ -60,6 +60,9 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     settings = TrainingSettings(epochs=args.epochs, learning_rate=args.learning_rate, num_anchors=args.num_anchors,
                                 distill=args.distill, seed=args.seed, mixed_precision=args.mixed_precision)
     log = train_draft(draft, target, rows, settings, output, max_steps=args.max_steps)
+    if args.draft_vocab_size:  # the draft proposes from the target's most frequent tokens in its own responses
+        draft.config.dflash_config["draft_vocab"] = frequent_token_ids(
+            [row["response_ids"] for row in rows], args.draft_vocab_size, target.get_output_embeddings().weight.shape[0])
 
     target = target.to(DTYPES[args.eval_dtype])
     draft = draft.to(DTYPES[args.eval_dtype]).eval()

@@ -184,6 +184,8 @@ def chunked_row_losses(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`_supervised_row_losses` of rows [N, H], `chunk_rows` at a time; with gradients each chunk is checkpointed,
     so the backward recomputes one chunk's logits at a time instead of keeping all of them."""
+    if rows.shape[0] == 0:  # nothing supervised: empty losses and predictions
+        return rows.new_zeros(0, dtype=torch.float32), labels.new_zeros(0)
     recompute = torch.is_grad_enabled() and rows.requires_grad
     losses, predictions = [], []
     for start in range(0, rows.shape[0], chunk_rows):

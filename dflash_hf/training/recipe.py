@@ -105,3 +105,16 @@ def initialize_from_target(draft: DFlashDraftModel, target: torch.nn.Module, cal
     draft.fc.weight.zero_()
     draft.fc.weight[:, deepest * hidden_size : (deepest + 1) * hidden_size] = torch.eye(hidden_size)
     return layer_ids
+
+
+def frequent_token_ids(token_lists: list[list[int]], size: int, vocab_size: int) -> list[int]:
+    """A draft vocabulary of `size` ids: the tokens of `token_lists` (the target's own generated text) by frequency,
+    most frequent first (ties: lower id first), then the lowest ids not seen (BPE ids come roughly by frequency)."""
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"draft vocabulary size must be from 1 to the vocabulary size {vocab_size}, got {size}.")
+    counts = torch.bincount(torch.tensor([token for tokens in token_lists for token in tokens], dtype=torch.long),
+                            minlength=vocab_size)[:vocab_size]  # [V]
+    seen = (counts > 0).nonzero().flatten()
+    ranked = seen[torch.argsort(-counts[seen], stable=True)].tolist()  # by count, then by id
+    unseen = (counts == 0).nonzero().flatten().tolist()
+    return (ranked + unseen)[:size]

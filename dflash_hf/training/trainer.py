@@ -54,6 +54,7 @@ class TrainingSettings:
     checkpoint_every: int = 200  # optimiser steps between resumable checkpoints
 
     def __post_init__(self) -> None:
+        """Refuse a mixed precision the trainer does not know."""
         if self.mixed_precision not in MIXED_PRECISION:
             raise ValueError(f"mixed_precision {self.mixed_precision!r}: expected one of {list(MIXED_PRECISION)}")
 

@@ -1,0 +1,108 @@
+"""The draft vocabulary: the draft proposes from K frequent tokens (its LM head over K rows); output stays exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from dflash_hf import DFlashDraftModel
+from dflash_hf.proposer_dflash import DFlashProposer
+from dflash_hf.training.recipe import frequent_token_ids
+from helpers import VOCAB_SIZE, draft_config, make_draft, make_target, make_variant_draft, plain_greedy
+
+VOCAB = list(range(1, VOCAB_SIZE - 1, 3))  # 42 of the 128 ids
+
+
+def prompt(seed: int, length: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB_SIZE - 1, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+class RecordingProposer(DFlashProposer):
+    """A DFlash proposer that keeps every proposal it makes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.proposed = []
+
+    def propose(self, step):
+        proposal = super().propose(step)
+        self.proposed.append(getattr(proposal, "tokens", proposal))
+        return proposal
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+@pytest.mark.parametrize("seed, length, block_size", [(0, 9, 8), (1, 1, 4), (2, 23, 2)])
+def test_greedy_with_a_draft_vocabulary_equals_plain_greedy(variant, seed, length, block_size):
+    target = make_target("qwen3", seed=seed)
+    draft = make_draft(seed) if variant == "dflash" else make_variant_draft("dflash2", seed=seed)
+    input_ids = prompt(seed, length)
+    output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=30, block_size=block_size,
+                                 draft_vocab=VOCAB)
+    assert torch.equal(output, plain_greedy(target, input_ids, 30))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_proposals_come_from_the_draft_vocabulary_only(temperature):
+    from dflash_hf import speculative_decode
+
+    target, draft = make_target("llama", seed=3), make_draft(3)
+    proposer = RecordingProposer(draft, target, VOCAB_SIZE - 1, draft_vocab=torch.tensor(VOCAB))
+    speculative_decode(target, proposer, prompt(3, 7), 40, 8, temperature=temperature,
+                       generator=torch.Generator().manual_seed(3))
+    proposed = torch.cat([tokens.flatten() for tokens in proposer.proposed])
+    assert len(proposed) > 20 and set(proposed.tolist()) <= set(VOCAB)
+    full = RecordingProposer(draft, target, VOCAB_SIZE - 1)  # power: without it the draft proposes other ids
+    speculative_decode(target, full, prompt(3, 7), 40, 8, temperature=temperature,
+                       generator=torch.Generator().manual_seed(3))
+    assert not set(torch.cat([tokens.flatten() for tokens in full.proposed]).tolist()) <= set(VOCAB)
+
+
+def test_sampling_with_a_draft_vocabulary_keeps_the_target_distribution():
+    """q is zero outside the draft's vocabulary, so tokens there come from the residual: the token after the first
+    (accepted proposal or residual sample) follows p given the first, over 1500 rows (chi-square)."""
+    target, draft = make_target("qwen3", seed=4, init_std=0.02), make_draft(4)
+    input_ids, num_samples = prompt(4, 5), 1500
+    output = draft.spec_generate(target=target, input_ids=input_ids.repeat(num_samples, 1), max_new_tokens=3,
+                                 temperature=1.0, top_k=0, draft_vocab=VOCAB, seed=4, return_stats=True)
+    firsts, seconds = output.new_token_ids[:, 0], output.new_token_ids[:, 1]  # the second: the verify's token
+    with torch.no_grad():
+        follow = target(torch.cat((input_ids.repeat(VOCAB_SIZE, 1), torch.arange(VOCAB_SIZE)[:, None]), 1)).logits
+    expected = (torch.bincount(firsts, minlength=VOCAB_SIZE).double()[:, None]
+                * follow[:, -1].double().softmax(-1)).sum(0)  # sum over the drawn firsts of p(second | first)
+    counts = torch.bincount(seconds, minlength=VOCAB_SIZE).double()
+    outside = torch.tensor([token not in VOCAB for token in range(VOCAB_SIZE)])
+    assert counts[outside].sum() > 0.4 * num_samples  # most tokens lie outside the draft's 42 ids: the residual's
+    keep = expected > 5
+    p_value = float(chisquare(counts[keep], expected[keep] * counts[keep].sum() / expected[keep].sum()).pvalue)
+    assert p_value > 1e-3
+
+
+def test_the_config_carries_the_vocabulary_and_refuses_a_bad_one(tmp_path):
+    draft = DFlashDraftModel(draft_config(dflash_config={"mask_token_id": VOCAB_SIZE - 1, "draft_vocab": VOCAB}))
+    draft.save_pretrained(tmp_path)
+    assert DFlashDraftModel.from_pretrained(tmp_path).draft_vocab == VOCAB
+    for bad in ([], [1, 1], [VOCAB_SIZE], [-1], "abc"):
+        with pytest.raises(ValueError, match="draft_vocab"):
+            draft_config(dflash_config={"mask_token_id": VOCAB_SIZE - 1, "draft_vocab": bad})
+
+
+def test_the_call_chooses_the_vocabulary():
+    target = make_target("qwen3", seed=5)
+    draft = DFlashDraftModel(draft_config(dflash_config={"mask_token_id": VOCAB_SIZE - 1, "draft_vocab": VOCAB})).eval()
+    input_ids = prompt(5, 6)
+    expected = plain_greedy(target, input_ids, 20)
+    for choice in (None, True, False, VOCAB[:10], torch.tensor(VOCAB[5:])):
+        assert torch.equal(draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=20,
+                                               draft_vocab=choice), expected)
+    with pytest.raises(ValueError, match="no `draft_vocab`"):
+        make_draft(5).spec_generate(target=target, input_ids=input_ids, max_new_tokens=4, draft_vocab=True)
+    with pytest.raises(ValueError, match="distinct token ids of the target's vocabulary"):
+        draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=4, draft_vocab=[0, VOCAB_SIZE])
+
+
+def test_frequent_token_ids_rank_by_count_then_fill_with_low_ids():
+    assert frequent_token_ids([[5, 7, 7, 9], [9, 7]], 6, 12) == [7, 9, 5, 0, 1, 2]  # 7 x3, 9 x2, 5 x1, then unseen
+    assert frequent_token_ids([[3, 3, 1]], 1, 5) == [3]
+    with pytest.raises(ValueError, match="vocabulary size"):
+        frequent_token_ids([[1]], 6, 5)
