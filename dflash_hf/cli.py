@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=256)
     demo.add_argument("--dtype", choices=DTYPES, default="float32")
     demo.add_argument("--draft", default=None, help="another draft folder (default: the shipped one)")
+    demo.add_argument("--block-size", type=block_size_choice, default="auto",
+                      help="auto (default): the best predicted block size on this machine, calibrated on the first "
+                           "prompt before timing; or an integer up to the draft's trained size")
     add_bench_arguments(commands.add_parser("bench", help="tau, tokens/s and speedup against plain decoding"))
     card = commands.add_parser("card", help="render a draft's Hub model card (README.md) from its dflash_card.json")
     card.add_argument("folder", nargs="?", default=None)
@@ -238,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "demo":
         from .demo import run_demo
 
-        run_demo(args.max_new_tokens, DTYPES[args.dtype], args.draft)
+        run_demo(args.max_new_tokens, DTYPES[args.dtype], args.draft, args.block_size)
     elif args.command == "bench":
         from .benchmark import process_context
 

@@ -35,24 +35,37 @@ def load_demo(dtype: torch.dtype = torch.float32, draft_path: str | Path | None 
     return target, tokenizer, draft
 
 
-def run_demo(max_new_tokens: int = 256, dtype: torch.dtype = torch.float32, draft_path: str | Path | None = None) -> dict:
-    """Answer the demo prompts with spec_generate; print answers, tau, tokens/s and the speedup over generate."""
-    from .evaluation import evaluate_draft
+def run_demo(max_new_tokens: int = 256, dtype: torch.dtype = torch.float32, draft_path: str | Path | None = None,
+             block_size: int | str = "auto") -> dict:
+    """Answer the demo prompts with spec_generate; print answers, tau, tokens/s and the speedup over generate.
+
+    block_size "auto": the block with the best predicted speedup on this machine (`calibrate_block_size` on the first
+    prompt: its acceptance at the trained block and the step costs timed here), chosen before anything is timed.
+    """
+    from .evaluation import BenchSettings, calibrate_block_size, evaluate_draft
     from .prompts import user_prompt_ids
     from .target_dflash import generation_tokens
 
     target, tokenizer, draft = load_demo(dtype, draft_path)
     prompts = [user_prompt_ids(tokenizer, prompt) for prompt in DEMO_PROMPTS]
+    tokens = generation_tokens(target, tokenizer, draft)
+    stop_token_ids = tokens.stop_token_ids  # as bench and train's evaluation stop
+    if block_size == "auto":
+        block_size, predictions = calibrate_block_size(draft, target, prompts[0], BenchSettings(max_new_tokens),
+                                                       stop_token_ids, tokens.mask_token_id)
+        print("predicted speedup per block size on this machine: "
+              + ", ".join(f"{size}: {value:.2f}x" for size, value in sorted(predictions.items()))
+              + f" -> block size {block_size}", flush=True)
 
     def show(index: int, record) -> None:
         tokens, lengths = record.new_tokens["dflash"], record.acceptance_lengths
         print(f"\n### {DEMO_PROMPTS[index]}\n{tokenizer.decode(tokens, skip_special_tokens=True)}")
         print(f"[tau {mean_acceptance_length(lengths):.2f}, {len(tokens)} tokens]", flush=True)
 
-    stop_token_ids = generation_tokens(target, tokenizer).stop_token_ids  # as bench and train's evaluation stop
-    summary = evaluate_draft(draft, target, prompts, max_new_tokens, stop_token_ids=stop_token_ids, on_result=show)
+    summary = evaluate_draft(draft, target, prompts, max_new_tokens, block_size, stop_token_ids=stop_token_ids,
+                             on_result=show)
     rates = summary["tokens_per_s"]
     print(f"\ntau {summary['tau']:.2f} | target.generate {rates['plain']:.1f} tokens/s | spec_generate "
           f"{rates['dflash']:.1f} tokens/s | speedup {summary['speedup']:.2f}x | identical to generate: "
-          f"{summary['lossless']} ({dtype}, block size {draft.block_size}, {torch.get_num_threads()} threads)")
+          f"{summary['lossless']} ({dtype}, block size {block_size} of {draft.block_size}, {torch.get_num_threads()} threads)")
     return summary

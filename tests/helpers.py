@@ -184,3 +184,25 @@ class FixedLogitsTarget(torch.nn.Module):
 
         self.prefixes.append(input_ids[0].tolist())
         return SimpleNamespace(logits=self.next_logits.expand(input_ids.shape[0], input_ids.shape[1], -1))
+
+
+def chi_square_p_value(counts: dict, expected: dict, num_samples: int) -> float:
+    """Chi-square goodness of fit (cells with expected count < 5 pooled); p from torch's gammaincc, no scipy."""
+    observed_cells, expected_cells, pooled_observed, pooled_expected = [], [], 0, 0.0
+    for cell, probability in expected.items():
+        if probability * num_samples >= 5:
+            observed_cells.append(counts.get(cell, 0))
+            expected_cells.append(probability * num_samples)
+        else:
+            pooled_observed += counts.get(cell, 0)
+            pooled_expected += probability * num_samples
+    if pooled_expected > 0:
+        observed_cells.append(pooled_observed)
+        expected_cells.append(pooled_expected)
+    elif pooled_observed > 0:
+        return 0.0  # a sequence of probability zero was sampled
+    scale = num_samples / sum(expected_cells)
+    statistic = sum((o - e * scale) ** 2 / (e * scale) for o, e in zip(observed_cells, expected_cells))
+    degrees = len(observed_cells) - 1
+    return float(torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))

@@ -22,7 +22,7 @@ from transformers import (AutoModelForCausalLM, LogitsProcessorList, Qwen3Config
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from dflash_hf import left_pad, speculative_decode
-from helpers import (ReferenceProposer, VOCAB_SIZE, assert_equal_up_to_near_tie, make_draft, make_target,
+from helpers import (ReferenceProposer, VOCAB_SIZE, assert_equal_up_to_near_tie, chi_square_p_value, make_draft, make_target,
                      make_tokenizer, plain_greedy)
 
 pytestmark = [
@@ -177,28 +177,6 @@ def exact_joint(target, input_ids, temperature, top_k, top_p) -> dict[tuple[int,
         probabilities = {prefix + (token,): probabilities[prefix] * float(next_probabilities[row, token])
                          for row, prefix in enumerate(prefixes) for token in range(SAMPLING_VOCAB)}
     return probabilities
-
-
-def chi_square_p_value(counts: dict, expected: dict, num_samples: int) -> float:
-    """Chi-square goodness of fit (cells with expected count < 5 pooled); p from torch's gammaincc, no scipy."""
-    observed_cells, expected_cells, pooled_observed, pooled_expected = [], [], 0, 0.0
-    for cell, probability in expected.items():
-        if probability * num_samples >= 5:
-            observed_cells.append(counts.get(cell, 0))
-            expected_cells.append(probability * num_samples)
-        else:
-            pooled_observed += counts.get(cell, 0)
-            pooled_expected += probability * num_samples
-    if pooled_expected > 0:
-        observed_cells.append(pooled_observed)
-        expected_cells.append(pooled_expected)
-    elif pooled_observed > 0:
-        return 0.0  # a sequence of probability zero was sampled
-    scale = num_samples / sum(expected_cells)
-    statistic = sum((o - e * scale) ** 2 / (e * scale) for o, e in zip(observed_cells, expected_cells))
-    degrees = len(observed_cells) - 1
-    return float(torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64),
-                                         torch.tensor(statistic / 2, dtype=torch.float64)))
 
 
 @pytest.mark.parametrize("acceptance,temperature,top_k,top_p", [

@@ -10,7 +10,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 from dflash_hf import DraftStep, speculative_decode
 from dflash_hf.proposer_dflash import DFlashProposer, Proposal
 from dflash_hf.sampling_dflash import speculative_sample
-from helpers import make_draft, make_target
+from helpers import chi_square_p_value, make_draft, make_target
 
 VOCAB = 6
 NUM_NEW = 3
@@ -58,26 +58,6 @@ def exact_joint(target, input_ids, temperature, top_k, top_p) -> dict[tuple[int,
         probabilities = {prefix + (token,): probabilities[prefix] * float(next_probabilities[row, token])
                          for row, prefix in enumerate(prefixes) for token in range(VOCAB)}
     return probabilities
-
-
-def chi_square_p_value(counts: dict, expected: dict, num_samples: int) -> float:
-    """Chi-square goodness of fit, cells with expected count < 5 pooled into one."""
-    observed_cells, expected_cells, pooled_observed, pooled_expected = [], [], 0, 0.0
-    for cell, probability in expected.items():
-        if probability * num_samples >= 5:
-            observed_cells.append(counts.get(cell, 0))
-            expected_cells.append(probability * num_samples)
-        else:
-            pooled_observed += counts.get(cell, 0)
-            pooled_expected += probability * num_samples
-    if pooled_expected > 0:
-        observed_cells.append(pooled_observed)
-        expected_cells.append(pooled_expected)
-    elif pooled_observed > 0:
-        return 0.0  # a sequence of probability zero was sampled
-    scale = num_samples / sum(expected_cells)  # absorb float rounding of the exact probabilities
-    expected_cells = [value * scale for value in expected_cells]
-    return float(chisquare(observed_cells, expected_cells).pvalue)
 
 
 @pytest.fixture(scope="module")
