@@ -26,6 +26,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gen-max-new-tokens", type=int, default=256)
     parser.add_argument("--gen-temperature", type=float, default=0.0)
     parser.add_argument("--gen-dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--gen-draft", default=None, metavar="DRAFT",
+                        help="generate the responses with spec_generate and this draft (folder or Hub id; 'shipped' "
+                             "for the SmolLM2 demo draft): the same rows as generate, faster")
+    parser.add_argument("--generate-only", action="store_true",
+                        help="stop once OUTPUT/responses.jsonl holds every prompt (resumable; train later)")
     parser.add_argument("--block-size", type=int, default=None, help="default 8 (or --init-from's)")
     parser.add_argument("--draft-layers", type=int, default=None, help="default 2 (or --init-from's)")
     parser.add_argument("--target-layer-ids", type=int, nargs="*", default=None)
@@ -72,6 +77,7 @@ def block_size_choice(text: str) -> int | str:
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     from .benchmark import DATASETS
+    from .synthetic import DEFAULT_SYNTHETIC, SYNTHETIC_PAIRS
 
     parser.add_argument("--dataset", nargs="+", default=["gsm8k"], choices=list(DATASETS) + ["all"])
     parser.add_argument("--prompts", default=None, help='a JSONL file with one {"turns": [...]} object per line')
@@ -94,6 +100,17 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     parser.add_argument("--plot", default="dflash_bench.png", help="PNG plot path ('' for none)")
     parser.add_argument("--seed", type=int, default=0)
+    synthetic = parser.add_argument_group("synthetic", "step costs of a model pair from random weights of its shape")
+    synthetic.add_argument("--synthetic", nargs="?", const=DEFAULT_SYNTHETIC, default=None, metavar="MODEL",
+                           help="time t(1), t(B) and the draft pass of a pair built from its configs (no download) "
+                                f"and print the projected speedup: {', '.join(SYNTHETIC_PAIRS)} (default "
+                                f"{DEFAULT_SYNTHETIC}), or a target's config.json with --draft-config")
+    synthetic.add_argument("--draft-config", default=None, help="the draft config.json to pair with --synthetic")
+    synthetic.add_argument("--tau", type=float, default=None,
+                           help="tau to project at (default: the paper's for the pair)")
+    synthetic.add_argument("--context-length", type=int, default=512, help="tokens of random context before a step")
+    synthetic.add_argument("--shrink", default="auto",
+                           help="divide the widths by this (auto: 1 on a GPU, 8 on a CPU)")
 
 
 def bench_datasets(args: argparse.Namespace) -> dict[str, list[list[str]]]:
@@ -112,9 +129,11 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     """Load target and draft, run every dataset, print the table, write the plot and the JSON."""
     from .benchmark import plot_results, process_context, run_benchmark
     from .evaluation import BenchSettings, markdown_table
-    from .demo import SHIPPED_DRAFT
+    from .loading import SHIPPED_DRAFT
     from .modeling_dflash import DFlashDraftModel
 
+    if args.synthetic is not None:
+        return [run_synthetic(args)]
     if (args.target is None) != (args.draft is None):
         raise SystemExit("pass both --target and --draft, or neither (SmolLM2-135M-Instruct and the shipped draft)")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -150,6 +169,30 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
                 "target": args.target or "HuggingFaceTB/SmolLM2-135M-Instruct", "draft": str(args.draft or SHIPPED_DRAFT)}
         Path(args.json).write_text(json.dumps({"settings": meta, "results": results}, indent=2))
     return results
+
+
+def run_synthetic(args: argparse.Namespace) -> dict:
+    """`bench --synthetic`: build the pair with random weights, time its steps, print and save the projection."""
+    from .benchmark import process_context
+    from .synthetic import CPU_SHRINK, run_synthetic_bench, synthetic_spec, synthetic_table
+
+    device = process_context().device
+    dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.shrink != "auto" and not args.shrink.isdigit():
+        raise SystemExit(f"--shrink must be a positive integer or 'auto', got {args.shrink!r}")
+    shrink = (1 if device.type == "cuda" else CPU_SHRINK) if args.shrink == "auto" else int(args.shrink)
+    if "auto" in args.block_size:
+        raise SystemExit("--synthetic times given block sizes; pass integers (or none: the draft's block size)")
+    try:
+        spec = synthetic_spec(args.synthetic, args.draft_config)
+        result = run_synthetic_bench(spec, device, dtype, args.block_size, args.batch_size, args.context_length,
+                                     args.tau, shrink, seed=args.seed)
+    except ValueError as error:
+        raise SystemExit(f"dflash-hf bench --synthetic: {error}") from error
+    print(synthetic_table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
 
 
 def run_card(args: argparse.Namespace) -> None:

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
+from .loading import SHIPPED_DRAFT
 from .sampling_dflash import mean_acceptance_length
 
-SHIPPED_DRAFT = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-instruct"
 DEMO_PROMPTS = [  # held out: gsm8k test questions (the draft trained on gsm8k train) and a coding request
     "Janet\u2019s ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her "
     "friends every day with four. She sells the remainder at the farmers' market daily for $2 per fresh duck egg. "

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 SMOLLM2 = "smollm2"
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SHIPPED_DRAFT = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-instruct"  # the demo's draft for SMOLLM2
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -40,9 +42,19 @@ def load_smollm2(dtype: torch.dtype = torch.bfloat16, cache_dir: str | Path | No
         model = LlamaForCausalLM(config)
         model.load_state_dict(quantized.state_dict())
         cache.parent.mkdir(parents=True, exist_ok=True)
-        partial = cache.with_name(cache.name + ".partial")
+        partial = Path(tempfile.mkdtemp(prefix=cache.name + ".partial-", dir=cache.parent))  # one per process
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
-        partial.rename(cache)
+        publish_folder(partial, cache)
     model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype).eval()
     return model, AutoTokenizer.from_pretrained(cache)
+
+
+def publish_folder(partial: Path, cache: Path) -> None:
+    """Rename a finished `partial` folder to `cache`; if another process published `cache` first, drop ours."""
+    try:
+        partial.rename(cache)
+    except OSError:
+        if not (cache / "config.json").exists():
+            raise
+        shutil.rmtree(partial, ignore_errors=True)

@@ -83,8 +83,9 @@ if [ $((SECONDS - STARTED)) -gt "${BENCH_START_BEFORE:-330}" ]; then
     echo "skipped: ${BENCH_START_BEFORE:-330} s have passed (the whole check stays under 8 minutes)"
 elif timeout 30 "$PY" -m dflash_hf.cli bench --help 2>/dev/null | grep -q -- --synthetic; then
     # shellcheck disable=SC2086
-    timeout "${BENCH_TIMEOUT:-90}" "$PY" -m dflash_hf.cli bench --synthetic --json "$RESULTS/bench_synthetic.json" \
-        ${BENCH_ARGS:-}
+    # Qwen3-8B and its published draft with random weights, bfloat16, sdpa (no download): t(1), t(B), draft, projection
+    timeout "${BENCH_TIMEOUT:-150}" "$PY" -m dflash_hf.cli bench --synthetic Qwen3-8B --batch-size 1 4 16 \
+        --block-size 8 16 --context-length 1024 --json "$RESULTS/bench_synthetic.json" ${BENCH_ARGS:-}
     echo "bench exit status: $?"
 else
     echo "skipped: this version of dflash-hf bench has no --synthetic"

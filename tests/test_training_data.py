@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from dflash_hf.prompts import chat_prompt_ids
+from dflash_hf.smollm2 import publish_folder
 from dflash_hf.training.data import generate_responses, read_prompts
-from helpers import make_target, make_tokenizer, plain_greedy
+from helpers import make_draft, make_target, make_tokenizer, plain_greedy
 
 
 def test_prompts_are_tokenized_once_with_the_chat_template():
@@ -40,3 +42,30 @@ def test_generation_resumes_without_duplicating_or_losing_rows(tmp_path):
         # the response is the target's own greedy continuation (batched with left padding, cut at end-of-turn)
         alone = plain_greedy(target, torch.tensor([prompt_ids]), 6, stop_token_ids=[1])[0, len(prompt_ids):].tolist()
         assert row["response_ids"] == alone
+
+
+def test_generation_through_a_draft_writes_the_same_rows_as_generate(tmp_path):
+    target, tokenizer, draft = make_target("llama", seed=4), make_tokenizer(), make_draft(seed=3)
+    prompts = [" ".join(f"w{5 + (i * 11 + j) % 100}" for j in range(2 + i % 4)) for i in range(6)]
+    plain = generate_responses(target, tokenizer, prompts, tmp_path / "plain.jsonl", batch_size=3, max_new_tokens=24,
+                               progress=False)
+    drafted = generate_responses(target, tokenizer, prompts, tmp_path / "drafted.jsonl", batch_size=3,
+                                 max_new_tokens=24, progress=False, draft=draft)
+    assert drafted == plain
+    assert {len(row["response_ids"]) for row in plain} == {15, 24}  # a row that stopped early, the others at the limit
+
+
+def test_a_converted_folder_published_by_another_process_first_is_kept(tmp_path):
+    cache = tmp_path / "cache"
+    first, second = tmp_path / "first.partial", tmp_path / "second.partial"
+    for folder, text in ((first, "first"), (second, "second")):
+        folder.mkdir()
+        (folder / "config.json").write_text(text)
+    publish_folder(first, cache)
+    publish_folder(second, cache)  # the slower process of two that converted at once
+    assert (cache / "config.json").read_text() == "first" and not second.exists()
+    lone = tmp_path / "lone.partial"
+    lone.mkdir()
+    (cache / "config.json").rename(cache / "model.safetensors")  # an incomplete folder in the way: an error
+    with pytest.raises(OSError):
+        publish_folder(lone, cache)

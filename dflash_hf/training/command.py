@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..evaluation import evaluate_draft
-from ..loading import DTYPES, SMOLLM2, SMOLLM2_HUB_ID, device_description, load_target
+from ..loading import DTYPES, SHIPPED_DRAFT, SMOLLM2, SMOLLM2_HUB_ID, device_description, load_target
 from ..model_card import card_info_for_config, write_model_card
 from ..modeling_dflash import DFlashDraftModel
 from ..prompts import default_data_dir, user_prompt_ids
@@ -51,7 +51,11 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     target = target.to(device)  # generation runs where training will
     rows = generate_responses(target, tokenizer, read_prompts(prompt_files, args.num_prompts), output / "responses.jsonl",
                               batch_size=args.gen_batch_size, max_new_tokens=args.gen_max_new_tokens,
-                              temperature=args.gen_temperature, seed=args.seed)
+                              temperature=args.gen_temperature, seed=args.seed,
+                              draft=generation_draft(args.gen_draft, target))
+    if args.generate_only:
+        print(f"{len(rows)} rows in {output / 'responses.jsonl'}")
+        return {"num_rows": len(rows)}
     target = target.to(training_target_dtype(args.target_dtype, device))
     torch.manual_seed(args.seed)
     draft, mask_token = build_draft(args, target, tokenizer)
@@ -76,6 +80,15 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     (output / "evaluation.json").write_text(json.dumps(evaluation, indent=2))
     print(json.dumps(evaluation, indent=2))
     return evaluation
+
+
+def generation_draft(name: str | None, target: torch.nn.Module) -> DFlashDraftModel | None:
+    """The draft `--gen-draft` names ('shipped': the SmolLM2 demo draft), in the target's dtype and device; or None."""
+    if name is None:
+        return None
+    dtype = next(target.parameters()).dtype
+    draft = DFlashDraftModel.from_pretrained(SHIPPED_DRAFT if name == "shipped" else name, dtype=dtype)
+    return draft.to(target_device(target)).eval()
 
 
 def build_draft(args: argparse.Namespace, target: torch.nn.Module, tokenizer: Any) -> tuple[DFlashDraftModel, str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -50,10 +50,12 @@ def generate_responses(
     temperature: float = 0.0,
     seed: int = 0,
     progress: bool = True,
+    draft: torch.nn.Module | None = None,
 ) -> list[dict]:
     """Regenerate a response for every prompt with the target; returns all rows, in prompt order.
 
-    Each row is {"index", "prompt_ids", "response_ids"}; rows already in `output_path` are kept.
+    Each row is {"index", "prompt_ids", "response_ids"}; rows already in `output_path` are kept. With a `draft`, the
+    batches run through `spec_generate` (lossless, so the rows are the target's own output), otherwise `generate`.
     """
     rows = {row["index"]: row for row in read_rows(output_path)}
     todo = [i for i in range(len(prompts)) if i not in rows]
@@ -67,12 +69,8 @@ def generate_responses(
             indices = todo[start : start + batch_size]
             prompt_ids = [user_prompt_ids(tokenizer, prompts[i]) for i in indices]
             input_ids, attention_mask = left_pad(prompt_ids, tokens.pad_token_id, device)  # [n, T]
-            output = target.generate(
-                input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                pad_token_id=tokens.pad_token_id, eos_token_id=tokens.stop_token_ids, do_sample=temperature > 0,
-                **({"temperature": temperature} if temperature > 0 else {}),
-            )
-            for index, ids, generated in zip(indices, prompt_ids, output[:, input_ids.shape[1]:].tolist()):
+            responses = _respond(target, draft, input_ids, attention_mask, tokens, max_new_tokens, temperature)
+            for index, ids, generated in zip(indices, prompt_ids, responses):
                 row = {"index": index, "prompt_ids": ids,
                        "response_ids": cut_after_stop(generated, frozenset(tokens.stop_token_ids))}
                 rows[index] = row
@@ -81,6 +79,21 @@ def generate_responses(
             bar.update(len(indices))
     bar.close()
     return [rows[i] for i in range(len(prompts))]
+
+
+def _respond(target: torch.nn.Module, draft: torch.nn.Module | None, input_ids: torch.Tensor,
+             attention_mask: torch.Tensor, tokens: Any, max_new_tokens: int, temperature: float) -> list[list[int]]:
+    """The new tokens of each left-padded prompt: `draft.spec_generate` with a draft, else `target.generate`."""
+    sampling = {"temperature": temperature} if temperature > 0 else {}
+    if draft is not None:
+        output = draft.spec_generate(target=target, input_ids=input_ids, attention_mask=attention_mask,
+                                     max_new_tokens=max_new_tokens, do_sample=temperature > 0, return_stats=True,
+                                     stop_token_ids=tokens.stop_token_ids, pad_token_id=tokens.pad_token_id, **sampling)
+        return [output.new_tokens(row) for row in range(input_ids.shape[0])]
+    output = target.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                             pad_token_id=tokens.pad_token_id, eos_token_id=tokens.stop_token_ids,
+                             do_sample=temperature > 0, **sampling)
+    return output[:, input_ids.shape[1]:].tolist()
 
 
 def _progress(total: int, done: int, enabled: bool, description: str):

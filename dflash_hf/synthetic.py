@@ -1,0 +1,200 @@
+"""`dflash-hf bench --synthetic`: what a target and draft pair's steps cost on this device, with no weights to fetch.
+
+Target and draft are built from their configs with random weights (a step costs the same whatever the weights), a
+random context is prefilled, and t(1 token), t(B-token verify) and t(draft pass) are timed with the loop's own stages
+(`evaluation.measure_step_costs`). The projected speedup is the cost model's bound at a tau (default: the paper's tau
+for that pair). `shrink` divides the widths (hidden size, FFN, heads, vocabulary) so a CPU can run the same code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from .configuration_dflash import DFlashConfig
+from .evaluation import cost_model_bound, measure_step_costs
+from .modeling_dflash import DFlashDraftModel
+
+PACKAGE = Path(__file__).resolve().parent
+TARGET_CONFIGS = PACKAGE / "target_configs"
+PUBLISHED_CONFIGS = PACKAGE / "published_configs"
+
+
+@dataclass(frozen=True)
+class SyntheticPair:
+    """A target shape, the published draft for it, and the tau the DFlash paper reports for the pair."""
+
+    target_config: str  # a file of target_configs/
+    draft_config: str  # a file of published_configs/
+    paper_tau: float
+    tau_source: str
+
+
+SYNTHETIC_PAIRS = {
+    "Qwen3-8B": SyntheticPair("Qwen3-8B.json", "Qwen3-8B-DFlash-b16.json", 6.49,
+                              "paper v2 Table 1: greedy average of 7 benchmarks, B=16, Transformers on one H200"),
+    "Qwen3-4B": SyntheticPair("Qwen3-4B.json", "Qwen3-4B-DFlash-b16.json", 6.54,
+                              "paper v2 Table 1: greedy average, B=16"),
+    "LLaMA3.1-8B-Instruct": SyntheticPair("Llama-3.1-8B-Instruct.json", "LLaMA3.1-8B-Instruct-DFlash-UltraChat.json",
+                                          4.32, "paper v2: GSM8K, B=10, SGLang, concurrency 1"),
+}
+DEFAULT_SYNTHETIC = "Qwen3-8B"
+CPU_SHRINK = 8  # --shrink auto on a CPU: widths / 8 (Qwen3-8B becomes about 0.13B parameters); 1 on a GPU
+WIDTH_FIELDS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "vocab_size")
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """What to build: the two config dicts, where they came from, and the tau to project at."""
+
+    name: str
+    target_config: dict[str, Any]
+    draft_config: dict[str, Any]
+    tau: float | None
+    tau_source: str
+
+
+def synthetic_spec(model: str, draft_config: str | Path | None = None) -> SyntheticSpec:
+    """The pair `model` names (a key of SYNTHETIC_PAIRS), or a target config.json with the draft config.json to pair."""
+    if model in SYNTHETIC_PAIRS:
+        pair = SYNTHETIC_PAIRS[model]
+        draft_path = Path(draft_config) if draft_config else PUBLISHED_CONFIGS / pair.draft_config
+        return SyntheticSpec(model, _read_json(TARGET_CONFIGS / pair.target_config), _read_json(draft_path),
+                             pair.paper_tau, pair.tau_source)
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"--synthetic {model!r}: not a known pair ({', '.join(SYNTHETIC_PAIRS)}) and no such "
+                         "config.json; pass a pair name or a target's config.json with --draft-config.")
+    if draft_config is None:
+        raise ValueError(f"--synthetic {model}: a target config needs the draft to pair it with: --draft-config "
+                         f"DRAFT/config.json (the published ones are in {PUBLISHED_CONFIGS}).")
+    return SyntheticSpec(path.stem, _read_json(path), _read_json(Path(draft_config)), None, "")
+
+
+def shrink_configs(target: dict[str, Any], draft: dict[str, Any], factor: int
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both configs with widths divided by `factor` (heads, hidden size, FFN, vocabulary); depths and head size kept.
+
+    The draft's mask id moves to the last id of the smaller vocabulary; special ids beyond it are dropped.
+    """
+    if factor < 1:
+        raise ValueError(f"shrink must be >= 1, got {factor}")
+    target, draft = dict(target), dict(draft)
+    if factor == 1:
+        return target, draft
+    for config in (target, draft):
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        key_value_heads = config.get("num_key_value_heads") or heads
+        config["num_attention_heads"] = max(1, heads // factor)
+        config["num_key_value_heads"] = max(1, key_value_heads // factor)
+        if config["num_attention_heads"] % config["num_key_value_heads"]:
+            raise ValueError(f"shrink {factor} leaves {config['num_attention_heads']} query heads for "
+                             f"{config['num_key_value_heads']} key/value heads; pick a factor dividing both")
+        config["head_dim"] = head_dim
+        config["hidden_size"] = config["num_attention_heads"] * head_dim
+        for field in WIDTH_FIELDS:
+            if config.get(field):
+                config[field] = max(1, config[field] // factor)
+    vocab_size = target["vocab_size"]
+    for field in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        target.pop(field, None)
+    dflash = {key: value for key, value in draft.get("dflash_config", {}).items() if key != "draft_vocab"}
+    draft["dflash_config"] = {**dflash, "mask_token_id": vocab_size - 1}
+    draft["vocab_size"] = vocab_size
+    return target, draft
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Modules built inside are created in `dtype` (restored after)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_synthetic_pair(target_config: dict[str, Any], draft_config: dict[str, Any], device: torch.device,
+                         dtype: torch.dtype, seed: int = 0) -> tuple[torch.nn.Module, DFlashDraftModel]:
+    """(target, draft) with random weights of these configs, created on `device` in `dtype`, sdpa attention."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = dict(target_config)
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    config._attn_implementation = "sdpa"
+    draft_values = DFlashConfig.from_dict(draft_config)
+    draft_values._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    with torch.device(device), default_dtype(dtype):
+        target = AutoModelForCausalLM.from_config(config).eval()
+        draft = DFlashDraftModel(draft_values).eval()
+    return target, draft
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """Distinct parameters (tied ones counted once)."""
+    return sum(parameter.numel() for parameter in {id(p): p for p in model.parameters()}.values())
+
+
+@torch.no_grad()
+def run_synthetic_bench(spec: SyntheticSpec, device: torch.device, dtype: torch.dtype, block_sizes: list[int | None],
+                        batch_sizes: list[int], context_length: int = 512, tau: float | None = None,
+                        shrink: int = 1, repeats: int = 5, seed: int = 0) -> dict[str, Any]:
+    """Step costs and projected speedups of the pair for every (batch size, block size), as a JSON-ready dict."""
+    tau = tau if tau is not None else spec.tau
+    if tau is None or tau < 1:
+        raise ValueError(f"no paper tau for {spec.name}: pass --tau (>= 1)" if tau is None else f"--tau must be >= 1, got {tau}")
+    if context_length < 1:
+        raise ValueError(f"--context-length must be >= 1, got {context_length}")
+    target_config, draft_config = shrink_configs(spec.target_config, spec.draft_config, shrink)
+    target, draft = build_synthetic_pair(target_config, draft_config, device, dtype, seed)
+    generator = torch.Generator().manual_seed(seed)
+    context = torch.randint(0, target_config["vocab_size"], (1, context_length), generator=generator)  # [1, T]
+    rows = []
+    for batch_size in batch_sizes:
+        for block_size in block_sizes:
+            block = block_size or draft.block_size
+            costs = measure_step_costs(draft, target, context.to(device), block, draft.mask_token_id,
+                                       repeats=repeats, batch_size=batch_size)
+            rows.append({"batch_size": batch_size, "block_size": block, **costs,
+                         "verify_over_one_token": costs["target_block"] / costs["target_1"],
+                         "projected_speedup": cost_model_bound(min(tau, block), costs)})
+    return {"model": spec.name, "device": _device_name(device), "dtype": str(dtype).removeprefix("torch."),
+            "shrink": shrink, "context_length": context_length, "tau": tau, "tau_source": spec.tau_source,
+            "parameters": {"target": parameter_count(target), "draft": parameter_count(draft)}, "rows": rows}
+
+
+def synthetic_table(result: dict[str, Any]) -> str:
+    """The result as a markdown table with a line saying what was measured."""
+    lines = ["| batch | block | t(1 token) ms | t(block verify) ms | t(draft) ms | verify / 1 token | projected |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in result["rows"]:
+        lines.append(f"| {row['batch_size']} | {row['block_size']} | {row['target_1'] * 1e3:.2f} | "
+                     f"{row['target_block'] * 1e3:.2f} | {row['draft'] * 1e3:.2f} | "
+                     f"{row['verify_over_one_token']:.2f} | {row['projected_speedup']:.2f}x |")
+    widths = "" if result["shrink"] == 1 else f", widths / {result['shrink']}"
+    source = f" ({result['tau_source']})" if result["tau_source"] else ""
+    lines.append(f"\n{result['model']} with random weights{widths}: target {result['parameters']['target'] / 1e9:.3f}B "
+                 f"and draft {result['parameters']['draft'] / 1e9:.3f}B parameters, {result['dtype']} on "
+                 f"{result['device']}, context {result['context_length']} tokens; projected = tau * t(1) / "
+                 f"(t(verify) + t(draft)) at tau {result['tau']}{source}, capped at the block size.")
+    return "\n".join(lines)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU, {torch.get_num_threads()} threads"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8"))

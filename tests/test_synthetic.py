@@ -1,0 +1,87 @@
+"""`dflash-hf bench --synthetic`: exact shapes of the named pairs, width shrinking, the projection, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dflash_hf.cli import main
+from dflash_hf.synthetic import (
+    PUBLISHED_CONFIGS,
+    SYNTHETIC_PAIRS,
+    TARGET_CONFIGS,
+    build_synthetic_pair,
+    parameter_count,
+    shrink_configs,
+    synthetic_spec,
+)
+
+# The published parameter totals of the targets (embeddings included) and of the z-lab drafts' layers.
+PUBLISHED_SIZES = {"Qwen3-8B": (8_190_735_360, 1_048_626_432), "Qwen3-4B": (4_022_468_096, 537_427_200),
+                   "LLaMA3.1-8B-Instruct": (8_030_261_248, 1_174_455_552)}
+
+
+@pytest.mark.parametrize("name", list(SYNTHETIC_PAIRS))
+def test_named_pairs_are_built_with_the_exact_shape(name):
+    spec = synthetic_spec(name)
+    target, draft = build_synthetic_pair(spec.target_config, spec.draft_config, torch.device("meta"), torch.bfloat16)
+    assert (parameter_count(target), parameter_count(draft)) == PUBLISHED_SIZES[name]
+    assert next(target.parameters()).dtype == next(draft.parameters()).dtype == torch.bfloat16
+    assert draft.config.num_target_layers == target.config.num_hidden_layers
+    assert draft.config.hidden_size == target.config.hidden_size
+    assert max(draft.target_layer_ids) < target.config.num_hidden_layers
+    assert target.config._attn_implementation == draft.config._attn_implementation == "sdpa"
+
+
+def test_shrinking_divides_widths_and_keeps_depths():
+    spec = synthetic_spec("Qwen3-8B")
+    target, draft = shrink_configs(spec.target_config, spec.draft_config, 8)
+    assert (target["hidden_size"], target["intermediate_size"], target["vocab_size"]) == (512, 1536, 18992)
+    assert (target["num_attention_heads"], target["num_key_value_heads"], target["head_dim"]) == (4, 1, 128)
+    assert target["num_hidden_layers"] == 36 and draft["num_hidden_layers"] == 5
+    assert draft["hidden_size"] == 512 and draft["vocab_size"] == 18992
+    assert draft["dflash_config"]["mask_token_id"] == 18991  # the published 151669 would not exist
+    assert draft["dflash_config"]["target_layer_ids"] == [1, 9, 17, 25, 33]
+    assert "eos_token_id" not in target
+    assert spec.target_config["hidden_size"] == 4096  # the spec itself is untouched
+    with pytest.raises(ValueError, match="key/value heads"):
+        shrink_configs({**spec.target_config, "num_key_value_heads": 12}, spec.draft_config, 2)
+
+
+def test_cli_projects_the_cost_model_bound_from_the_measured_steps(tmp_path, capsys):
+    path = tmp_path / "synthetic.json"
+    main(["bench", "--synthetic", "Qwen3-4B", "--shrink", "32", "--context-length", "24", "--batch-size", "1", "2",
+          "--block-size", "4", "16", "--tau", "5", "--json", str(path)])
+    result = json.loads(path.read_text())
+    assert (result["model"], result["shrink"], result["tau"], result["dtype"]) == ("Qwen3-4B", 32, 5.0, "float32")
+    assert [(row["batch_size"], row["block_size"]) for row in result["rows"]] == [(1, 4), (1, 16), (2, 4), (2, 16)]
+    for row in result["rows"]:
+        assert min(row["target_1"], row["target_block"], row["draft"]) > 0
+        tau = min(5.0, row["block_size"])  # a block of 4 commits at most 4 tokens a step
+        assert row["projected_speedup"] == pytest.approx(tau * row["target_1"] / (row["target_block"] + row["draft"]))
+    assert result["parameters"]["target"] < PUBLISHED_SIZES["Qwen3-4B"][0] / 100
+    assert "| 2 | 16 |" in capsys.readouterr().out
+
+
+def test_a_target_config_file_pairs_with_a_draft_config(tmp_path):
+    path = tmp_path / "out.json"
+    main(["bench", "--synthetic", str(TARGET_CONFIGS / "Llama-3.1-8B-Instruct.json"), "--draft-config",
+          str(PUBLISHED_CONFIGS / "LLaMA3.1-8B-Instruct-DFlash-UltraChat.json"), "--shrink", "32",
+          "--context-length", "16", "--tau", "3", "--json", str(path)])
+    result = json.loads(path.read_text())
+    assert result["model"] == "Llama-3.1-8B-Instruct" and [row["block_size"] for row in result["rows"]] == [10]
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--synthetic", "Qwen9-1B"], "not a known pair"),
+    (["--synthetic", str(TARGET_CONFIGS / "Qwen3-8B.json")], "--draft-config"),
+    (["--synthetic", str(TARGET_CONFIGS / "Qwen3-8B.json"), "--draft-config",
+      str(PUBLISHED_CONFIGS / "Qwen3-8B-DFlash-b16.json"), "--shrink", "32"], "--tau"),
+    (["--synthetic", "--block-size", "auto"], "integers"),
+    (["--synthetic", "--shrink", "half"], "--shrink"),
+])
+def test_bad_synthetic_arguments_are_refused_with_the_fix(arguments, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["bench", *arguments])
