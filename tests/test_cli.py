@@ -98,3 +98,17 @@ def test_train_target_dtype_defaults_to_bfloat16_on_cuda_and_float32_on_cpu():
     train_help = " ".join(build_parser()._subparsers._group_actions[0].choices["train"].format_help().split())
     assert "auto: bfloat16 on CUDA, float32 on CPU" in train_help
     assert "bfloat16 autocast" in train_help and "stay float32" in train_help
+
+
+def test_train_generate_only_writes_the_rows_a_draft_regenerates_and_stops(tmp_path):
+    from helpers import make_draft
+
+    prompts = save_tiny_target_and_prompts(tmp_path, 5)
+    make_draft(seed=1).save_pretrained(tmp_path / "gen_draft")
+    common = ["train", "--target", str(tmp_path / "target"), "--prompts", str(prompts), "--num-prompts", "5",
+              "--gen-batch-size", "2", "--gen-max-new-tokens", "8", "--generate-only"]
+    main([*common, "--output", str(tmp_path / "plain")])
+    main([*common, "--output", str(tmp_path / "drafted"), "--gen-draft", str(tmp_path / "gen_draft")])
+    plain = (tmp_path / "plain" / "responses.jsonl").read_text().splitlines()
+    assert len(plain) == 5 and (tmp_path / "drafted" / "responses.jsonl").read_text().splitlines() == plain
+    assert sorted(path.name for path in (tmp_path / "drafted").iterdir()) == ["responses.jsonl"]  # nothing trained
