@@ -28,7 +28,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gen-dtype", choices=DTYPES, default="float32")
     parser.add_argument("--gen-draft", default=None, metavar="DRAFT",
                         help="generate the responses with spec_generate and this draft (folder or Hub id; 'shipped' "
-                             "for the SmolLM2 demo draft): the same rows as generate, faster")
+                             "for the SmolLM2 demo draft): the same rows as generate (lossless), faster where a "
+                             "batched verify is cheap (GPUs); on a 2-core CPU batched generate was faster")
+    parser.add_argument("--responses", default=None, metavar="FILE",
+                        help="rows already generated for these prompts (.jsonl or .jsonl.gz, e.g. the ones in "
+                             "training_data/): copied into OUTPUT/responses.jsonl, so only the missing ones are generated")
     parser.add_argument("--generate-only", action="store_true",
                         help="stop once OUTPUT/responses.jsonl holds every prompt (resumable; train later)")
     parser.add_argument("--block-size", type=int, default=None, help="default 8 (or --init-from's)")
@@ -145,6 +149,10 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     target, tokenizer = load_target(args.target or SMOLLM2, dtype)
     draft = DFlashDraftModel.from_pretrained(args.draft or SHIPPED_DRAFT, dtype=dtype).eval()
+    too_long = [size for size in args.block_size if isinstance(size, int) and size > draft.block_size]
+    if too_long:
+        raise SystemExit(f"--block-size {too_long[0]}: the draft was trained with blocks of {draft.block_size}; "
+                         f"pass 1 to {draft.block_size}, or auto")
     target, draft = target.to(device), draft.to(device)
     datasets = bench_datasets(args)
     results = []

@@ -229,6 +229,12 @@ def test_bench_command_auto_block_size(saved_models, tmp_path):
     assert result["lossless"] is True
 
 
+def test_bench_refuses_a_block_longer_than_the_drafts_before_running(saved_models, tmp_path, monkeypatch):
+    monkeypatch.setattr(benchmark, "run_benchmark", lambda *args, **kwargs: pytest.fail("ran before the check"))
+    with pytest.raises(SystemExit, match="--block-size 16: the draft was trained with blocks of 4; pass 1 to 4"):
+        main(["bench", *saved_models, "--block-size", "auto", "16", "--max-new-tokens", "5", "--plot", ""])
+
+
 def test_markdown_table_shows_the_batch_size_only_for_batches():
     single = summarize("gsm8k", [record([5, 6], [5, 6], [2])], 1, 4, STEP_COSTS, greedy=True)
     batched = summarize("gsm8k", [record([5, 6], [5, 6], [2])], 1, 4, STEP_COSTS, greedy=True, batch_size=4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -112,3 +113,12 @@ def test_train_generate_only_writes_the_rows_a_draft_regenerates_and_stops(tmp_p
     plain = (tmp_path / "plain" / "responses.jsonl").read_text().splitlines()
     assert len(plain) == 5 and (tmp_path / "drafted" / "responses.jsonl").read_text().splitlines() == plain
     assert sorted(path.name for path in (tmp_path / "drafted").iterdir()) == ["responses.jsonl"]  # nothing trained
+
+    # rows shipped as an archive seed a new run: kept as they are (even one that differs), only the rest generated
+    rows = [json.loads(line) for line in plain]
+    rows[1]["response_ids"] = [7, 7, 1]
+    (tmp_path / "rows.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(row) + "\n" for row in rows[:3]).encode()))
+    main([*common, "--output", str(tmp_path / "seeded"), "--responses", str(tmp_path / "rows.jsonl.gz")])
+    seeded = sorted((json.loads(line) for line in (tmp_path / "seeded" / "responses.jsonl").read_text().splitlines()),
+                    key=lambda row: row["index"])
+    assert seeded == sorted(rows, key=lambda row: row["index"])

@@ -69,3 +69,11 @@ def test_a_converted_folder_published_by_another_process_first_is_kept(tmp_path)
     (cache / "config.json").rename(cache / "model.safetensors")  # an incomplete folder in the way: an error
     with pytest.raises(OSError):
         publish_folder(lone, cache)
+
+
+def test_rows_of_other_prompts_are_refused_not_trained_on(tmp_path):
+    target, tokenizer = make_target("llama", seed=2), make_tokenizer()
+    path = tmp_path / "responses.jsonl"
+    generate_responses(target, tokenizer, ["w5 w6", "w7 w8"], path, batch_size=2, max_new_tokens=3, progress=False)
+    with pytest.raises(ValueError, match="row 1 answers another prompt than prompt 1"):
+        generate_responses(target, tokenizer, ["w5 w6", "w9 w9", "w10"], path, max_new_tokens=3, progress=False)

@@ -5,6 +5,7 @@ Rows are appended to a JSONL file batch by batch, so an interrupted run resumes 
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 from typing import Any, Iterable
@@ -24,19 +25,31 @@ def read_prompts(paths: Iterable[str | Path], limit: int | None = None) -> list[
 
 
 def read_rows(path: str | Path) -> list[dict]:
-    """Complete rows of a response file; a line cut by an interruption is dropped (and rewritten away)."""
+    """Complete rows of a response file (`.jsonl`, or a `.jsonl.gz` archive read as is); a line cut by an
+    interruption is dropped (and, in a `.jsonl`, rewritten away)."""
     path = Path(path)
     if not path.exists():
         return []
+    archive = path.suffix == ".gz"
+    text = gzip.decompress(path.read_bytes()).decode("utf-8") if archive else path.read_text(encoding="utf-8")
     rows, intact = [], True
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in text.splitlines():
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
             intact = False
-    if not intact:
+    if not intact and not archive:
         path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return rows
+
+
+def seed_responses(source: str | Path, output_path: str | Path) -> int:
+    """Append to `output_path` the rows of `source` (`.jsonl` or `.jsonl.gz`) whose index it lacks; how many."""
+    present = {row["index"] for row in read_rows(output_path)}
+    missing = [row for row in read_rows(source) if row["index"] not in present]
+    with open(output_path, "a", encoding="utf-8") as handle:
+        handle.writelines(json.dumps(row) + "\n" for row in missing)
+    return len(missing)
 
 
 @torch.no_grad()
@@ -58,6 +71,11 @@ def generate_responses(
     batches run through `spec_generate` (lossless, so the rows are the target's own output), otherwise `generate`.
     """
     rows = {row["index"]: row for row in read_rows(output_path)}
+    other = next((i for i, row in sorted(rows.items())
+                  if i < len(prompts) and row["prompt_ids"] != user_prompt_ids(tokenizer, prompts[i])), None)
+    if other is not None:
+        raise ValueError(f"{output_path} row {other} answers another prompt than prompt {other} of these prompt files "
+                         "(other --prompts, --responses or tokenizer); use a new --output or the matching prompts")
     todo = [i for i in range(len(prompts)) if i not in rows]
     device = target_device(target)
     tokens = generation_tokens(target, tokenizer)  # stop on every EOS id, as bench and the evaluation do
