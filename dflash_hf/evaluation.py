@@ -13,9 +13,18 @@ from typing import Any, Callable
 import torch
 
 from .cache_dflash import crop_cache, left_pad
-from .generation_dflash import GenerationSettings, TargetContext, plan_step, prefill, propose, synchronize, verify
+from .generation_dflash import (
+    GenerationSettings,
+    TargetContext,
+    dflash_proposer,
+    plan_step,
+    prefill,
+    propose,
+    synchronize,
+    verify,
+)
 from .modeling_dflash import DFlashDraftModel
-from .proposer_dflash import DFlashProposer, Proposal
+from .proposer_dflash import Proposal
 from .sampling_dflash import cut_after_stop, mean_acceptance_length
 from .target_dflash import last_logits_only, neutral_overrides, target_device
 
@@ -213,7 +222,7 @@ def measure_step_costs(
     device = context_ids.device
     settings = GenerationSettings(max_new_tokens=block_size + 1, block_size=block_size,
                                   generators=(None,) * batch_size)
-    proposer = DFlashProposer(draft, target, mask_token_id)
+    proposer = dflash_proposer(draft, target, mask_token_id)  # spec_generate's, draft vocabulary included
     state = prefill(target, context_ids.repeat(batch_size, 1), None, proposer.target_layer_ids, settings)
     block = plan_step(state, settings)
     single = plan_step(state, replace(settings, block_size=1))

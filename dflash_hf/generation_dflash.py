@@ -462,6 +462,16 @@ def row_generators(generator: torch.Generator | Sequence[torch.Generator] | None
     return generators
 
 
+def dflash_proposer(draft: DFlashDraftModel, target: torch.nn.Module, mask_token_id: int,
+                    acceptance: str = "rejection", draft_vocab: bool | Sequence[int] | torch.Tensor | None = None
+                    ) -> DFlashProposer:
+    """The proposer `spec_generate` runs: the draft with its mask id, acceptance rule and draft vocabulary (None: the
+    config's)."""
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    return DFlashProposer(draft, target, mask_token_id, sample_proposals=acceptance == "rejection",
+                          draft_vocab=draft_vocab_ids(draft, draft_vocab, vocab_size))
+
+
 @torch.no_grad()
 def spec_generate(
     draft: DFlashDraftModel,
@@ -511,9 +521,7 @@ def spec_generate(
     num_rows = input_ids.shape[0]
     device = target_device(target)
     result = speculative_decode(
-        target, DFlashProposer(draft, target, mask_token_id, sample_proposals=acceptance == "rejection",
-                               draft_vocab=draft_vocab_ids(draft, draft_vocab, target.get_output_embeddings().weight.shape[0])),
-        input_ids,
+        target, dflash_proposer(draft, target, mask_token_id, acceptance, draft_vocab), input_ids,
         max_new_tokens=choices.max_new_tokens, block_size=block_size, temperature=choices.temperature,
         top_k=choices.top_k, top_p=choices.top_p, stop_token_ids=choices.stop_token_ids,
         generator=row_generators(generator, num_rows, device, seed if choices.temperature > 0 else None),

@@ -7,6 +7,7 @@ Hub remote code: imports only torch and transformers.
 from __future__ import annotations
 
 import inspect
+import time
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -147,16 +148,43 @@ def is_plain_linear(module: torch.nn.Module) -> bool:
     )
 
 
+# CPU only: (dtype, weight shape, rows) -> whether (W @ x^T)^T beat F.linear when `few_row_product` first timed both in
+# this process. Which is faster depends on the BLAS, the CPU and the row count (on one AVX2 machine the transposed
+# product won at 2-16 rows; on an AVX-512 Xeon F.linear won up to 6 rows and lost from 7 on).
+FEW_ROW_KERNEL_CHOICE: dict[tuple[torch.dtype, tuple[int, ...], int], bool] = {}
+KERNEL_TIMING_REPEATS = 3
+
+
 def few_row_product(weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor) -> torch.Tensor:
     """states [N, H] times weight^T [H, V] (+ bias): [N, V].
 
-    On CPU this computes (W @ states^T)^T: a GEMM with a few columns, which CPU BLAS runs about twice as fast as a few
-    rows times W^T (measured on AVX2 with MKL). On an accelerator, `F.linear`: the product `generate` computes.
+    On CPU, the faster of `F.linear` and (W @ states^T)^T (a GEMM with a few columns) for this shape, timed once per
+    process (`FEW_ROW_KERNEL_CHOICE`). On an accelerator, `F.linear`: the product `generate` computes.
     """
     if states.device.type != "cpu":
         return torch.nn.functional.linear(states, weight, bias)
+    key = (states.dtype, tuple(weight.shape), states.shape[0])
+    if key not in FEW_ROW_KERNEL_CHOICE:
+        FEW_ROW_KERNEL_CHOICE[key] = _transposed_is_faster(weight, states)
+    if not FEW_ROW_KERNEL_CHOICE[key]:
+        return torch.nn.functional.linear(states, weight, bias)
     logits = (weight @ states.T).T  # [N, V]
     return logits if bias is None else logits + bias
+
+
+def _transposed_is_faster(weight: torch.Tensor, states: torch.Tensor) -> bool:
+    """Whether (W @ states^T)^T ran faster than F.linear(states, W) here (best of a few runs of each, after one)."""
+    def best_seconds(product) -> float:
+        product()
+        times = []
+        for _ in range(KERNEL_TIMING_REPEATS):
+            started = time.perf_counter()
+            product()
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    linear = best_seconds(lambda: torch.nn.functional.linear(states, weight))
+    return best_seconds(lambda: weight @ states.T) < linear
 
 
 def few_row_logits(lm_head: torch.nn.Module, states: torch.Tensor) -> torch.Tensor:

@@ -106,3 +106,18 @@ def test_frequent_token_ids_rank_by_count_then_fill_with_low_ids():
     assert frequent_token_ids([[3, 3, 1]], 1, 5) == [3]
     with pytest.raises(ValueError, match="vocabulary size"):
         frequent_token_ids([[1]], 6, 5)
+
+
+def test_step_costs_time_the_draft_with_its_vocabulary(monkeypatch):
+    """The bench's cost model and `--block-size auto` time the proposer spec_generate runs, not a full-vocabulary one."""
+    from dflash_hf.evaluation import measure_step_costs
+    from dflash_hf.proposer_dflash import DraftVocabulary
+
+    target = make_target("qwen3", seed=6)
+    draft = DFlashDraftModel(draft_config(dflash_config={"mask_token_id": VOCAB_SIZE - 1, "draft_vocab": VOCAB})).eval()
+    rows_scored = []
+    original = DraftVocabulary.logits
+    monkeypatch.setattr(DraftVocabulary, "logits",
+                        lambda self, states: rows_scored.append(original(self, states).shape) or original(self, states))
+    measure_step_costs(draft, target, prompt(6, 12), block_size=4, mask_token_id=VOCAB_SIZE - 1, repeats=2)
+    assert rows_scored and set(rows_scored) == {torch.Size([3, len(VOCAB)])}
