@@ -10,9 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .loading import DTYPES, SMOLLM2, load_target
+from .loading import DTYPES, PUBLISHED_CONFIGS, SMOLLM2, load_target
 
-PUBLISHED_CONFIGS = Path(__file__).resolve().parent / "published_configs"
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,8 +27,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gen-dtype", choices=DTYPES, default="float32")
     parser.add_argument("--gen-draft", default=None, metavar="DRAFT",
                         help="generate the responses with spec_generate and this draft (folder or Hub id; 'shipped' "
-                             "for the SmolLM2 demo draft): the same rows as generate (lossless), faster where a "
-                             "batched verify is cheap (GPUs); on a 2-core CPU batched generate was faster")
+                             "for the SmolLM2 demo draft): greedy in float32, the same rows as generate; faster "
+                             "where a batched verify is cheap (GPUs); on a 2-core CPU batched generate was faster")
     parser.add_argument("--responses", default=None, metavar="FILE",
                         help="rows already generated for these prompts (.jsonl or .jsonl.gz, e.g. the ones in "
                              "training_data/): copied into OUTPUT/responses.jsonl, so only the missing ones are generated")
@@ -117,6 +116,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                            help="divide the widths by this (auto: 1 on a GPU, 8 on a CPU)")
 
 
+def bench_dtype(choice: str, device: torch.device) -> torch.dtype:
+    """`--dtype`: a name, or auto (bfloat16 on a GPU; float32 on a CPU, where few-row bfloat16 products are slow)."""
+    if choice != "auto":
+        return DTYPES[choice]
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def bench_datasets(args: argparse.Namespace) -> dict[str, list[list[str]]]:
     """The conversations `bench` runs: a --prompts file, or the named datasets from the data folder."""
     from .benchmark import DATASETS, load_conversations, read_prompt_file
@@ -138,6 +144,8 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
 
     if args.synthetic is not None:
         return [run_synthetic(args)]
+    if args.draft_config or args.tau is not None:
+        raise SystemExit("--draft-config and --tau belong to --synthetic; add --synthetic MODEL or drop them")
     if (args.target is None) != (args.draft is None):
         raise SystemExit("pass both --target and --draft, or neither (SmolLM2-135M-Instruct and the shipped draft)")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -146,7 +154,7 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
         raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}")
     process = process_context()
     device = process.device
-    dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = bench_dtype(args.dtype, device)
     target, tokenizer = load_target(args.target or SMOLLM2, dtype)
     draft = DFlashDraftModel.from_pretrained(args.draft or SHIPPED_DRAFT, dtype=dtype).eval()
     too_long = [size for size in args.block_size if isinstance(size, int) and size > draft.block_size]
@@ -185,7 +193,10 @@ def run_synthetic(args: argparse.Namespace) -> dict:
     from .synthetic import CPU_SHRINK, run_synthetic_bench, synthetic_spec, synthetic_table
 
     device = process_context().device
-    dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = bench_dtype(args.dtype, device)
+    if args.target or args.draft or args.prompts:
+        raise SystemExit("--synthetic builds its models from configs: drop --target/--draft/--prompts "
+                         "(pair a target config.json with --draft-config)")
     if args.shrink != "auto" and not args.shrink.isdigit():
         raise SystemExit(f"--shrink must be a positive integer or 'auto', got {args.shrink!r}")
     shrink = (1 if device.type == "cuda" else CPU_SHRINK) if args.shrink == "auto" else int(args.shrink)

@@ -10,6 +10,7 @@ import torch
 SMOLLM2 = "smollm2"
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SHIPPED_DRAFT = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-instruct"  # the demo's draft for SMOLLM2
+PUBLISHED_CONFIGS = Path(__file__).resolve().parent / "published_configs"  # config.json of each published draft
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -43,9 +43,13 @@ def load_smollm2(dtype: torch.dtype = torch.bfloat16, cache_dir: str | Path | No
         model.load_state_dict(quantized.state_dict())
         cache.parent.mkdir(parents=True, exist_ok=True)
         partial = Path(tempfile.mkdtemp(prefix=cache.name + ".partial-", dir=cache.parent))  # one per process
-        model.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
-        publish_folder(partial, cache)
+        try:
+            partial.chmod(0o755)  # mkdtemp's folder is private; the cache is not
+            model.save_pretrained(partial)
+            tokenizer.save_pretrained(partial)
+            publish_folder(partial, cache)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)  # gone once renamed; a failed conversion leaves nothing
     model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype).eval()
     return model, AutoTokenizer.from_pretrained(cache)
 

@@ -18,11 +18,11 @@ import torch
 
 from .configuration_dflash import DFlashConfig
 from .evaluation import cost_model_bound, measure_step_costs
+from .loading import PUBLISHED_CONFIGS
 from .modeling_dflash import DFlashDraftModel
 
 PACKAGE = Path(__file__).resolve().parent
 TARGET_CONFIGS = PACKAGE / "target_configs"
-PUBLISHED_CONFIGS = PACKAGE / "published_configs"
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,11 @@ def synthetic_spec(model: str, draft_config: str | Path | None = None) -> Synthe
     """The pair `model` names (a key of SYNTHETIC_PAIRS), or a target config.json with the draft config.json to pair."""
     if model in SYNTHETIC_PAIRS:
         pair = SYNTHETIC_PAIRS[model]
-        draft_path = Path(draft_config) if draft_config else PUBLISHED_CONFIGS / pair.draft_config
-        return SyntheticSpec(model, _read_json(TARGET_CONFIGS / pair.target_config), _read_json(draft_path),
-                             pair.paper_tau, pair.tau_source)
+        if draft_config:  # another draft for this target: the paper's tau is not its tau
+            return SyntheticSpec(model, _read_json(TARGET_CONFIGS / pair.target_config), _read_json(Path(draft_config)),
+                                 None, "")
+        return SyntheticSpec(model, _read_json(TARGET_CONFIGS / pair.target_config),
+                             _read_json(PUBLISHED_CONFIGS / pair.draft_config), pair.paper_tau, pair.tau_source)
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
@@ -87,6 +89,11 @@ def shrink_configs(target: dict[str, Any], draft: dict[str, Any], factor: int
     if factor < 1:
         raise ValueError(f"shrink must be >= 1, got {factor}")
     target, draft = dict(target), dict(draft)
+    for name, config in (("target", target), ("draft", draft)):
+        missing = [field for field in ("hidden_size", "num_attention_heads", "vocab_size") if not config.get(field)]
+        if missing:
+            raise ValueError(f"the {name} config has no top-level {', '.join(missing)} (a multimodal config nests "
+                             "them in text_config: pass that part as its own config.json)")
     if factor == 1:
         return target, draft
     for config in (target, draft):
@@ -103,6 +110,9 @@ def shrink_configs(target: dict[str, Any], draft: dict[str, Any], factor: int
         for field in WIDTH_FIELDS:
             if config.get(field):
                 config[field] = max(1, config[field] // factor)
+    if draft["hidden_size"] != target["hidden_size"]:
+        raise ValueError(f"shrink {factor} gives the target width {target['hidden_size']} and the draft "
+                         f"{draft['hidden_size']} (different head layouts); pick another factor")
     vocab_size = target["vocab_size"]
     for field in ("bos_token_id", "eos_token_id", "pad_token_id"):
         target.pop(field, None)
@@ -128,15 +138,19 @@ def build_synthetic_pair(target_config: dict[str, Any], draft_config: dict[str, 
     """(target, draft) with random weights of these configs, created on `device` in `dtype`, sdpa attention."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    values = dict(target_config)
+    saved_dtype = ("torch_dtype", "dtype")  # a config's dtype would override `dtype` in `from_config`
+    values = {key: value for key, value in target_config.items() if key not in saved_dtype}
     config = AutoConfig.for_model(values.pop("model_type"), **values)
     config._attn_implementation = "sdpa"
-    draft_values = DFlashConfig.from_dict(draft_config)
+    draft_values = DFlashConfig.from_dict({key: value for key, value in draft_config.items() if key not in saved_dtype})
     draft_values._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     with torch.device(device), default_dtype(dtype):
         target = AutoModelForCausalLM.from_config(config).eval()
         draft = DFlashDraftModel(draft_values).eval()
+    built = {next(target.parameters()).dtype, next(draft.parameters()).dtype}
+    if built != {dtype}:
+        raise ValueError(f"asked for {dtype}, built {sorted(map(str, built))}")
     return target, draft
 
 
@@ -150,6 +164,7 @@ def run_synthetic_bench(spec: SyntheticSpec, device: torch.device, dtype: torch.
                         batch_sizes: list[int], context_length: int = 512, tau: float | None = None,
                         shrink: int = 1, repeats: int = 5, seed: int = 0) -> dict[str, Any]:
     """Step costs and projected speedups of the pair for every (batch size, block size), as a JSON-ready dict."""
+    paper_tau = tau is None  # the paper's tau holds at the draft's own block size only
     tau = tau if tau is not None else spec.tau
     if tau is None or tau < 1:
         raise ValueError(f"no paper tau for {spec.name}: pass --tau (>= 1)" if tau is None else f"--tau must be >= 1, got {tau}")
@@ -163,13 +178,17 @@ def run_synthetic_bench(spec: SyntheticSpec, device: torch.device, dtype: torch.
     for batch_size in batch_sizes:
         for block_size in block_sizes:
             block = block_size or draft.block_size
+            if not 1 <= block <= draft.block_size:
+                raise ValueError(f"--block-size {block}: the draft's blocks are 1 to {draft.block_size} tokens")
             costs = measure_step_costs(draft, target, context.to(device), block, draft.mask_token_id,
                                        repeats=repeats, batch_size=batch_size)
+            projected = None if paper_tau and block != draft.block_size else cost_model_bound(min(tau, block), costs)
             rows.append({"batch_size": batch_size, "block_size": block, **costs,
                          "verify_over_one_token": costs["target_block"] / costs["target_1"],
-                         "projected_speedup": cost_model_bound(min(tau, block), costs)})
+                         "projected_speedup": projected})
     return {"model": spec.name, "device": _device_name(device), "dtype": str(dtype).removeprefix("torch."),
-            "shrink": shrink, "context_length": context_length, "tau": tau, "tau_source": spec.tau_source,
+            "shrink": shrink, "context_length": context_length, "tau": tau,
+            "tau_source": spec.tau_source if paper_tau else "", "trained_block_size": draft.block_size,
             "parameters": {"target": parameter_count(target), "draft": parameter_count(draft)}, "rows": rows}
 
 
@@ -180,14 +199,20 @@ def synthetic_table(result: dict[str, Any]) -> str:
     for row in result["rows"]:
         lines.append(f"| {row['batch_size']} | {row['block_size']} | {row['target_1'] * 1e3:.2f} | "
                      f"{row['target_block'] * 1e3:.2f} | {row['draft'] * 1e3:.2f} | "
-                     f"{row['verify_over_one_token']:.2f} | {row['projected_speedup']:.2f}x |")
+                     f"{row['verify_over_one_token']:.2f} | {_times(row['projected_speedup'])} |")
     widths = "" if result["shrink"] == 1 else f", widths / {result['shrink']}"
     source = f" ({result['tau_source']})" if result["tau_source"] else ""
     lines.append(f"\n{result['model']} with random weights{widths}: target {result['parameters']['target'] / 1e9:.3f}B "
                  f"and draft {result['parameters']['draft'] / 1e9:.3f}B parameters, {result['dtype']} on "
                  f"{result['device']}, context {result['context_length']} tokens; projected = tau * t(1) / "
-                 f"(t(verify) + t(draft)) at tau {result['tau']}{source}, capped at the block size.")
+                 f"(t(verify) + t(draft)) at tau {result['tau']}{source}, capped at the block size"
+                 + (f"; the paper's tau is for blocks of {result['trained_block_size']} only (other rows: pass --tau)."
+                    if result["tau_source"] else "."))
     return "\n".join(lines)
+
+
+def _times(speedup: float | None) -> str:
+    return "-" if speedup is None else f"{speedup:.2f}x"
 
 
 def _device_name(device: torch.device) -> str:

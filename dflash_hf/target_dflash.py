@@ -148,10 +148,10 @@ def is_plain_linear(module: torch.nn.Module) -> bool:
     )
 
 
-# CPU only: (dtype, weight shape, rows) -> whether (W @ x^T)^T beat F.linear when `few_row_product` first timed both in
+# CPU only: (dtype, weight shape, rows, threads) -> whether (W @ x^T)^T beat F.linear when `few_row_product` first timed both in
 # this process. Which is faster depends on the BLAS, the CPU and the row count (on one AVX2 machine the transposed
 # product won at 2-16 rows; on an AVX-512 Xeon F.linear won up to 6 rows and lost from 7 on).
-FEW_ROW_KERNEL_CHOICE: dict[tuple[torch.dtype, tuple[int, ...], int], bool] = {}
+FEW_ROW_KERNEL_CHOICE: dict[tuple[torch.dtype, tuple[int, ...], int, int], bool] = {}  # ..., rows, threads
 KERNEL_TIMING_REPEATS = 3
 
 
@@ -163,17 +163,18 @@ def few_row_product(weight: torch.Tensor, bias: torch.Tensor | None, states: tor
     """
     if states.device.type != "cpu":
         return torch.nn.functional.linear(states, weight, bias)
-    key = (states.dtype, tuple(weight.shape), states.shape[0])
+    key = (states.dtype, tuple(weight.shape), states.shape[0], torch.get_num_threads())
     if key not in FEW_ROW_KERNEL_CHOICE:
-        FEW_ROW_KERNEL_CHOICE[key] = _transposed_is_faster(weight, states)
+        FEW_ROW_KERNEL_CHOICE[key] = _transposed_is_faster(weight, bias, states)
     if not FEW_ROW_KERNEL_CHOICE[key]:
         return torch.nn.functional.linear(states, weight, bias)
     logits = (weight @ states.T).T  # [N, V]
     return logits if bias is None else logits + bias
 
 
-def _transposed_is_faster(weight: torch.Tensor, states: torch.Tensor) -> bool:
-    """Whether (W @ states^T)^T ran faster than F.linear(states, W) here (best of a few runs of each, after one)."""
+def _transposed_is_faster(weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor) -> bool:
+    """Whether (W @ states^T)^T (+ bias) ran faster than F.linear(states, W, bias) here (best of a few runs of each,
+    after one)."""
     def best_seconds(product) -> float:
         product()
         times = []
@@ -183,8 +184,8 @@ def _transposed_is_faster(weight: torch.Tensor, states: torch.Tensor) -> bool:
             times.append(time.perf_counter() - started)
         return min(times)
 
-    linear = best_seconds(lambda: torch.nn.functional.linear(states, weight))
-    return best_seconds(lambda: weight @ states.T) < linear
+    linear = best_seconds(lambda: torch.nn.functional.linear(states, weight, bias))
+    return best_seconds(lambda: (weight @ states.T).T if bias is None else (weight @ states.T).T + bias) < linear
 
 
 def few_row_logits(lm_head: torch.nn.Module, states: torch.Tensor) -> torch.Tensor:

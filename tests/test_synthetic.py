@@ -65,6 +65,26 @@ def test_cli_projects_the_cost_model_bound_from_the_measured_steps(tmp_path, cap
     assert "| 2 | 16 |" in capsys.readouterr().out
 
 
+def test_the_pair_is_built_in_the_asked_dtype_not_the_configs():
+    spec = synthetic_spec("Qwen3-8B")  # both configs say torch_dtype bfloat16
+    target_config, draft_config = shrink_configs(spec.target_config, spec.draft_config, 32)
+    target, draft = build_synthetic_pair(target_config, draft_config, torch.device("cpu"), torch.float32)
+    assert {parameter.dtype for model in (target, draft) for parameter in model.parameters()} == {torch.float32}
+
+
+def test_the_papers_tau_projects_only_the_block_it_was_measured_at(tmp_path, capsys):
+    path = tmp_path / "paper.json"
+    main(["bench", "--synthetic", "Qwen3-4B", "--shrink", "32", "--context-length", "16", "--block-size", "8", "16",
+          "--json", str(path)])
+    result = json.loads(path.read_text())
+    assert result["tau"] == SYNTHETIC_PAIRS["Qwen3-4B"].paper_tau and result["trained_block_size"] == 16
+    eight, sixteen = result["rows"]
+    assert eight["projected_speedup"] is None and sixteen["projected_speedup"] > 0
+    table = capsys.readouterr().out.splitlines()
+    assert next(line for line in table if line.startswith("| 1 | 8 |")).endswith("| - |")
+    assert next(line for line in table if line.startswith("| 1 | 16 |")).endswith("x |")
+
+
 def test_a_target_config_file_pairs_with_a_draft_config(tmp_path):
     path = tmp_path / "out.json"
     main(["bench", "--synthetic", str(TARGET_CONFIGS / "Llama-3.1-8B-Instruct.json"), "--draft-config",
@@ -80,6 +100,10 @@ def test_a_target_config_file_pairs_with_a_draft_config(tmp_path):
     (["--synthetic", str(TARGET_CONFIGS / "Qwen3-8B.json"), "--draft-config",
       str(PUBLISHED_CONFIGS / "Qwen3-8B-DFlash-b16.json"), "--shrink", "32"], "--tau"),
     (["--synthetic", "--block-size", "auto"], "integers"),
+    (["--synthetic", "Qwen3-4B", "--shrink", "32", "--block-size", "17"], "blocks are 1 to 16"),
+    (["--synthetic", "Qwen3-4B", "--draft-config", str(PUBLISHED_CONFIGS / "Qwen3-8B-DFlash-b16.json")], "--tau"),
+    (["--synthetic", "--target", "some/model"], "drop --target"),
+    (["--draft-config", str(PUBLISHED_CONFIGS / "Qwen3-8B-DFlash-b16.json")], "belong to --synthetic"),
     (["--synthetic", "--shrink", "half"], "--shrink"),
 ])
 def test_bad_synthetic_arguments_are_refused_with_the_fix(arguments, message):

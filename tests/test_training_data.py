@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from dflash_hf.prompts import chat_prompt_ids
 from dflash_hf.smollm2 import publish_folder
-from dflash_hf.training.data import generate_responses, read_prompts
+from dflash_hf.training.data import generate_responses, read_prompts, read_rows
 from helpers import make_draft, make_target, make_tokenizer, plain_greedy
 
 
@@ -75,5 +76,17 @@ def test_rows_of_other_prompts_are_refused_not_trained_on(tmp_path):
     target, tokenizer = make_target("llama", seed=2), make_tokenizer()
     path = tmp_path / "responses.jsonl"
     generate_responses(target, tokenizer, ["w5 w6", "w7 w8"], path, batch_size=2, max_new_tokens=3, progress=False)
-    with pytest.raises(ValueError, match="row 1 answers another prompt than prompt 1"):
+    with pytest.raises(ValueError, match="row 1 of .*responses.jsonl answers another prompt than prompt 1"):
         generate_responses(target, tokenizer, ["w5 w6", "w9 w9", "w10"], path, max_new_tokens=3, progress=False)
+    # rows to seed a run with are checked before they are copied into it
+    fresh = tmp_path / "fresh.jsonl"
+    with pytest.raises(ValueError, match="row 1 of .*responses.jsonl answers another prompt"):
+        generate_responses(target, tokenizer, ["w5 w6", "w9 w9"], fresh, max_new_tokens=3, progress=False,
+                           seed_path=path)
+    assert read_rows(fresh) == []
+    with pytest.raises(FileNotFoundError, match="--responses .*missing.jsonl.gz: no such file"):
+        generate_responses(target, tokenizer, ["w5 w6"], fresh, max_new_tokens=3, progress=False,
+                           seed_path=tmp_path / "missing.jsonl.gz")
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(path.read_bytes())[:-12])
+    with pytest.raises(ValueError, match="not a complete gzip archive"):
+        read_rows(tmp_path / "cut.jsonl.gz")

@@ -18,7 +18,7 @@ from ..modeling_dflash import DFlashDraftModel
 from ..prompts import default_data_dir, user_prompt_ids
 from ..smollm2 import SMOLLM2_MASK_TOKEN
 from ..target_dflash import check_draft_target, generation_tokens, target_device
-from .data import generate_responses, read_prompts, seed_responses
+from .data import generate_responses, read_prompts
 from .recipe import draft_config_for, frequent_token_ids, initialize_from_target
 from .trainer import TrainingLog, TrainingSettings, train_draft
 
@@ -49,12 +49,10 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     device = training_device()
     target, tokenizer = load_target(args.target, DTYPES[args.gen_dtype])
     target = target.to(device)  # generation runs where training will
-    if args.responses:
-        seed_responses(args.responses, output / "responses.jsonl")
     rows = generate_responses(target, tokenizer, read_prompts(prompt_files, args.num_prompts), output / "responses.jsonl",
                               batch_size=args.gen_batch_size, max_new_tokens=args.gen_max_new_tokens,
                               temperature=args.gen_temperature, seed=args.seed,
-                              draft=generation_draft(args.gen_draft, target))
+                              draft=generation_draft(args.gen_draft, target), seed_path=args.responses)
     if args.generate_only:
         print(f"{len(rows)} rows in {output / 'responses.jsonl'}")
         return {"num_rows": len(rows)}

@@ -31,7 +31,10 @@ def read_rows(path: str | Path) -> list[dict]:
     if not path.exists():
         return []
     archive = path.suffix == ".gz"
-    text = gzip.decompress(path.read_bytes()).decode("utf-8") if archive else path.read_text(encoding="utf-8")
+    try:
+        text = gzip.decompress(path.read_bytes()).decode("utf-8") if archive else path.read_text(encoding="utf-8")
+    except (EOFError, gzip.BadGzipFile) as error:
+        raise ValueError(f"{path} is not a complete gzip archive ({error}); restore it from git") from error
     rows, intact = [], True
     for line in text.splitlines():
         try:
@@ -41,15 +44,6 @@ def read_rows(path: str | Path) -> list[dict]:
     if not intact and not archive:
         path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return rows
-
-
-def seed_responses(source: str | Path, output_path: str | Path) -> int:
-    """Append to `output_path` the rows of `source` (`.jsonl` or `.jsonl.gz`) whose index it lacks; how many."""
-    present = {row["index"] for row in read_rows(output_path)}
-    missing = [row for row in read_rows(source) if row["index"] not in present]
-    with open(output_path, "a", encoding="utf-8") as handle:
-        handle.writelines(json.dumps(row) + "\n" for row in missing)
-    return len(missing)
 
 
 @torch.no_grad()
@@ -64,18 +58,27 @@ def generate_responses(
     seed: int = 0,
     progress: bool = True,
     draft: torch.nn.Module | None = None,
+    seed_path: str | Path | None = None,
 ) -> list[dict]:
     """Regenerate a response for every prompt with the target; returns all rows, in prompt order.
 
-    Each row is {"index", "prompt_ids", "response_ids"}; rows already in `output_path` are kept. With a `draft`, the
-    batches run through `spec_generate` (lossless, so the rows are the target's own output), otherwise `generate`.
+    Each row is {"index", "prompt_ids", "response_ids"}; rows already in `output_path` are kept, and so are the rows of
+    `seed_path` (`.jsonl` or `.jsonl.gz`) it lacks (copied into it). With a `draft`, the batches run through
+    `spec_generate` (lossless, so the rows are the target's own output), otherwise `generate`.
     """
     rows = {row["index"]: row for row in read_rows(output_path)}
+    if seed_path is not None and not Path(seed_path).is_file():
+        raise FileNotFoundError(f"--responses {seed_path}: no such file")
+    seeded = [row for row in read_rows(seed_path) if row["index"] not in rows] if seed_path is not None else []
+    rows.update((row["index"], row) for row in seeded)
     other = next((i for i, row in sorted(rows.items())
                   if i < len(prompts) and row["prompt_ids"] != user_prompt_ids(tokenizer, prompts[i])), None)
     if other is not None:
-        raise ValueError(f"{output_path} row {other} answers another prompt than prompt {other} of these prompt files "
-                         "(other --prompts, --responses or tokenizer); use a new --output or the matching prompts")
+        where = seed_path if any(row["index"] == other for row in seeded) else output_path
+        raise ValueError(f"row {other} of {where} answers another prompt than prompt {other} of these prompt files "
+                         "(other --prompts, or another tokenizer); pass the matching prompts, or use a new --output")
+    with open(output_path, "a", encoding="utf-8") as handle:  # checked: now they are this run's rows
+        handle.writelines(json.dumps(row) + "\n" for row in seeded)
     todo = [i for i in range(len(prompts)) if i not in rows]
     device = target_device(target)
     tokens = generation_tokens(target, tokenizer)  # stop on every EOS id, as bench and the evaluation do
