@@ -25,7 +25,7 @@ from .evaluation import (
     records_tau,
     summarize,
     typical_context,
-    warm_up_settings,
+    warm_up,
 )
 from .modeling_dflash import DFlashDraftModel
 from .prompts import chat_prompt_ids, read_conversations, record_turns, user_prompt_ids
@@ -132,9 +132,8 @@ def run_benchmark(
     tokens = generation_tokens(target, tokenizer, draft)
     native_draft = transformers_dflash_peer(draft, settings, progress and process.is_main)
     first_prompt = user_prompt_ids(tokenizer, next(iter(datasets.values()))[0][0])
-    warm_up = warm_up_settings(settings, settings.block_size or draft.block_size)  # full blocks, the batch's shape
-    measure_prompts(draft, target, [first_prompt] * settings.batch_size, warm_up, tokens.stop_token_ids,
-                    tokens.mask_token_id, native_draft)
+    warm_up(draft, target, [first_prompt] * settings.batch_size, settings, tokens.stop_token_ids, tokens.mask_token_id,
+            native_draft)  # the batch's shape
     shards = {name: conversations[process.index :: process.count] for name, conversations in datasets.items()}
     bar = tqdm(total=sum(len(turns) for shard in shards.values() for turns in shard), desc="bench",
                disable=not progress or not process.is_main)

@@ -26,7 +26,7 @@ from .generation_dflash import (
 from .modeling_dflash import DFlashDraftModel
 from .proposer_dflash import Proposal
 from .sampling_dflash import cut_after_stop, mean_acceptance_length
-from .target_dflash import last_logits_only, neutral_overrides, target_device
+from .target_dflash import few_row_product, is_plain_linear, last_logits_only, neutral_overrides, target_device
 
 METHODS = ("plain", "dflash", "prompt_lookup", "transformers_dflash")  # the last: Transformers' own DFlash loop
 VERDICTS = ("exact", "near-tie", "NO")
@@ -113,6 +113,32 @@ def warm_up_settings(settings: BenchSettings, block_size: int) -> BenchSettings:
     """Settings of the untimed warm-up: two full blocks of new tokens, so that the first step and a later one both
     verify `block_size` tokens (and every method meets those widths) before anything is timed."""
     return replace(settings, max_new_tokens=2 * block_size + 1)
+
+
+def prime_few_row_kernels(draft: DFlashDraftModel, target: torch.nn.Module, max_rows: int) -> int:
+    """Time the few-row LM-head products (`few_row_product`: the verify's head, the draft vocabulary's) for 1 ..
+    `max_rows` rows now, so that no timed run pays for choosing a kernel; how many products were primed."""
+    heads = []
+    head = target.get_output_embeddings()
+    if is_plain_linear(head):
+        heads.append((head.weight, head.bias))
+    vocabulary = dflash_proposer(draft, target, draft.mask_token_id).vocab
+    if vocabulary is not None and vocabulary.lm_head is None:
+        heads.append((vocabulary.weight, vocabulary.bias))
+    for weight, bias in heads:
+        for rows in range(1, max_rows + 1):
+            few_row_product(weight, bias, weight.new_zeros(rows, weight.shape[1]))
+    return len(heads) * max_rows
+
+
+def warm_up(draft: DFlashDraftModel, target: torch.nn.Module, prompts: list[list[int]], settings: BenchSettings,
+            stop_token_ids: list[int], mask_token_id: int | None = None, native_draft: torch.nn.Module | None = None
+            ) -> None:
+    """The untimed warm-up before measuring: every method over `prompts` for two full blocks, kernels primed."""
+    block_size = settings.block_size or draft.block_size
+    prime_few_row_kernels(draft, target, len(prompts) * block_size)
+    measure_prompts(draft, target, prompts, warm_up_settings(settings, block_size), stop_token_ids, mask_token_id,
+                    native_draft)
 
 
 def _timed(run: Callable[[], list[list[int]]], device: torch.device, seed: int) -> tuple[list[list[int]], float]:
@@ -470,8 +496,7 @@ def evaluate_draft(
     if not stop_token_ids:
         raise ValueError("evaluate_draft needs a stop token (the first one also pads): see dflash_hf.generation_tokens.")
     settings = BenchSettings(max_new_tokens=max_new_tokens, block_size=block_size, prompt_lookup_tokens=None)
-    measure_prompts(draft, target, prompts[:1], warm_up_settings(settings, block_size or draft.block_size),
-                    stop_token_ids)
+    warm_up(draft, target, prompts[:1], settings, stop_token_ids)
     records = []
     for index, prompt in enumerate(prompts):
         records += measure_prompts(draft, target, [prompt], settings, stop_token_ids, turn=index)

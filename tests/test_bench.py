@@ -99,8 +99,7 @@ def test_multi_turn_feeds_back_the_models_own_answer(tiny_models, monkeypatch):
     monkeypatch.setattr(benchmark, "measure_prompts", spy)
     turns = ["w10 w11 w12", "w20 w21"]
     results = run_benchmark(draft, target, tokenizer, {"mt-bench": [turns]}, BenchSettings(max_new_tokens=6), progress=False)
-    first_prompt, first = seen[1]  # seen[0] is the warm-up
-    second_prompt, _ = seen[2]
+    (first_prompt, first), (second_prompt, _) = seen  # the warm-up runs in evaluation.warm_up, not seen here
     assert first_prompt == chat_prompt_ids(tokenizer, [{"role": "user", "content": turns[0]}])
     answer = tokenizer.decode([t for t in first.new_tokens["plain"] if t != tokenizer.eos_token_id], skip_special_tokens=True)
     assert second_prompt == chat_prompt_ids(tokenizer, [{"role": "user", "content": turns[0]},
@@ -349,6 +348,7 @@ def test_warm_up_covers_full_blocks_and_turns_rotate(tiny_models, block_8_draft,
         return measure(draft, target, prompts, settings, *args, turn=turn, **kwargs)
 
     monkeypatch.setattr(benchmark, "measure_prompts", spy)
+    monkeypatch.setattr(evaluation, "measure_prompts", spy)  # the warm-up's (evaluation.warm_up)
     conversations = [["w10 w11"], ["w20 w21"], ["w30"]]
     run_benchmark(block_8_draft, target, tokenizer, {"x": conversations},
                   BenchSettings(max_new_tokens=4, batch_size=2, prompt_lookup_tokens=None), progress=False)
@@ -356,7 +356,6 @@ def test_warm_up_covers_full_blocks_and_turns_rotate(tiny_models, block_8_draft,
     assert rows == 2 and warm_up_tokens >= 8 + 1  # a full block of 8 after the prefill's token, two rows
     assert timed == [(2, 4, 0), (1, 4, 1)]
     seen.clear()
-    monkeypatch.setattr(evaluation, "measure_prompts", spy)
     evaluation.evaluate_draft(block_8_draft, target, [[5, 6], [7, 8]], max_new_tokens=3, stop_token_ids=[1])
     assert seen[0][1] >= 8 + 1 and [turn for _, _, turn in seen[1:]] == [0, 1]
 

@@ -121,3 +121,16 @@ def test_step_costs_time_the_draft_with_its_vocabulary(monkeypatch):
                         lambda self, states: rows_scored.append(original(self, states).shape) or original(self, states))
     measure_step_costs(draft, target, prompt(6, 12), block_size=4, mask_token_id=VOCAB_SIZE - 1, repeats=2)
     assert rows_scored and set(rows_scored) == {torch.Size([3, len(VOCAB)])}
+
+
+def test_warm_up_primes_the_few_row_kernels_so_timed_runs_do_not_choose_them(monkeypatch):
+    import dflash_hf.target_dflash as target_dflash
+    from dflash_hf.evaluation import prime_few_row_kernels
+
+    target = make_target("qwen3", seed=7)
+    draft = DFlashDraftModel(draft_config(dflash_config={"mask_token_id": VOCAB_SIZE - 1, "draft_vocab": VOCAB})).eval()
+    monkeypatch.setattr(target_dflash, "FEW_ROW_KERNEL_CHOICE", {})
+    assert prime_few_row_kernels(draft, target, max_rows=5) == 10
+    primed = {(shape, rows) for _, shape, rows, _ in target_dflash.FEW_ROW_KERNEL_CHOICE}
+    hidden = target.config.hidden_size
+    assert primed == {(shape, rows) for shape in ((VOCAB_SIZE, hidden), (len(VOCAB), hidden)) for rows in range(1, 6)}

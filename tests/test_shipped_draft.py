@@ -52,3 +52,26 @@ def test_shipped_draft_is_lossless_in_float32(models, prompt):
                                  return_stats=True)
     assert torch.equal(result.output_ids, expected)
     assert result.tau > 1.0  # the trained draft gets proposals accepted on real text
+
+
+def test_the_committed_training_rows_are_smollm2s_own_greedy_answers(models):
+    """training_data/: one row per gsm8k-train prompt from index 0, its prompt rendered by the chat template, and
+    (checked on a row of the first part and one of the regeneration) the target's greedy answer."""
+    from pathlib import Path
+
+    from dflash_hf.prompts import default_data_dir, user_prompt_ids
+    from dflash_hf.training.data import read_prompts, read_rows
+
+    target, tokenizer, _ = models
+    rows = read_rows(Path(__file__).resolve().parents[1] / "training_data" / "smollm2_gsm8k_train_greedy.jsonl.gz")
+    assert [row["index"] for row in rows] == list(range(len(rows))) and len(rows) > 1024
+    prompts = read_prompts([Path(default_data_dir()) / "gsm8k_train.jsonl"], len(rows))
+    for index in (0, 1023, 1024, len(rows) - 1):
+        assert rows[index]["prompt_ids"] == user_prompt_ids(tokenizer, prompts[index])
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for index in (5, len(rows) - 1):
+        response = rows[index]["response_ids"]
+        assert len(response) <= 256 and (response[-1] == end_of_turn or len(response) == 256)
+        output = target.generate(torch.tensor([rows[index]["prompt_ids"]]), max_new_tokens=len(response),
+                                 do_sample=False, eos_token_id=end_of_turn)
+        assert output[0, len(rows[index]["prompt_ids"]):].tolist() == response
