@@ -92,8 +92,8 @@ def shrink_configs(target: dict[str, Any], draft: dict[str, Any], factor: int
     for name, config in (("target", target), ("draft", draft)):
         missing = [field for field in ("hidden_size", "num_attention_heads", "vocab_size") if not config.get(field)]
         if missing:
-            raise ValueError(f"the {name} config has no top-level {', '.join(missing)} (a multimodal config nests "
-                             "them in text_config: pass that part as its own config.json)")
+            raise ValueError(f"the {name} config has no top-level {', '.join(missing)}: pass a text model's config "
+                             "(a multimodal one nests it in text_config) and a draft config with its target's vocab_size")
     if factor == 1:
         return target, draft
     for config in (target, draft):
