@@ -18,7 +18,7 @@ import torch
 
 from .configuration_dflash import DFlashConfig
 from .evaluation import cost_model_bound, measure_step_costs
-from .loading import PUBLISHED_CONFIGS
+from .loading import PUBLISHED_CONFIGS, device_description
 from .modeling_dflash import DFlashDraftModel
 
 PACKAGE = Path(__file__).resolve().parent
@@ -186,7 +186,7 @@ def run_synthetic_bench(spec: SyntheticSpec, device: torch.device, dtype: torch.
             rows.append({"batch_size": batch_size, "block_size": block, **costs,
                          "verify_over_one_token": costs["target_block"] / costs["target_1"],
                          "projected_speedup": projected})
-    return {"model": spec.name, "device": _device_name(device), "dtype": str(dtype).removeprefix("torch."),
+    return {"model": spec.name, "device": device_description(target), "dtype": str(dtype).removeprefix("torch."),
             "shrink": shrink, "context_length": context_length, "tau": tau,
             "tau_source": spec.tau_source if paper_tau else "", "trained_block_size": draft.block_size,
             "parameters": {"target": parameter_count(target), "draft": parameter_count(draft)}, "rows": rows}
@@ -213,12 +213,6 @@ def synthetic_table(result: dict[str, Any]) -> str:
 
 def _times(speedup: float | None) -> str:
     return "-" if speedup is None else f"{speedup:.2f}x"
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU, {torch.get_num_threads()} threads"
 
 
 def _read_json(path: Path) -> dict[str, Any]:
