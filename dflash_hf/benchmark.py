@@ -20,6 +20,7 @@ from .evaluation import (
     BenchSettings,
     TurnRecord,
     calibrate_block_size,
+    calibrate_step_costs,
     measure_prompts,
     measure_step_costs,
     records_tau,
@@ -145,12 +146,17 @@ def run_benchmark(
             block_size, predictions = calibrate_block_size(draft, target, prompt, settings, tokens.stop_token_ids,
                                                            tokens.mask_token_id)
             dataset_settings = dataclasses.replace(settings, block_size=block_size)
+        if settings.adaptive_verify:
+            prompt = user_prompt_ids(tokenizer, conversations[0][0])
+            costs = calibrate_step_costs(draft, target, prompt, settings, tokens.stop_token_ids, tokens.mask_token_id)
+            dataset_settings = dataclasses.replace(settings, block_size=None, step_costs=costs)
         records, step_costs = measure_dataset(draft, target, tokenizer, shards[name], dataset_settings, tokens,
                                               on_turns=lambda records, rows: _show(bar, name, records, rows),
                                               native_draft=native_draft)
         block_size = dataset_settings.block_size or draft.block_size
         results.append(summarize(name, process.gather(records), len(conversations), block_size,
-                                 process.gather([step_costs])[0], settings.temperature == 0, settings.batch_size))
+                                 process.gather([step_costs])[0], settings.temperature == 0, settings.batch_size,
+                                 dataset_settings.step_costs))
         if predictions is not None:
             results[-1]["block_size_predictions"] = predictions
     bar.close()

@@ -70,11 +70,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def block_size_choice(text: str) -> int | str:
-    """A --block-size value: a positive integer or 'auto'."""
-    if text == "auto":
+    """A --block-size value: a positive integer, 'auto' or 'adaptive'."""
+    if text in ("auto", "adaptive"):
         return text
     if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"block size must be a positive integer or 'auto', got {text!r}")
+        raise argparse.ArgumentTypeError(f"block size must be a positive integer, 'auto' or 'adaptive', got {text!r}")
     return int(text)
 
 
@@ -89,7 +89,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--block-size", type=block_size_choice, nargs="+", default=[None],
                         help="default: the draft's trained block size; 'auto': the best predicted for each batch size "
-                             "on this machine (calibrated on each dataset's first prompt); several values run in turn")
+                             "on this machine (calibrated on each dataset's first prompt); 'adaptive': draft the full "
+                             "block, verify per step the prefix worth its cost (step costs timed here on each "
+                             "dataset's first prompt); several values run in turn")
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1],
                         help="prompts per call (left-padded); several values run one after the other, e.g. 1 2 4 8")
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -166,10 +168,11 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     results = []
     for batch_size in args.batch_size:
         for block_size in args.block_size:
-            auto = block_size == "auto"
-            settings = BenchSettings(args.max_new_tokens, None if auto else block_size, args.temperature,
-                                     args.prompt_lookup_tokens or None, args.seed, batch_size, auto_block_size=auto,
-                                     acceptance=args.acceptance)
+            chosen_here = block_size in ("auto", "adaptive")
+            settings = BenchSettings(args.max_new_tokens, None if chosen_here else block_size, args.temperature,
+                                     args.prompt_lookup_tokens or None, args.seed, batch_size,
+                                     auto_block_size=block_size == "auto", acceptance=args.acceptance,
+                                     adaptive_verify=block_size == "adaptive")
             results += run_benchmark(draft, target, tokenizer, datasets, settings, progress=process.is_main)
     if not process.is_main:  # under `accelerate launch` every process holds the gathered results; one reports
         return results
@@ -200,7 +203,7 @@ def run_synthetic(args: argparse.Namespace) -> dict:
     if args.shrink != "auto" and not args.shrink.isdigit():
         raise SystemExit(f"--shrink must be a positive integer or 'auto', got {args.shrink!r}")
     shrink = (1 if device.type == "cuda" else CPU_SHRINK) if args.shrink == "auto" else int(args.shrink)
-    if "auto" in args.block_size:
+    if "auto" in args.block_size or "adaptive" in args.block_size:
         raise SystemExit("--synthetic times given block sizes; pass integers (or none: the draft's block size)")
     try:
         spec = synthetic_spec(args.synthetic, args.draft_config)
@@ -267,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--draft", default=None, help="another draft folder (default: the shipped one)")
     demo.add_argument("--block-size", type=block_size_choice, default="auto",
                       help="auto (default): the best predicted block size on this machine, calibrated on the first "
-                           "prompt before timing; or an integer up to the draft's trained size")
+                           "prompt before timing; adaptive: draft the trained block, verify per step the prefix worth "
+                           "its cost timed here; or an integer up to the draft's trained size")
     add_bench_arguments(commands.add_parser("bench", help="tau, tokens/s and speedup against plain decoding"))
     card = commands.add_parser("card", help="render a draft's Hub model card (README.md) from its dflash_card.json")
     card.add_argument("folder", nargs="?", default=None)

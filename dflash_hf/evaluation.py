@@ -15,6 +15,8 @@ import torch
 from .cache_dflash import crop_cache, left_pad
 from .generation_dflash import (
     GenerationSettings,
+    SpecGenerateOutput,
+    StepCosts,
     TargetContext,
     dflash_proposer,
     plan_step,
@@ -52,6 +54,7 @@ class TurnRecord:
     new_tokens: dict[str, list[int]]  # method -> generated ids (prompt excluded)
     seconds: dict[str, float]  # method -> wall time of its generation
     acceptance_lengths: list[int] = field(default_factory=list)  # DFlash: tokens committed per step
+    verified_lengths: list[int] = field(default_factory=list)  # DFlash: tokens verified per step
     verdicts: dict[str, Verdict] = field(default_factory=dict)  # greedy: method -> its comparison with "plain"
 
 
@@ -67,6 +70,8 @@ class BenchSettings:
     batch_size: int = 1  # prompts per generate / spec_generate call (left-padded); > 1 skips prompt lookup
     auto_block_size: bool = False  # per dataset: calibrate on its first prompt, then take choose_block_size's pick
     acceptance: str = "rejection"  # sampling: speculative (rejection) sampling, or the equality rule
+    adaptive_verify: bool = False  # per dataset: time this machine's step costs, then verify the worthwhile prefix
+    step_costs: StepCosts | None = None  # spec_generate's step_costs (set by run_benchmark when adaptive_verify)
 
 
 def near_tie_tolerance(logit: float, dtype: torch.dtype, ulps: float = NEAR_TIE_ULPS) -> float:
@@ -189,7 +194,7 @@ def measure_prompts(
             temperature=settings.temperature, top_k=0, top_p=1.0,  # as `generate` above: no other filter
             stop_token_ids=stop_token_ids, block_size=settings.block_size,
             seed=settings.seed if settings.temperature > 0 else None, mask_token_id=mask_token_id, return_stats=True,
-            acceptance=settings.acceptance, **neutral,
+            acceptance=settings.acceptance, step_costs=settings.step_costs, **neutral,
         ))
         return [results[-1].new_tokens(row) for row in range(len(prompts))]
 
@@ -222,7 +227,8 @@ def turn_records(target: torch.nn.Module, prompts: list[list[int]],
                     for method, tokens in new_tokens.items() if method != "plain"} if greedy else {}
         records.append(TurnRecord(new_tokens=new_tokens,
                                   seconds={method: seconds * share for method, (_, seconds) in timed.items()},
-                                  acceptance_lengths=list(dflash_result.acceptance_lengths[row]), verdicts=verdicts))
+                                  acceptance_lengths=list(dflash_result.acceptance_lengths[row]),
+                                  verified_lengths=list(dflash_result.verified_lengths[row]), verdicts=verdicts))
     return records
 
 
@@ -230,20 +236,22 @@ def turn_records(target: torch.nn.Module, prompts: list[list[int]],
 
 
 @torch.no_grad()
-def measure_step_costs(
+def time_step_stages(
     draft: DFlashDraftModel,
     target: torch.nn.Module,
     context_ids: torch.Tensor,
     block_size: int,
     mask_token_id: int,
+    verify_widths: list[int],
     repeats: int = 5,
     batch_size: int = 1,
-) -> dict[str, float]:
-    """Median seconds of the cost model's terms after a context [1, T] copied to `batch_size` rows.
+) -> dict[str, Any]:
+    """Median seconds after a context [1, T] copied to `batch_size` rows: "target_1" (one token of plain decoding per
+    row), "draft" (a draft pass over a `block_size` block) and "verify" {w: a w-token verify per row}.
 
-    The terms: one token of plain decoding per row (the target's own forward, as `generate` runs it), and, timed on
-    the loop's own stages, a B-token verify per row and a draft pass over the rows. Every output (logits, hidden
-    states) is dropped as soon as it is timed; between repetitions only the cache and the proposal are kept.
+    The verify and the draft pass are timed on the loop's own stages; the stages take turns, so that a slow spell of
+    the machine spreads over all of them. Every output is dropped as soon as it is timed; between repetitions only
+    the cache and the proposal are kept.
     """
     device = context_ids.device
     settings = GenerationSettings(max_new_tokens=block_size + 1, block_size=block_size,
@@ -267,6 +275,11 @@ def measure_step_costs(
         state.context = no_new_context  # a pass over the cached context and the block
         return propose(proposer, state, block, settings)
 
+    def verify_pass(width: int) -> Callable[[], Any]:
+        step = plan_step(state, replace(settings, block_size=width))
+        shortened = Proposal(proposal.tokens[:, : width - 1])
+        return lambda: verify(target, state, step, shortened, settings)
+
     def seconds(run: Callable[[], Any]) -> float:
         synchronize(device)
         started = time.perf_counter()
@@ -276,15 +289,64 @@ def measure_step_costs(
         crop_cache(state.cache, state.columns.width)  # a verify's columns leave the cache again
         return elapsed
 
-    def median(run: Callable[[], Any]) -> float:
+    stages: dict[Any, Callable[[], Any]] = {"target_1": plain_step, **{width: verify_pass(width) for width in verify_widths}}
+    if block_size > 1:  # a block of 1 drafts nothing
+        stages["draft"] = draft_pass
+    for run in stages.values():
         seconds(run)  # warm-up
-        return statistics.median(seconds(run) for _ in range(repeats))
+    samples: dict[Any, list[float]] = {name: [] for name in stages}
+    for _ in range(repeats):
+        for name, run in stages.items():
+            samples[name].append(seconds(run))
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    return {"target_1": medians["target_1"], "draft": medians.get("draft", 0.0),
+            "verify": {width: medians[width] for width in verify_widths}}
 
-    return {
-        "target_1": median(plain_step),
-        "target_block": median(lambda: verify(target, state, block, proposal, settings)),
-        "draft": median(draft_pass) if block_size > 1 else 0.0,  # a block of 1 drafts nothing
-    }
+
+def measure_step_costs(
+    draft: DFlashDraftModel,
+    target: torch.nn.Module,
+    context_ids: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+    repeats: int = 5,
+    batch_size: int = 1,
+) -> dict[str, float]:
+    """The cost model's terms (median seconds, `time_step_stages`): "target_1", "target_block" (a `block_size`-token
+    verify per row) and "draft"."""
+    timings = time_step_stages(draft, target, context_ids, block_size, mask_token_id, [block_size], repeats, batch_size)
+    return {"target_1": timings["target_1"], "target_block": timings["verify"][block_size], "draft": timings["draft"]}
+
+
+def measure_verify_costs(
+    draft: DFlashDraftModel,
+    target: torch.nn.Module,
+    context_ids: torch.Tensor,
+    mask_token_id: int,
+    block_size: int | None = None,
+    repeats: int = 5,
+    batch_size: int = 1,
+) -> StepCosts:
+    """This machine's `StepCosts` for `spec_generate(step_costs=...)`: a draft pass over a block (default: the
+    draft's trained size) and a verify of every width 1 .. block (made non-decreasing), after a typical context [1, T]
+    (`typical_context`)."""
+    block_size = block_size or draft.block_size
+    timings = time_step_stages(draft, target, context_ids, block_size, mask_token_id, list(range(1, block_size + 1)),
+                               repeats, batch_size)
+    verify = nondecreasing([timings["verify"][width] for width in range(1, block_size + 1)])
+    return StepCosts(timings["draft"], tuple(verify))
+
+
+def nondecreasing(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence in squared error (pool adjacent violators): verify times measured on a busy
+    machine, where a wider verify sometimes times faster than a narrower one by chance."""
+    pools: list[list[float]] = []  # [mean, count] per pool of adjacent values
+    for value in values:
+        pools.append([value, 1])
+        while len(pools) > 1 and pools[-2][0] > pools[-1][0]:
+            mean, count = pools.pop()
+            pools[-1] = [(pools[-1][0] * pools[-1][1] + mean * count) / (pools[-1][1] + count), pools[-1][1] + count]
+    return [mean for mean, count in pools for _ in range(int(count))]
 
 
 def cost_model_bound(tau: float, step_costs: dict[str, float]) -> float:
@@ -324,6 +386,23 @@ def choose_block_size(
 
 
 @torch.no_grad()
+def calibration_run(
+    draft: DFlashDraftModel,
+    target: torch.nn.Module,
+    prompt: list[int],
+    settings: BenchSettings,
+    stop_token_ids: list[int],
+    mask_token_id: int,
+) -> SpecGenerateOutput:
+    """One prompt, greedy, at the draft's full block: the acceptance and the answer the automatic choices rest on."""
+    device = target_device(target)
+    return draft.spec_generate(target=target, input_ids=torch.tensor([prompt], device=device),
+                               max_new_tokens=settings.max_new_tokens, temperature=0.0, stop_token_ids=stop_token_ids,
+                               mask_token_id=mask_token_id, return_stats=True,
+                               **neutral_overrides(getattr(target, "generation_config", None)))
+
+
+@torch.no_grad()
 def calibrate_block_size(
     draft: DFlashDraftModel,
     target: torch.nn.Module,
@@ -332,15 +411,26 @@ def calibrate_block_size(
     stop_token_ids: list[int],
     mask_token_id: int,
 ) -> tuple[int, dict[int, float]]:
-    """Run one prompt at the draft's full block for its acceptance histogram, then `choose_block_size` for N rows."""
-    device = target_device(target)
-    result = draft.spec_generate(target=target, input_ids=torch.tensor([prompt], device=device),
-                                 max_new_tokens=settings.max_new_tokens, temperature=0.0, stop_token_ids=stop_token_ids,
-                                 mask_token_id=mask_token_id, return_stats=True,
-                                 **neutral_overrides(getattr(target, "generation_config", None)))
+    """`calibration_run` on one prompt for its acceptance histogram, then `choose_block_size` for N rows."""
+    result = calibration_run(draft, target, prompt, settings, stop_token_ids, mask_token_id)
     histogram = acceptance_histogram(result.acceptance_lengths[0], draft.block_size)
-    return choose_block_size(draft, target, typical_context(prompt, result.new_tokens(0), device), histogram,
-                             settings.batch_size, mask_token_id)
+    return choose_block_size(draft, target, typical_context(prompt, result.new_tokens(0), target_device(target)),
+                             histogram, settings.batch_size, mask_token_id)
+
+
+@torch.no_grad()
+def calibrate_step_costs(
+    draft: DFlashDraftModel,
+    target: torch.nn.Module,
+    prompt: list[int],
+    settings: BenchSettings,
+    stop_token_ids: list[int],
+    mask_token_id: int,
+) -> StepCosts:
+    """`measure_verify_costs` for N rows at the draft's full block, after `calibration_run`'s typical context."""
+    result = calibration_run(draft, target, prompt, settings, stop_token_ids, mask_token_id)
+    context = typical_context(prompt, result.new_tokens(0), target_device(target))
+    return measure_verify_costs(draft, target, context, mask_token_id, batch_size=settings.batch_size)
 
 
 def typical_context(prompt: list[int], answer: list[int], device: torch.device) -> torch.Tensor:
@@ -394,8 +484,12 @@ def summarize(
     step_costs: dict[str, float] | None,
     greedy: bool,
     batch_size: int = 1,
+    verify_costs: StepCosts | None = None,
 ) -> dict[str, Any]:
     """One dataset's results: tau, histogram, tokens/s per method (all rows), speedup, bound, lossless.
+
+    With `verify_costs` (adaptive verify length): the mean verified length, and a bound that prices each step at the
+    width it verified.
 
     Greedy only (None under sampling): `verdicts` counts each method's "exact" / "near-tie" / "NO" turns against plain
     `generate`, `divergences` lists the turns that were not exact, and `lossless` (DFlash) and `lossless_<method>`
@@ -413,6 +507,11 @@ def summarize(
     compared = [method for method in methods if method != "plain"]
     verdicts, divergences = verdict_summary(records, compared) if greedy else (None, None)
     lossless = {method: verdicts[method]["NO"] == 0 if greedy else None for method in compared}
+    verified = [length for record in records for length in record.verified_lengths]
+    bound = cost_model_bound(tau, step_costs) if step_costs else None
+    if step_costs and verify_costs is not None and verified:
+        modelled = sum(verify_costs.draft + verify_costs.verify[width - 1] for width in verified)
+        bound = sum(n for record in records for n in record.acceptance_lengths) * step_costs["target_1"] / modelled
     return {
         "dataset": dataset,
         "num_prompts": num_prompts,
@@ -426,8 +525,12 @@ def summarize(
         "speedup_prompt_lookup": tokens_per_s["prompt_lookup"] / plain if plain > 0 and "prompt_lookup" in tokens_per_s else None,
         "speedup_transformers_dflash": tokens_per_s["transformers_dflash"] / plain
         if plain > 0 and "transformers_dflash" in tokens_per_s else None,
-        "bound": cost_model_bound(tau, step_costs) if step_costs else None,
+        "bound": bound,
         "step_costs_ms": {k: v * 1000 for k, v in step_costs.items()} if step_costs else None,
+        "adaptive_verify": verify_costs is not None,
+        "mean_verified_length": mean_acceptance_length(verified) if verified else None,
+        "verify_costs_ms": None if verify_costs is None else
+        {"draft": verify_costs.draft * 1000, "verify": [seconds * 1000 for seconds in verify_costs.verify]},
         "lossless": lossless["dflash"],
         "lossless_prompt_lookup": lossless.get("prompt_lookup"),
         "lossless_transformers_dflash": lossless.get("transformers_dflash"),
@@ -469,8 +572,11 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
         bound = f"{result['bound']:.2f}x" if result["bound"] is not None else "-"
         lossless = lossless_cell(result)
         batch = f" {result.get('batch_size', 1)} |" if batched else ""
+        block = result["block_size"]
+        if result.get("adaptive_verify"):  # drafted `block`, verified a worthwhile prefix of it per step
+            block = f"{block} (adaptive, verified {result['mean_verified_length']:.2f})"
         lines.append(
-            f"| {result['dataset']} | {result['num_prompts']} |{batch} {result['block_size']} | {result['tau']:.2f} | "
+            f"| {result['dataset']} | {result['num_prompts']} |{batch} {block} | {result['tau']:.2f} | "
             f"{rates['plain']:.1f} | {rates['dflash']:.1f} | {lookup} | {native} | {result['speedup']:.2f}x | {bound} | "
             f"{lossless} |"
         )
@@ -487,19 +593,22 @@ def evaluate_draft(
     *,
     stop_token_ids: list[int],
     on_result: Callable[[int, TurnRecord], None] | None = None,
+    step_costs: StepCosts | None = None,
 ) -> dict[str, Any]:
     """`dflash-hf bench`'s greedy measurement of prompts one at a time: tau, tokens/s against `target.generate`, lossless.
 
     `on_result(prompt_index, record)` sees each prompt's record as soon as it is measured; the method that runs first
-    rotates from prompt to prompt.
+    rotates from prompt to prompt. `step_costs`: adaptive verify length (`spec_generate(step_costs=...)`).
     """
     if not stop_token_ids:
         raise ValueError("evaluate_draft needs a stop token (the first one also pads): see dflash_hf.generation_tokens.")
-    settings = BenchSettings(max_new_tokens=max_new_tokens, block_size=block_size, prompt_lookup_tokens=None)
+    settings = BenchSettings(max_new_tokens=max_new_tokens, block_size=block_size, prompt_lookup_tokens=None,
+                             step_costs=step_costs)
     warm_up(draft, target, prompts[:1], settings, stop_token_ids)
     records = []
     for index, prompt in enumerate(prompts):
         records += measure_prompts(draft, target, [prompt], settings, stop_token_ids, turn=index)
         if on_result is not None:
             on_result(index, records[-1])
-    return summarize("evaluation", records, len(prompts), block_size or draft.block_size, None, greedy=True)
+    return summarize("evaluation", records, len(prompts), block_size or draft.block_size, None, greedy=True,
+                     verify_costs=step_costs)

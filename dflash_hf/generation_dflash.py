@@ -1,7 +1,7 @@
 """The DFlash decoding loop (design doc section 3): draft a block, verify it in one target pass, keep the longest match.
 
 `speculative_decode` takes any proposer and reads as named stages: `prefill`, then per step `drop_finished`,
-`compact_caches`, `plan_step`, `propose`, `verify`, `commit` and `keep_context`, then `finish`. A `DecodeState`
+`compact_caches`, `plan_step`, `propose`, `shorten_step`, `verify`, `commit` and `keep_context`, then `finish`. A `DecodeState`
 holds what one call changes; `GenerationSettings` what it was asked. `spec_generate` wires the loop to a DFlash draft.
 
 Hub remote code: imports only torch and transformers.
@@ -10,7 +10,7 @@ Hub remote code: imports only torch and transformers.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -63,6 +63,7 @@ class SpecGenerateOutput:
     num_prompt_tokens: int  # T: the prompt width, padding included
     num_new_tokens: list[int]  # per row: generated tokens, a final stop token included
     acceptance_lengths: list[list[int]]  # per row: tokens committed by each verify step the row took part in
+    verified_lengths: list[list[int]] = field(default_factory=list)  # per row: tokens each of those steps verified
     time_to_first_token: float = 0.0  # seconds: prefill and the first token of every row
     total_time: float = 0.0  # seconds: the whole generation
     block_size: int = 1
@@ -87,6 +88,11 @@ class SpecGenerateOutput:
         return mean_acceptance_length(length for row in self.acceptance_lengths for length in row)
 
     @property
+    def mean_verified_length(self) -> float:
+        """Mean tokens verified per step over every row's steps (the block size, unless steps were shortened)."""
+        return mean_acceptance_length(length for row in self.verified_lengths for length in row)
+
+    @property
     def tokens_per_second(self) -> float:
         """Generated tokens of all rows divided by the whole generation time."""
         return self.num_output_tokens / self.total_time if self.total_time > 0 else 0.0
@@ -108,6 +114,20 @@ def synchronize(device: torch.device) -> None:
 
 
 @dataclass(frozen=True)
+class StepCosts:
+    """Seconds of one loop step measured on this machine at one batch size (`evaluation.measure_verify_costs`)."""
+
+    draft: float  # a draft pass over the block
+    verify: tuple[float, ...]  # verify[w - 1]: a target verify of w tokens per row, w = 1 .. block size
+
+    def __post_init__(self) -> None:
+        if not self.verify or min(self.verify) <= 0 or self.draft < 0:
+            raise ValueError(f"StepCosts needs positive verify seconds for widths 1 .. B and a draft time >= 0; got "
+                             f"draft {self.draft}, verify {self.verify}. Measure them with "
+                             "dflash_hf.evaluation.measure_verify_costs.")
+
+
+@dataclass(frozen=True)
 class GenerationSettings:
     """What one call of the loop was asked (per-row generators and streamers already expanded)."""
 
@@ -120,6 +140,7 @@ class GenerationSettings:
     pad_token_id: int = 0
     generators: tuple[torch.Generator | None, ...] = ()  # one per row
     streamers: tuple[Any, ...] | None = None  # one per row
+    step_costs: StepCosts | None = None  # given: each step verifies only the prefix of proposals worth its cost
 
 
 @dataclass
@@ -148,6 +169,7 @@ class DecodeState:
     prompts: list[list[int]]  # per row, without padding
     generated: list[list[int]]  # per row: committed tokens; the last one is pending
     acceptance_lengths: list[list[int]]  # per row: tokens committed by each verify step
+    verified_lengths: list[list[int]]  # per row: tokens verified by each step
     finished: list[bool]
     active: list[int]  # rows still decoding, in the caches' row order
     cache: Any  # the target's KV cache, shared by the active rows
@@ -212,7 +234,7 @@ def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     features = capture.result(outputs)  # [N, T, L*H] or None
     state = DecodeState(
         input_ids=input_ids, prompts=prompts, generated=[], acceptance_lengths=[[] for _ in prompts],
-        finished=[], active=list(range(num_rows)), cache=cache, cache_argument=cache_argument,
+        verified_lengths=[[] for _ in prompts], finished=[], active=list(range(num_rows)), cache=cache, cache_argument=cache_argument,
         columns=CacheColumns(valid, [len(prompt) for prompt in prompts], contiguous=windowed), layer_ids=layer_ids,
         context=None if features is None else TargetContext.of(features, left_padded_positions(valid),
                                                                valid if padded else None),
@@ -284,12 +306,40 @@ def propose(proposer: Proposer | None, state: DecodeState, step: StepPlan, setti
         top_k=settings.top_k,
         top_p=settings.top_p,
         generators=tuple(settings.generators[row] for row in state.active),
+        score_proposals=settings.step_costs is not None,
     )
     state.context = None  # handed over
     proposal = proposer.propose(draft_step)
     proposal = proposal if isinstance(proposal, Proposal) else Proposal(proposal)
     tokens = proposal.tokens.to(device=state.device, dtype=torch.long).reshape(len(state.active), step.width - 1)
-    return Proposal(tokens, proposal.draft_probabilities)
+    return Proposal(tokens, proposal.draft_probabilities, proposal.confidences)
+
+
+def worthwhile_width(confidences: torch.Tensor, counts: list[int], costs: StepCosts) -> int:
+    """The verify width w (1 .. b) with the most expected tokens per second for draft confidences [n, b - 1].
+
+    A row expects 1 + the sum over k < w of the draft's cumulative confidence in its first k proposals (at most its
+    count); a step costs the draft pass and a w-token verify. The width never changes which tokens are committed.
+    """
+    num_rows, width = confidences.shape[0], confidences.shape[1] + 1
+    survival = confidences.float().cumprod(dim=1)  # [n, b - 1]: P(the first k proposals are all accepted)
+    usable = torch.arange(1, width, device=survival.device)[None, :] < host_to_device(counts, survival.device)[:, None]
+    expected = torch.cat((survival.new_ones(num_rows, 1), (survival * usable).cumsum(dim=1) + 1), dim=1)  # [n, b]
+    seconds = torch.tensor(costs.verify[:width], device=survival.device) + costs.draft  # [b]
+    return int((expected.sum(dim=0) / seconds).argmax()) + 1
+
+
+def shorten_step(step: StepPlan, proposal: Proposal, settings: GenerationSettings) -> tuple[StepPlan, Proposal]:
+    """With step costs: the step cut to `worthwhile_width` (the pending token and that many - 1 proposals)."""
+    confidences = proposal.proposal_confidences()
+    if settings.step_costs is None or confidences is None or step.width == 1:
+        return step, proposal
+    width = worthwhile_width(confidences, step.counts, settings.step_costs)
+    if width == step.width:
+        return step, proposal
+    probabilities = proposal.draft_probabilities
+    return (StepPlan(width, [min(width, count) for count in step.counts], step.positions[:, :width], step.pending),
+            Proposal(proposal.tokens[:, : width - 1], None if probabilities is None else probabilities[:, : width - 1]))
 
 
 def verify(target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal: Proposal,
@@ -302,7 +352,7 @@ def verify(target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal
     """
     mask = state.columns.attention_mask(step.width)
     holes = {} if mask is None else {"attention_mask": mask.long(), "position_ids": step.positions}
-    capture = FeatureCapture(target, state.layer_ids if step.width > 1 else None, state.device)
+    capture = FeatureCapture(target, state.layer_ids, state.device)
     logits, outputs = verify_forward(
         target, capture,
         input_ids=torch.cat((step.pending, proposal.tokens), dim=1),  # [n, b]
@@ -344,6 +394,7 @@ def commit(state: DecodeState, step: StepPlan, proposal: Proposal, tokens_of_tar
         accepted, new_tokens, stopped = commit_block(tokens[: step.width - 1], tokens[step.width - 1 :],
                                                      step.counts[index], settings.stop_token_ids)
         state.acceptance_lengths[row].append(accepted + 1)
+        state.verified_lengths[row].append(step.width)
         state.generated[row].extend(new_tokens)
         state.finished[row] = stopped or len(state.generated[row]) >= settings.max_new_tokens
         accepted_counts.append(accepted)
@@ -381,6 +432,7 @@ def finish(state: DecodeState, settings: GenerationSettings) -> SpecGenerateOutp
         num_prompt_tokens=state.input_ids.shape[1],
         num_new_tokens=num_new_tokens,
         acceptance_lengths=state.acceptance_lengths,
+        verified_lengths=state.verified_lengths,
         time_to_first_token=state.first_token_time - state.started,
         total_time=ended - state.started,
         block_size=settings.block_size,
@@ -405,17 +457,22 @@ def speculative_decode(
     attention_mask: torch.Tensor | None = None,
     streamers: Sequence[Any] | None = None,
     pad_token_id: int = 0,
+    step_costs: StepCosts | None = None,
 ) -> SpecGenerateOutput:
     """Draft-and-verify decoding of N left-padded prompts [N, T] (design doc section 3); exact for any proposer.
 
-    `generator` is one generator for the batch or one per row; `streamers` has one streamer per row.
+    `generator` is one generator for the batch or one per row; `streamers` has one streamer per row. `step_costs`
+    (widths 1 .. block_size): each step verifies only the prefix of proposals worth its cost (`shorten_step`).
     """
+    if step_costs is not None and len(step_costs.verify) < block_size:
+        raise ValueError(f"step_costs times verify widths 1 .. {len(step_costs.verify)} but block_size is {block_size}; "
+                         "measure them at this block size (dflash_hf.evaluation.measure_verify_costs).")
     device = target_device(target)
     settings = GenerationSettings(
         max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature, top_k=top_k, top_p=top_p,
         stop_token_ids=frozenset(stop_token_ids or ()), pad_token_id=pad_token_id,
         generators=row_generators(generator, input_ids.shape[0], device),
-        streamers=None if streamers is None else tuple(streamers),
+        streamers=None if streamers is None else tuple(streamers), step_costs=step_costs,
     )
     layer_ids = proposer.target_layer_ids if proposer is not None and block_size > 1 else None
     state = prefill(target, input_ids, attention_mask, layer_ids, settings)
@@ -423,6 +480,7 @@ def speculative_decode(
         compact_caches(state)
         step = plan_step(state, settings)
         proposal = propose(proposer, state, step, settings)
+        step, proposal = shorten_step(step, proposal, settings)
         tokens_of_target = verify(target, state, step, proposal, settings)
         accepted_counts = commit(state, step, proposal, tokens_of_target, settings)
         keep_context(state, step, accepted_counts)
@@ -492,6 +550,7 @@ def spec_generate(
     return_stats: bool = False,
     acceptance: str = "rejection",
     draft_vocab: bool | Sequence[int] | torch.Tensor | None = None,
+    step_costs: StepCosts | None = None,
     do_sample: bool | None = None,
     generation_config: Any = None,
     **generation_settings: Any,
@@ -504,7 +563,9 @@ def spec_generate(
     When sampling, `acceptance="rejection"` samples the draft's proposals and keeps them by speculative sampling;
     `"equality"` proposes the draft's argmax and keeps a proposal when the target samples the same token.
     `draft_vocab`: the token ids the draft proposes from (None: its config's `draft_vocab` if any; False: every token);
-    verification is unchanged, so the output stays the target's own.
+    verification is unchanged, so the output stays the target's own. `step_costs` (this machine's, from
+    `dflash_hf.evaluation.measure_verify_costs`): each step verifies only the prefix of the drafted block whose expected
+    tokens pay for its verify time; the output is the same, only the verified lengths change.
     """
     if acceptance not in ("rejection", "equality"):
         raise ValueError(f"acceptance must be 'rejection' or 'equality', got {acceptance!r}.")
@@ -526,5 +587,6 @@ def spec_generate(
         top_k=choices.top_k, top_p=choices.top_p, stop_token_ids=choices.stop_token_ids,
         generator=row_generators(generator, num_rows, device, seed if choices.temperature > 0 else None),
         attention_mask=attention_mask, streamers=_as_streamers(streamer, num_rows), pad_token_id=choices.pad_token_id,
+        step_costs=step_costs,
     )
     return result if return_stats else result.output_ids

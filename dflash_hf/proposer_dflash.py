@@ -38,6 +38,7 @@ class DraftStep:
     generators: tuple[torch.Generator | None, ...] = ()  # one per row of this step
     block_position_ids: torch.Tensor | None = None  # [N, block_size]: positions s .. s + B - 1 on the target's device
     pending_ids: torch.Tensor | None = None  # [N]: the pending tokens on the target's device
+    score_proposals: bool = False  # the loop wants the draft's confidence in each proposal (Proposal.confidences)
 
     @property
     def pending_tokens(self) -> list[int]:
@@ -61,6 +62,16 @@ class Proposal:
 
     tokens: torch.Tensor  # [N, B-1]
     draft_probabilities: torch.Tensor | None = None  # [N, B-1, V]: q, after the same temperature / top-k / top-p as p
+    # [N, B-1]: the draft's confidence at each position, a function of its distributions only, never of a sampled
+    # token: a width chosen from the sampled tokens would bias which proposals get verified (None: not scored)
+    confidences: torch.Tensor | None = None
+
+    def proposal_confidences(self) -> torch.Tensor | None:
+        """The draft's confidence at each position [N, B-1]: as scored, else the largest probability of q (None:
+        unknown)."""
+        if self.confidences is not None or self.draft_probabilities is None:
+            return self.confidences
+        return self.draft_probabilities.amax(dim=-1)
 
 
 class Proposer(Protocol):
@@ -145,9 +156,11 @@ class DFlashProposer:
         proposal_states = proposal_states.contiguous().to(self.lm_head.weight.dtype)
         sample = step.temperature > 0.0 and self.sample_proposals
         selector = self.draft.candidate_selector
+        shape = (len(step.row_ids), block_size - 1)
         if self.vocab is not None and not sample and selector is None:  # greedy: the argmax over the draft's vocabulary
             logits = self.draft.scale_logits(self.vocab.logits(proposal_states))  # [N * (B-1), K]
-            return self.vocab.ids[logits.argmax(dim=-1).to(device)].view(len(step.row_ids), block_size - 1)
+            tokens = self.vocab.ids[logits.argmax(dim=-1).to(device)].view(shape)
+            return Proposal(tokens, confidences=greedy_confidences(logits).view(shape) if step.score_proposals else None)
         if self.vocab is not None:
             logits = self.vocab.full_logits(self.draft.scale_logits(self.vocab.logits(proposal_states)))
         else:
@@ -155,7 +168,14 @@ class DFlashProposer:
         logits = logits.view(len(step.row_ids), block_size - 1, -1)  # [N, B-1, V]
         if selector is not None:
             return select_candidates(selector, logits, hidden[:, 1:], block_ids[:, 0], step, sample)
-        return sample_proposals(logits, step) if sample else logits.argmax(dim=-1)
+        if sample:
+            return sample_proposals(logits, step)
+        return Proposal(logits.argmax(dim=-1), confidences=greedy_confidences(logits) if step.score_proposals else None)
+
+
+def greedy_confidences(logits: torch.Tensor) -> torch.Tensor:
+    """The draft's probability of its argmax at each position: logits [..., V] -> [...]."""
+    return logits.float().softmax(dim=-1).amax(dim=-1)
 
 
 def draft_vocab_ids(draft: DFlashDraftModel, choice: bool | Sequence[int] | torch.Tensor | None,

@@ -8,6 +8,7 @@ from scipy.stats import chisquare
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from dflash_hf import DraftStep, speculative_decode
+from dflash_hf.generation_dflash import StepCosts
 from dflash_hf.proposer_dflash import DFlashProposer, Proposal
 from dflash_hf.sampling_dflash import speculative_sample
 from helpers import chi_square_p_value, make_draft, make_target
@@ -97,6 +98,48 @@ def test_sampled_sequences_follow_the_target_distribution(setup, proposer_kind, 
     wrong = exact_joint(target, input_ids, temperature * 1.5, top_k, top_p)
     p_value_wrong = chi_square_p_value(counts, wrong, NUM_SAMPLES)
     print(proposer_kind, temperature, top_k, top_p, "accepted", accepted_drafts, "p", p_value, "p_wrong", p_value_wrong)
+    assert p_value > 1e-3
+    assert p_value_wrong < 1e-3
+
+
+class TokenDependentConfidence(DFlashProposer):
+    """The wrong confidence: q of the token it sampled. The width then depends on the sampled token, which biases the
+    proposals that get verified (the test below must catch it)."""
+
+    def propose(self, step: DraftStep) -> Proposal:
+        proposal = super().propose(step)
+        sampled_q = proposal.draft_probabilities.gather(-1, proposal.tokens[..., None])[..., 0]
+        return Proposal(proposal.tokens, proposal.draft_probabilities, confidences=sampled_q)
+
+
+@pytest.mark.parametrize("sample_proposals", [True, False, "token_dependent"])
+def test_shortened_steps_keep_the_target_distribution(setup, sample_proposals):
+    """Adaptive verify length: each step verifies the prefix its draft confidences choose; still the target's law."""
+    target, input_ids = setup
+    proposer_class = TokenDependentConfidence if sample_proposals == "token_dependent" else DFlashProposer
+    draft = make_draft(12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
+    costs = StepCosts(draft=0.0, verify=(1.0, 1.7, 2.0, 2.3))  # a second token pays when the draft is > 70 % sure
+    generator = torch.Generator().manual_seed(4321)
+    counts: dict[tuple[int, ...], int] = {}
+    widths: set[int] = set()
+    accepted_drafts = 0
+    with torch.no_grad():
+        for _ in range(NUM_SAMPLES):
+            proposer = proposer_class(draft, target, VOCAB - 1, sample_proposals=bool(sample_proposals))
+            result = speculative_decode(target, proposer, input_ids, max_new_tokens=NUM_NEW, block_size=4,
+                                        temperature=1.0, generator=generator, step_costs=costs)
+            cell = tuple(result.new_token_ids[0].tolist())
+            counts[cell] = counts.get(cell, 0) + 1
+            widths.add(result.verified_lengths[0][0])
+            accepted_drafts += sum(a - 1 for a in result.acceptance_lengths[0])
+    assert widths == {1, 2}  # the first step (two tokens left) was shortened in some runs, not in others
+    assert accepted_drafts > NUM_SAMPLES // 10
+    p_value = chi_square_p_value(counts, exact_joint(target, input_ids, 1.0, None, None), NUM_SAMPLES)
+    p_value_wrong = chi_square_p_value(counts, exact_joint(target, input_ids, 1.5, None, None), NUM_SAMPLES)
+    print("sample_proposals", sample_proposals, "accepted", accepted_drafts, "p", p_value, "p_wrong", p_value_wrong)
+    if sample_proposals == "token_dependent":
+        assert p_value < 1e-3  # the statistic sees the bias of a token-dependent width
+        return
     assert p_value > 1e-3
     assert p_value_wrong < 1e-3
 
