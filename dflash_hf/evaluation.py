@@ -28,7 +28,14 @@ from .generation_dflash import (
 from .modeling_dflash import DFlashDraftModel
 from .proposer_dflash import Proposal
 from .sampling_dflash import cut_after_stop, mean_acceptance_length
-from .target_dflash import few_row_product, is_plain_linear, last_logits_only, neutral_overrides, target_device
+from .target_dflash import (
+    few_row_product,
+    grouped_query_attention,
+    is_plain_linear,
+    last_logits_only,
+    neutral_overrides,
+    target_device,
+)
 
 METHODS = ("plain", "dflash", "prompt_lookup", "transformers_dflash")  # the last: Transformers' own DFlash loop
 VERDICTS = ("exact", "near-tie", "NO")
@@ -253,6 +260,13 @@ def time_step_stages(
     the machine spreads over all of them. Every output is dropped as soon as it is timed; between repetitions only
     the cache and the proposal are kept.
     """
+    with grouped_query_attention(target):  # as in speculative_decode
+        return _time_step_stages(draft, target, context_ids, block_size, mask_token_id, verify_widths, repeats,
+                                 batch_size)
+
+
+def _time_step_stages(draft: DFlashDraftModel, target: torch.nn.Module, context_ids: torch.Tensor, block_size: int,
+                      mask_token_id: int, verify_widths: list[int], repeats: int, batch_size: int) -> dict[str, Any]:
     device = context_ids.device
     settings = GenerationSettings(max_new_tokens=block_size + 1, block_size=block_size,
                                   generators=(None,) * batch_size)
@@ -488,8 +502,8 @@ def summarize(
 ) -> dict[str, Any]:
     """One dataset's results: tau, histogram, tokens/s per method (all rows), speedup, bound, lossless.
 
-    With `verify_costs` (adaptive verify length): the mean verified length, and a bound that prices each step at the
-    width it verified.
+    With `verify_costs` (adaptive verify length): the mean verified length and the costs; no bound, as the verify
+    widths' costs were timed at another moment than the plain step (on a busy CPU they drift by 10-20 %).
 
     Greedy only (None under sampling): `verdicts` counts each method's "exact" / "near-tie" / "NO" turns against plain
     `generate`, `divergences` lists the turns that were not exact, and `lossless` (DFlash) and `lossless_<method>`
@@ -508,10 +522,7 @@ def summarize(
     verdicts, divergences = verdict_summary(records, compared) if greedy else (None, None)
     lossless = {method: verdicts[method]["NO"] == 0 if greedy else None for method in compared}
     verified = [length for record in records for length in record.verified_lengths]
-    bound = cost_model_bound(tau, step_costs) if step_costs else None
-    if step_costs and verify_costs is not None and verified:
-        modelled = sum(verify_costs.draft + verify_costs.verify[width - 1] for width in verified)
-        bound = sum(n for record in records for n in record.acceptance_lengths) * step_costs["target_1"] / modelled
+    bound = cost_model_bound(tau, step_costs) if step_costs and verify_costs is None else None
     return {
         "dataset": dataset,
         "num_prompts": num_prompts,

@@ -40,6 +40,7 @@ from .target_dflash import (
     FeatureCapture,
     check_draft_target,
     check_generation_inputs,
+    grouped_query_attention,
     last_logits_only,
     resolve_generation_choices,
     target_device,
@@ -475,15 +476,16 @@ def speculative_decode(
         streamers=None if streamers is None else tuple(streamers), step_costs=step_costs,
     )
     layer_ids = proposer.target_layer_ids if proposer is not None and block_size > 1 else None
-    state = prefill(target, input_ids, attention_mask, layer_ids, settings)
-    while drop_finished(state, proposer):
-        compact_caches(state)
-        step = plan_step(state, settings)
-        proposal = propose(proposer, state, step, settings)
-        step, proposal = shorten_step(step, proposal, settings)
-        tokens_of_target = verify(target, state, step, proposal, settings)
-        accepted_counts = commit(state, step, proposal, tokens_of_target, settings)
-        keep_context(state, step, accepted_counts)
+    with grouped_query_attention(target):  # CPU: a verify's attention without copies of the key/value heads
+        state = prefill(target, input_ids, attention_mask, layer_ids, settings)
+        while drop_finished(state, proposer):
+            compact_caches(state)
+            step = plan_step(state, settings)
+            proposal = propose(proposer, state, step, settings)
+            step, proposal = shorten_step(step, proposal, settings)
+            tokens_of_target = verify(target, state, step, proposal, settings)
+            accepted_counts = commit(state, step, proposal, tokens_of_target, settings)
+            keep_context(state, step, accepted_counts)
     return finish(state, settings)
 
 

@@ -160,7 +160,7 @@ class DFlashProposer:
         if self.vocab is not None and not sample and selector is None:  # greedy: the argmax over the draft's vocabulary
             logits = self.draft.scale_logits(self.vocab.logits(proposal_states))  # [N * (B-1), K]
             tokens = self.vocab.ids[logits.argmax(dim=-1).to(device)].view(shape)
-            return Proposal(tokens, confidences=greedy_confidences(logits).view(shape) if step.score_proposals else None)
+            return Proposal(tokens, confidences=greedy_confidences(logits).view(shape)) if step.score_proposals else tokens
         if self.vocab is not None:
             logits = self.vocab.full_logits(self.draft.scale_logits(self.vocab.logits(proposal_states)))
         else:
@@ -170,7 +170,8 @@ class DFlashProposer:
             return select_candidates(selector, logits, hidden[:, 1:], block_ids[:, 0], step, sample)
         if sample:
             return sample_proposals(logits, step)
-        return Proposal(logits.argmax(dim=-1), confidences=greedy_confidences(logits) if step.score_proposals else None)
+        tokens = logits.argmax(dim=-1)
+        return Proposal(tokens, confidences=greedy_confidences(logits)) if step.score_proposals else tokens
 
 
 def greedy_confidences(logits: torch.Tensor) -> torch.Tensor:

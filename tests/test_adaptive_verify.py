@@ -153,7 +153,7 @@ def test_the_draft_scores_its_proposals_only_when_asked():
             return proposals[-1]
 
     speculative_decode(target, Recording(), prompt(7, 5), 12, 8)
-    assert proposals and all(p.confidences is None for p in proposals)
+    assert proposals and all(isinstance(p, torch.Tensor) for p in proposals)  # unscored: the tokens as before
     proposals.clear()
     speculative_decode(target, Recording(), prompt(7, 5), 12, 8, step_costs=FLAT)
     confidences = proposals[0].confidences  # [1, 7]: the draft's probability of its own argmax
