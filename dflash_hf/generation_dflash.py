@@ -1,8 +1,9 @@
 """The DFlash decoding loop (design doc section 3): draft a block, verify it in one target pass, keep the longest match.
 
 `speculative_decode` takes any proposer and reads as named stages: `prefill`, then per step `drop_finished`,
-`compact_caches`, `plan_step`, `propose`, `shorten_step`, `verify`, `commit` and `keep_context`, then `finish`. A `DecodeState`
-holds what one call changes; `GenerationSettings` what it was asked. `spec_generate` wires the loop to a DFlash draft.
+`compact_caches`, `plan_step`, `propose`, `shorten_step`, `verify`, `commit` and `keep_context`, then `finish`. A
+`DecodeState` holds what one call changes; `GenerationSettings` what it was asked. `spec_generate` wires the loop to a
+DFlash draft.
 
 Hub remote code: imports only torch and transformers.
 """
@@ -235,7 +236,8 @@ def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     features = capture.result(outputs)  # [N, T, L*H] or None
     state = DecodeState(
         input_ids=input_ids, prompts=prompts, generated=[], acceptance_lengths=[[] for _ in prompts],
-        verified_lengths=[[] for _ in prompts], finished=[], active=list(range(num_rows)), cache=cache, cache_argument=cache_argument,
+        verified_lengths=[[] for _ in prompts], finished=[], active=list(range(num_rows)), cache=cache,
+        cache_argument=cache_argument,
         columns=CacheColumns(valid, [len(prompt) for prompt in prompts], contiguous=windowed), layer_ids=layer_ids,
         context=None if features is None else TargetContext.of(features, left_padded_positions(valid),
                                                                valid if padded else None),

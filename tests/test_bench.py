@@ -228,6 +228,26 @@ def test_bench_command_auto_block_size(saved_models, tmp_path):
     assert result["lossless"] is True
 
 
+def test_bench_command_adaptive_verify_length(saved_models, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"turns": ["w5 w6 w7"]}\n{"turns": ["w8 w9"]}\n')
+    out = tmp_path / "bench.json"
+    main(["bench", *saved_models, "--prompts", str(prompts), "--block-size", "adaptive", "--max-new-tokens", "12",
+          "--json", str(out), "--plot", ""])
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["adaptive_verify"] is True and result["block_size"] == 4 and result["lossless"] is True
+    assert len(result["verify_costs_ms"]["verify"]) == 4 and result["bound"] is None
+    assert 1.0 <= result["mean_verified_length"] <= 4.0
+    assert "4 (adaptive, verified" in markdown_table([result])
+
+
+def test_bench_block_size_values_are_checked():
+    with pytest.raises(SystemExit):
+        main(["bench", "--block-size", "adaptiv"])
+    with pytest.raises(SystemExit, match="--synthetic times given block sizes"):
+        main(["bench", "--synthetic", "Qwen3-8B", "--block-size", "adaptive"])
+
+
 def test_bench_refuses_a_block_longer_than_the_drafts_before_running(saved_models, tmp_path, monkeypatch):
     monkeypatch.setattr(benchmark, "run_benchmark", lambda *args, **kwargs: pytest.fail("ran before the check"))
     with pytest.raises(SystemExit, match="--block-size 16: the draft was trained with blocks of 4; pass 1 to 4"):
