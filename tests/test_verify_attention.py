@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_hf.cache_dflash import crop_cache
+from dflash_hf.cache_dflash import cache_keyword, crop_cache, returned_cache
 from dflash_hf.target_dflash import GROUPED_QUERY_SDPA, grouped_query_attention
 from helpers import VOCAB_SIZE, make_draft, make_target, plain_greedy
 
@@ -19,14 +19,15 @@ def prompt(seed: int, length: int) -> torch.Tensor:
 def test_a_verify_gives_the_same_logits_with_and_without_the_switch(arch, context, width):
     target = make_target(arch, seed=1)
     assert target.config._attn_implementation == "sdpa"
+    keyword = cache_keyword(target)
     with torch.no_grad():
-        cache = target(input_ids=prompt(1, context), use_cache=True).past_key_values
+        cache = returned_cache(target(input_ids=prompt(1, context), use_cache=True))
         block = prompt(2, width)
-        expected = target(input_ids=block, past_key_values=cache, use_cache=True).logits
+        expected = target(input_ids=block, use_cache=True, **{keyword: cache}).logits
         crop_cache(cache, context)
         with grouped_query_attention(target) as switched:
             assert switched and target.config._attn_implementation == GROUPED_QUERY_SDPA
-            logits = target(input_ids=block, past_key_values=cache, use_cache=True).logits
+            logits = target(input_ids=block, use_cache=True, **{keyword: cache}).logits
     assert torch.equal(logits, expected)
     assert target.config._attn_implementation == "sdpa"
 
