@@ -166,3 +166,11 @@ def test_measured_verify_costs_cover_every_width():
     assert len(costs.verify) == 4 and min(costs.verify) > 0 and costs.draft > 0
     output = draft.spec_generate(target=target, input_ids=prompt(8, 4), max_new_tokens=15, step_costs=costs)
     assert torch.equal(output, plain_greedy(target, prompt(8, 4), 15))
+
+
+def test_measured_verify_times_are_made_non_decreasing():
+    from dflash_hf.evaluation import nondecreasing
+
+    assert nondecreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]  # already in order: unchanged
+    assert nondecreasing([3.0, 2.0, 1.0]) == [2.0, 2.0, 2.0]  # one pool, its mean
+    assert nondecreasing([49.6, 61.0, 57.0, 68.5]) == [49.6, 59.0, 59.0, 68.5]  # a noisy pair is averaged
