@@ -21,6 +21,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt JSONL files (default: gsm8k_train.jsonl in the data folder, see --data-dir)")
     parser.add_argument("--data-dir", default=None, help="folder of the default prompt files ($DFLASH_HF_DATA_DIR)")
     parser.add_argument("--num-prompts", type=int, default=480)
+    parser.add_argument("--first-prompt", type=int, default=0, metavar="I",
+                        help="train on prompts I..num-prompts-1 only (all are still generated or read), e.g. a "
+                             "later --init-from stage on rows the draft has not seen")
     parser.add_argument("--gen-batch-size", type=int, default=16)
     parser.add_argument("--gen-max-new-tokens", type=int, default=256)
     parser.add_argument("--gen-temperature", type=float, default=0.0)

@@ -75,6 +75,14 @@ def test_train_init_from_starts_at_a_trained_draft_and_keeps_its_architecture(tm
         torch.testing.assert_close(started.state_dict()[name], tensor, rtol=0, atol=0)
     assert "initialisation" in (tmp_path / "second" / "draft" / "README.md").read_text()
 
+    # a later stage on the rows the draft has not seen: one epoch over prompts 1..2 is two steps
+    main(["train", "--output", str(tmp_path / "later"), "--init-from", str(tmp_path / "first" / "draft"),
+          "--first-prompt", "1", *common])
+    assert json.loads((tmp_path / "later" / "training_log.json").read_text())["steps"] == 2
+    assert "2 prompts (1-2) of prompts.jsonl" in (tmp_path / "later" / "draft" / "README.md").read_text()
+    with pytest.raises(SystemExit, match="--first-prompt 3: expected 0 <= it < --num-prompts 3"):
+        main(["train", "--output", str(tmp_path / "third"), "--first-prompt", "3", *common])
+
     with pytest.raises(SystemExit, match="--block-size 8 \\(the draft has 4\\)"):
         main(["train", "--output", str(tmp_path / "third"), "--init-from", str(tmp_path / "first" / "draft"),
               "--block-size", "8", *common])
