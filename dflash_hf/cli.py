@@ -20,10 +20,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", nargs="+", default=None,
                         help="prompt JSONL files (default: gsm8k_train.jsonl in the data folder, see --data-dir)")
     parser.add_argument("--data-dir", default=None, help="folder of the default prompt files ($DFLASH_HF_DATA_DIR)")
-    parser.add_argument("--num-prompts", type=int, default=480)
+    parser.add_argument("--num-prompts", type=int, nargs="+", default=[480], metavar="N",
+                        help="prompts in all, or one count per --prompts file (its first N records), e.g. "
+                             "--prompts gsm8k_train.jsonl mbpp_train.jsonl --num-prompts 5280 459")
     parser.add_argument("--first-prompt", type=int, default=0, metavar="I",
-                        help="train on prompts I..num-prompts-1 only (all are still generated or read), e.g. a "
-                             "later --init-from stage on rows the draft has not seen")
+                        help="train on prompts I.. only (all are still generated or read; counted over the prompt "
+                             "files in order), e.g. a later --init-from stage on rows the draft has not seen")
     parser.add_argument("--gen-batch-size", type=int, default=16)
     parser.add_argument("--gen-max-new-tokens", type=int, default=256)
     parser.add_argument("--gen-temperature", type=float, default=0.0)
@@ -32,9 +34,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="generate the responses with spec_generate and this draft (folder or Hub id; 'shipped' "
                              "for the SmolLM2 demo draft): greedy in float32, the same rows as generate; faster "
                              "where a batched verify is cheap (GPUs); on a 2-core CPU batched generate was faster")
-    parser.add_argument("--responses", default=None, metavar="FILE",
-                        help="rows already generated for these prompts (.jsonl or .jsonl.gz, e.g. the ones in "
-                             "training_data/): copied into OUTPUT/responses.jsonl, so only the missing ones are generated")
+    parser.add_argument("--responses", nargs="+", default=(), metavar="FILE",
+                        help="rows already generated (.jsonl or .jsonl.gz, e.g. the ones in training_data/), matched "
+                             "to the prompts by their rendered ids: copied into OUTPUT/responses.jsonl, so only the "
+                             "missing ones are generated")
     parser.add_argument("--generate-only", action="store_true",
                         help="stop once OUTPUT/responses.jsonl holds every prompt (resumable; train later)")
     parser.add_argument("--block-size", type=int, default=None, help="default 8 (or --init-from's)")

@@ -83,6 +83,24 @@ def test_train_init_from_starts_at_a_trained_draft_and_keeps_its_architecture(tm
     with pytest.raises(SystemExit, match="--first-prompt 3: expected 0 <= it < --num-prompts 3"):
         main(["train", "--output", str(tmp_path / "third"), "--first-prompt", "3", *common])
 
+    # a stage on two prompt files with a count each: the first file's rows come from an earlier run's responses
+    other = tmp_path / "other.jsonl"
+    other.write_text("\n".join(json.dumps({"prompt": f"w{40 + i} w{50 + i}"}) for i in range(2)))
+    two_files = [*common[:2], "--prompts", str(prompts), str(other), *common[6:]]
+    main(["train", "--output", str(tmp_path / "mixed"), "--init-from", str(tmp_path / "first" / "draft"),
+          "--num-prompts", "3", "2", "--first-prompt", "2", "--responses", str(tmp_path / "first" / "responses.jsonl"),
+          *two_files])
+    mixed = [json.loads(line) for line in (tmp_path / "mixed" / "responses.jsonl").read_text().splitlines()]
+    assert mixed[:3] == [json.loads(line) for line in (tmp_path / "first" / "responses.jsonl").read_text().splitlines()]
+    assert sorted(row["index"] for row in mixed) == [0, 1, 2, 3, 4]
+    assert json.loads((tmp_path / "mixed" / "training_log.json").read_text())["steps"] == 3  # prompts 2..4
+    card = " ".join((tmp_path / "mixed" / "draft" / "README.md").read_text().split())
+    assert "3 prompts (2-4) of prompts.jsonl (its first 3), other.jsonl (its first 2)" in card
+    with pytest.raises(SystemExit, match="--num-prompts 3 2 1: give one count in all or one per --prompts file \\(2\\)"):
+        main(["train", "--output", str(tmp_path / "third"), "--num-prompts", "3", "2", "1", *two_files])
+    with pytest.raises(SystemExit, match="--num-prompts 3 for .*other.jsonl: it holds only 2 prompts"):
+        main(["train", "--output", str(tmp_path / "third"), "--num-prompts", "1", "3", *two_files])
+
     with pytest.raises(SystemExit, match="--block-size 8 \\(the draft has 4\\)"):
         main(["train", "--output", str(tmp_path / "third"), "--init-from", str(tmp_path / "first" / "draft"),
               "--block-size", "8", *common])

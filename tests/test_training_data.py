@@ -78,15 +78,37 @@ def test_rows_of_other_prompts_are_refused_not_trained_on(tmp_path):
     generate_responses(target, tokenizer, ["w5 w6", "w7 w8"], path, batch_size=2, max_new_tokens=3, progress=False)
     with pytest.raises(ValueError, match="row 1 of .*responses.jsonl answers another prompt than prompt 1"):
         generate_responses(target, tokenizer, ["w5 w6", "w9 w9", "w10"], path, max_new_tokens=3, progress=False)
-    # rows to seed a run with are checked before they are copied into it
+    # a seed file that answers none of the prompts (other prompts, another tokenizer) is refused before any copy
     fresh = tmp_path / "fresh.jsonl"
-    with pytest.raises(ValueError, match="row 1 of .*responses.jsonl answers another prompt"):
-        generate_responses(target, tokenizer, ["w5 w6", "w9 w9"], fresh, max_new_tokens=3, progress=False,
-                           seed_path=path)
+    with pytest.raises(ValueError, match="--responses .*responses.jsonl: none of its 2 rows answers one of these"):
+        generate_responses(target, tokenizer, ["w9 w9", "w10"], fresh, max_new_tokens=3, progress=False,
+                           seed_paths=[path])
     assert read_rows(fresh) == []
     with pytest.raises(FileNotFoundError, match="--responses .*missing.jsonl.gz: no such file"):
         generate_responses(target, tokenizer, ["w5 w6"], fresh, max_new_tokens=3, progress=False,
-                           seed_path=tmp_path / "missing.jsonl.gz")
+                           seed_paths=[path, tmp_path / "missing.jsonl.gz"])
     (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(path.read_bytes())[:-12])
     with pytest.raises(ValueError, match="not a complete gzip archive"):
         read_rows(tmp_path / "cut.jsonl.gz")
+
+
+def test_seed_rows_answer_their_prompts_wherever_they_sit(tmp_path):
+    target, tokenizer = make_target("llama", seed=2), make_tokenizer()
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl.gz"
+    generate_responses(target, tokenizer, ["w5 w6", "w7 w8"], first, max_new_tokens=4, progress=False)
+    generate_responses(target, tokenizer, ["w11 w12 w13"], tmp_path / "second.jsonl", max_new_tokens=4, progress=False)
+    second.write_bytes(gzip.compress((tmp_path / "second.jsonl").read_bytes()))
+    marked = [{**row, "response_ids": [9, 9, 9, 1]} for row in read_rows(first)]  # rows that are not a regeneration
+    first.write_text("".join(json.dumps(row) + "\n" for row in marked))
+    prompts = ["w7 w8", "w9 w10", "w11 w12 w13", "w5 w6"]  # other order, other files, one prompt in no seed
+    output = tmp_path / "run.jsonl"
+    rows = generate_responses(target, tokenizer, prompts, output, max_new_tokens=4, progress=False,
+                              seed_paths=[first, second])
+    assert [row["index"] for row in rows] == [0, 1, 2, 3]
+    assert rows[0]["response_ids"] == rows[3]["response_ids"] == [9, 9, 9, 1]  # copied from the seed, not regenerated
+    assert rows[2] == {**read_rows(second)[0], "index": 2}
+    alone = plain_greedy(target, torch.tensor([rows[1]["prompt_ids"]]), 4, stop_token_ids=[1])
+    assert rows[1]["response_ids"] == alone[0, len(rows[1]["prompt_ids"]):].tolist()  # the missing one generated
+    assert sorted(row["index"] for row in read_rows(output)) == [0, 1, 2, 3]  # each stored once, with its new index
+    assert generate_responses(target, tokenizer, prompts, output, max_new_tokens=4, progress=False,
+                              seed_paths=[first, second]) == rows  # a resumed run keeps its rows

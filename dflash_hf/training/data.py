@@ -8,7 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -58,25 +58,23 @@ def generate_responses(
     seed: int = 0,
     progress: bool = True,
     draft: torch.nn.Module | None = None,
-    seed_path: str | Path | None = None,
+    seed_paths: Sequence[str | Path] = (),
 ) -> list[dict]:
     """Regenerate a response for every prompt with the target; returns all rows, in prompt order.
 
-    Each row is {"index", "prompt_ids", "response_ids"}; rows already in `output_path` are kept, and so are the rows of
-    `seed_path` (`.jsonl` or `.jsonl.gz`) it lacks (copied into it). With a `draft`, the batches run through
-    `spec_generate` (lossless, so the rows are the target's own output), otherwise `generate`.
+    Each row is {"index", "prompt_ids", "response_ids"}; rows already in `output_path` are kept. Rows of the
+    `seed_paths` files (`.jsonl` or `.jsonl.gz`) answer the prompts whose rendered ids they hold, wherever those prompts
+    sit in `prompts` (copied in, re-indexed). With a `draft`, the batches run through `spec_generate` (lossless, so the
+    rows are the target's own output), otherwise `generate`.
     """
     rows = {row["index"]: row for row in read_rows(output_path)}
-    if seed_path is not None and not Path(seed_path).is_file():
-        raise FileNotFoundError(f"--responses {seed_path}: no such file")
-    seeded = [row for row in read_rows(seed_path) if row["index"] not in rows] if seed_path is not None else []
-    rows.update((row["index"], row) for row in seeded)
     other = next((i for i, row in sorted(rows.items())
                   if i < len(prompts) and row["prompt_ids"] != user_prompt_ids(tokenizer, prompts[i])), None)
     if other is not None:
-        where = seed_path if any(row["index"] == other for row in seeded) else output_path
-        raise ValueError(f"row {other} of {where} answers another prompt than prompt {other} of these prompt files "
-                         "(other --prompts, or another tokenizer); pass the matching prompts, or use a new --output")
+        raise ValueError(f"row {other} of {output_path} answers another prompt than prompt {other} of these prompt "
+                         "files (other --prompts, or another tokenizer); pass the matching prompts, or use a new --output")
+    seeded = _seed_rows(tokenizer, prompts, rows, seed_paths)
+    rows.update((row["index"], row) for row in seeded)
     with open(output_path, "a", encoding="utf-8") as handle:  # checked: now they are this run's rows
         handle.writelines(json.dumps(row) + "\n" for row in seeded)
     todo = [i for i in range(len(prompts)) if i not in rows]
@@ -100,6 +98,32 @@ def generate_responses(
             bar.update(len(indices))
     bar.close()
     return [rows[i] for i in range(len(prompts))]
+
+
+def _seed_rows(tokenizer: PreTrainedTokenizerBase, prompts: list[str], rows: dict[int, dict],
+               seed_paths: Sequence[str | Path]) -> list[dict]:
+    """Rows of the seed files for the prompts `rows` lacks, matched by rendered prompt ids and re-indexed; a seed file
+    that answers none of `prompts` is refused (other prompts or another tokenizer)."""
+    missing = [Path(path) for path in seed_paths if not Path(path).is_file()]
+    if missing:
+        raise FileNotFoundError(f"--responses {missing[0]}: no such file")
+    if not seed_paths:
+        return []
+    prompt_indices: dict[tuple[int, ...], list[int]] = {}
+    for index, prompt in enumerate(prompts):
+        prompt_indices.setdefault(tuple(user_prompt_ids(tokenizer, prompt)), []).append(index)
+    seeded: dict[int, dict] = {}
+    for path in seed_paths:
+        seed = read_rows(path)
+        answering = [row for row in seed if tuple(row["prompt_ids"]) in prompt_indices]
+        if seed and not answering:
+            raise ValueError(f"--responses {path}: none of its {len(seed)} rows answers one of these prompts (other "
+                             "--prompts, or another tokenizer); pass the prompt files it was generated for")
+        for row in answering:
+            for index in prompt_indices[tuple(row["prompt_ids"])]:
+                if index not in rows and index not in seeded:
+                    seeded[index] = {**row, "index": index}
+    return [seeded[index] for index in sorted(seeded)]
 
 
 def _respond(target: torch.nn.Module, draft: torch.nn.Module | None, input_ids: torch.Tensor,
