@@ -68,12 +68,12 @@ def generate_responses(
     rows are the target's own output), otherwise `generate`.
     """
     rows = {row["index"]: row for row in read_rows(output_path)}
-    other = next((i for i, row in sorted(rows.items())
-                  if i < len(prompts) and row["prompt_ids"] != user_prompt_ids(tokenizer, prompts[i])), None)
+    prompt_ids = [user_prompt_ids(tokenizer, prompt) for prompt in prompts]  # rendered once, used below three times
+    other = next((i for i, row in sorted(rows.items()) if i < len(prompts) and row["prompt_ids"] != prompt_ids[i]), None)
     if other is not None:
         raise ValueError(f"row {other} of {output_path} answers another prompt than prompt {other} of these prompt "
                          "files (other --prompts, or another tokenizer); pass the matching prompts, or use a new --output")
-    seeded = _seed_rows(tokenizer, prompts, rows, seed_paths)
+    seeded = _seed_rows(prompt_ids, rows, seed_paths)
     rows.update((row["index"], row) for row in seeded)
     with open(output_path, "a", encoding="utf-8") as handle:  # checked: now they are this run's rows
         handle.writelines(json.dumps(row) + "\n" for row in seeded)
@@ -86,10 +86,10 @@ def generate_responses(
     with open(output_path, "a", encoding="utf-8") as handle:
         for start in range(0, len(todo), batch_size):
             indices = todo[start : start + batch_size]
-            prompt_ids = [user_prompt_ids(tokenizer, prompts[i]) for i in indices]
-            input_ids, attention_mask = left_pad(prompt_ids, tokens.pad_token_id, device)  # [n, T]
+            batch_ids = [prompt_ids[i] for i in indices]
+            input_ids, attention_mask = left_pad(batch_ids, tokens.pad_token_id, device)  # [n, T]
             responses = _respond(target, draft, input_ids, attention_mask, tokens, max_new_tokens, temperature)
-            for index, ids, generated in zip(indices, prompt_ids, responses):
+            for index, ids, generated in zip(indices, batch_ids, responses):
                 row = {"index": index, "prompt_ids": ids,
                        "response_ids": cut_after_stop(generated, frozenset(tokens.stop_token_ids))}
                 rows[index] = row
@@ -100,18 +100,17 @@ def generate_responses(
     return [rows[i] for i in range(len(prompts))]
 
 
-def _seed_rows(tokenizer: PreTrainedTokenizerBase, prompts: list[str], rows: dict[int, dict],
-               seed_paths: Sequence[str | Path]) -> list[dict]:
+def _seed_rows(prompt_ids: list[list[int]], rows: dict[int, dict], seed_paths: Sequence[str | Path]) -> list[dict]:
     """Rows of the seed files for the prompts `rows` lacks, matched by rendered prompt ids and re-indexed; a seed file
-    that answers none of `prompts` is refused (other prompts or another tokenizer)."""
+    that answers none of the prompts is refused (other prompts or another tokenizer)."""
     missing = [Path(path) for path in seed_paths if not Path(path).is_file()]
     if missing:
         raise FileNotFoundError(f"--responses {missing[0]}: no such file")
     if not seed_paths:
         return []
     prompt_indices: dict[tuple[int, ...], list[int]] = {}
-    for index, prompt in enumerate(prompts):
-        prompt_indices.setdefault(tuple(user_prompt_ids(tokenizer, prompt)), []).append(index)
+    for index, ids in enumerate(prompt_ids):
+        prompt_indices.setdefault(tuple(ids), []).append(index)
     seeded: dict[int, dict] = {}
     for path in seed_paths:
         seed = read_rows(path)
