@@ -1,9 +1,10 @@
-"""The resumable training checkpoint: a folder of safetensors, a weights-only torch file and JSON, never a pickle."""
+"""The resumable training checkpoint: a folder of safetensors and JSON, never a pickle or any torch file."""
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -17,11 +18,14 @@ from dflash_hf.training.trainer import (
     DRAFT_WEIGHTS_FILE,
     LEGACY_CHECKPOINT_FILE,
     OPTIMIZER_SCHEDULER_FILE,
+    OPTIMIZER_TENSORS_FILE,
     STATE_FILE,
     TrainingLog,
     TrainingSettings,
+    join_optimizer_state,
     load_checkpoint,
     save_checkpoint,
+    split_optimizer_state,
     train_draft,
 )
 from helpers import VOCAB_SIZE, make_draft, make_target
@@ -42,11 +46,12 @@ def rows() -> list[dict]:
             for _ in range(4)]
 
 
-def test_checkpoint_is_a_folder_of_safetensors_weights_only_torch_file_and_json(tmp_path, target, rows):
+def test_checkpoint_is_a_folder_of_safetensors_and_json(tmp_path, target, rows):
     draft = make_draft(5, block_size=4)
     log = train_draft(draft, target, rows, SETTINGS, tmp_path, progress=False, max_steps=3)
     folder = tmp_path / CHECKPOINT_DIR
-    assert {p.name for p in folder.iterdir()} == {DRAFT_WEIGHTS_FILE, OPTIMIZER_SCHEDULER_FILE, STATE_FILE}
+    assert {p.name for p in folder.iterdir()} == {DRAFT_WEIGHTS_FILE, OPTIMIZER_TENSORS_FILE, OPTIMIZER_SCHEDULER_FILE,
+                                                  STATE_FILE}
     assert not (tmp_path / LEGACY_CHECKPOINT_FILE).exists()
     assert not list(tmp_path.glob(f"{CHECKPOINT_DIR}.*"))  # no staging or moved-aside folder left behind
 
@@ -54,16 +59,19 @@ def test_checkpoint_is_a_folder_of_safetensors_weights_only_torch_file_and_json(
     assert weights.keys() == draft.state_dict().keys()
     for name, value in draft.state_dict().items():
         assert torch.equal(weights[name], value.cpu()), name  # .cpu(): the draft trains on a GPU if there is one
-    optimizer_scheduler = torch.load(folder / OPTIMIZER_SCHEDULER_FILE, map_location="cpu", weights_only=True)
+    optimizer_scheduler = json.loads((folder / OPTIMIZER_SCHEDULER_FILE).read_text())
     assert optimizer_scheduler.keys() == {"optimizer", "scheduler"}  # no draft, no log: not the whole state
     assert optimizer_scheduler["scheduler"]["last_epoch"] == 3
+    num_params = len(list(draft.parameters()))
+    assert load_file(folder / OPTIMIZER_TENSORS_FILE).keys() == {  # AdamW: three tensors per parameter
+        f"{param}.{name}" for param in range(num_params) for name in ("step", "exp_avg", "exp_avg_sq")}
     state = json.loads((folder / STATE_FILE).read_text())
-    assert state["format"] == 1 and state["steps"] == 3 and state["losses"] == log.losses
+    assert state["format"] == 2 and state["steps"] == 3 and state["losses"] == log.losses
 
-    # only optimizer_scheduler.pt is a torch (zip) file; the weights are safetensors (length-prefixed JSON header)
-    assert (folder / OPTIMIZER_SCHEDULER_FILE).read_bytes()[:2] == b"PK"
-    raw_weights = (folder / DRAFT_WEIGHTS_FILE).read_bytes()
-    assert raw_weights[8:9] == b"{" and int.from_bytes(raw_weights[:8], "little") < len(raw_weights)
+    # no torch (zip/pickle) file: both tensor files are safetensors (a length-prefixed JSON header)
+    for name in (DRAFT_WEIGHTS_FILE, OPTIMIZER_TENSORS_FILE):
+        raw = (folder / name).read_bytes()
+        assert raw[:2] != b"PK" and raw[8:9] == b"{" and int.from_bytes(raw[:8], "little") < len(raw), name
 
 
 def test_a_resumed_run_continues_from_the_checkpoint(tmp_path, target, rows):
@@ -81,8 +89,7 @@ def test_a_resumed_run_continues_from_the_checkpoint(tmp_path, target, rows):
     resumed_log = train_draft(resumed, target, rows, SETTINGS, tmp_path, progress=False, max_steps=5)
     assert resumed_log.steps == 5 and len(resumed_log.losses) == 5
     assert resumed_log.losses[:3] == first_log.losses  # the log continues: steps 1..3 came from the checkpoint
-    scheduler_state = torch.load(tmp_path / CHECKPOINT_DIR / OPTIMIZER_SCHEDULER_FILE, map_location="cpu",
-                                 weights_only=True)["scheduler"]
+    scheduler_state = json.loads((tmp_path / CHECKPOINT_DIR / OPTIMIZER_SCHEDULER_FILE).read_text())["scheduler"]
     assert scheduler_state["last_epoch"] == 5
 
 
@@ -127,10 +134,41 @@ def test_an_old_pickle_checkpoint_is_refused_by_name(tmp_path, target, rows):
     assert not (tmp_path / CHECKPOINT_DIR).exists()
 
 
-def test_the_package_never_unpickles_with_weights_only_false():
+def test_a_checkpoint_of_the_torch_file_format_is_refused_with_the_way_out(tmp_path, target, rows):
+    folder = tmp_path / CHECKPOINT_DIR
+    folder.mkdir()
+    (folder / STATE_FILE).write_text(json.dumps({"format": 1, **asdict(TrainingLog(steps=2))}))
+    (folder / "optimizer_scheduler.pt").write_bytes(b"never unpickled")
+    with pytest.raises(ValueError, match=re.escape(str(folder))) as error:
+        train_draft(make_draft(5, block_size=4), target, rows, SETTINGS, tmp_path, progress=False, max_steps=1)
+    assert "torch pickle" in str(error.value) and "--init-from" in str(error.value)
+    (folder / STATE_FILE).write_text(json.dumps({"format": 7}))
+    with pytest.raises(ValueError, match="unknown checkpoint format 7, expected 2"):
+        load_checkpoint(folder, *[None] * 3)
+
+
+def test_optimizer_state_splits_into_tensors_and_json_and_joins_back_exactly():
+    draft = make_draft(0, block_size=4)
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=1e-3, betas=(0.8, 0.95))
+    sum(p.square().sum() for p in draft.parameters()).backward()
+    optimizer.step()
+    state_dict = optimizer.state_dict()
+    tensors, rest = split_optimizer_state(state_dict)
+    rest = json.loads(json.dumps(rest))  # as stored
+    joined = join_optimizer_state(tensors, rest, optimizer.state_dict())
+    assert joined["param_groups"] == state_dict["param_groups"]  # betas back as a tuple
+    assert isinstance(joined["param_groups"][0]["betas"], tuple)
+    assert list(joined["state"]) == list(state_dict["state"])  # in parameter order, not "0", "1", "10", ...
+    for param, values in state_dict["state"].items():
+        assert joined["state"][param].keys() == values.keys()
+        for name, value in values.items():
+            assert torch.equal(joined["state"][param][name], value) and joined["state"][param][name].dtype == value.dtype
+
+
+def test_the_package_never_calls_torch_load_or_pickle():
     package = Path(dflash_hf.__file__).parent
     offenders = [str(path.relative_to(package)) for path in sorted(package.rglob("*.py"))
-                 if re.search(r"weights_only\s*=\s*False", path.read_text(encoding="utf-8"))]
+                 if re.search(r"torch\.load\(|import pickle|weights_only\s*=\s*False", path.read_text(encoding="utf-8"))]
     assert offenders == []
 
 
@@ -148,7 +186,7 @@ def test_bf16_mixed_precision_trains_under_autocast_and_keeps_float32_weights(tm
     assert {p.dtype for p in draft.parameters()} == {torch.float32}  # master weights
     saved = load_file(tmp_path / "bf16" / CHECKPOINT_DIR / DRAFT_WEIGHTS_FILE)
     assert {tensor.dtype for tensor in saved.values()} == {torch.float32}
-    optimizer_state = torch.load(tmp_path / "bf16" / CHECKPOINT_DIR / OPTIMIZER_SCHEDULER_FILE, weights_only=True)
-    assert {s["exp_avg"].dtype for s in optimizer_state["optimizer"]["state"].values()} == {torch.float32}
+    optimizer_state = load_file(tmp_path / "bf16" / CHECKPOINT_DIR / OPTIMIZER_TENSORS_FILE)
+    assert {tensor.dtype for name, tensor in optimizer_state.items() if name.endswith(".exp_avg")} == {torch.float32}
     with pytest.raises(ValueError, match="mixed_precision 'fp8'"):
         TrainingSettings(mixed_precision="fp8")

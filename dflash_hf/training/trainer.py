@@ -27,9 +27,10 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 CHECKPOINT_DIR = "checkpoint"  # OUTPUT/checkpoint/: the resumable state, no pickle
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2  # 1 stored the optimiser and schedule with torch.save; 2 has no torch file at all
 DRAFT_WEIGHTS_FILE = "draft.safetensors"
-OPTIMIZER_SCHEDULER_FILE = "optimizer_scheduler.pt"  # tensors and plain types only: loads with weights_only=True
+OPTIMIZER_TENSORS_FILE = "optimizer.safetensors"  # the optimiser's per-parameter tensors, keyed "<param>.<name>"
+OPTIMIZER_SCHEDULER_FILE = "optimizer_scheduler.json"  # the rest of both state dicts: plain numbers and lists
 STATE_FILE = "state.json"  # the TrainingLog and the format version; written last
 LEGACY_CHECKPOINT_FILE = "checkpoint.pt"  # the pickled checkpoint of earlier versions, refused
 MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16}  # --mixed-precision: the autocast dtype of the forward
@@ -113,8 +114,10 @@ def save_checkpoint(folder: str | Path, draft: torch.nn.Module, optimizer: torch
     # save_file refuses tensors that share memory; the draft has none (its embeddings and head are the target's)
     weights = {name: tensor.detach().cpu().contiguous() for name, tensor in draft.state_dict().items()}
     save_file(weights, staging / DRAFT_WEIGHTS_FILE, metadata={"format": "pt"})
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-               staging / OPTIMIZER_SCHEDULER_FILE)
+    optimizer_tensors, optimizer_rest = split_optimizer_state(optimizer.state_dict())
+    save_file(optimizer_tensors, staging / OPTIMIZER_TENSORS_FILE, metadata={"format": "pt"})
+    (staging / OPTIMIZER_SCHEDULER_FILE).write_text(
+        json.dumps({"optimizer": optimizer_rest, "scheduler": scheduler.state_dict()}))
     (staging / STATE_FILE).write_text(json.dumps({"format": CHECKPOINT_FORMAT, **asdict(log)}))
     if folder.exists():  # a folder cannot replace a non-empty one: move it aside first
         shutil.rmtree(previous, ignore_errors=True)
@@ -136,13 +139,45 @@ def load_checkpoint(folder: str | Path, draft: torch.nn.Module, optimizer: torch
         if not (folder / STATE_FILE).exists():
             return None
     state = json.loads((folder / STATE_FILE).read_text())
-    if state.pop("format", None) != CHECKPOINT_FORMAT:
-        raise ValueError(f"{folder / STATE_FILE}: unknown checkpoint format, expected {CHECKPOINT_FORMAT}")
+    checkpoint_format = state.pop("format", None)
+    if checkpoint_format == 1:
+        raise ValueError(f"{folder} is a checkpoint of an earlier dflash-hf whose optimiser state is a torch pickle "
+                         f"file, which this version does not load: delete {folder} to restart the run (its draft "
+                         f"weights, {DRAFT_WEIGHTS_FILE}, can seed a new one with --init-from)")
+    if checkpoint_format != CHECKPOINT_FORMAT:
+        raise ValueError(f"{folder / STATE_FILE}: unknown checkpoint format {checkpoint_format!r}, "
+                         f"expected {CHECKPOINT_FORMAT}")
     draft.load_state_dict(load_file(folder / DRAFT_WEIGHTS_FILE))
-    optimizer_scheduler = torch.load(folder / OPTIMIZER_SCHEDULER_FILE, map_location="cpu", weights_only=True)
-    optimizer.load_state_dict(optimizer_scheduler["optimizer"])
+    optimizer_scheduler = json.loads((folder / OPTIMIZER_SCHEDULER_FILE).read_text())
+    optimizer.load_state_dict(join_optimizer_state(load_file(folder / OPTIMIZER_TENSORS_FILE),
+                                                   optimizer_scheduler["optimizer"], optimizer.state_dict()))
     scheduler.load_state_dict(optimizer_scheduler["scheduler"])
     return TrainingLog(**state)
+
+
+def split_optimizer_state(state_dict: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An optimiser's state dict as (its tensors keyed "<param>.<name>", everything else as JSON-ready values)."""
+    tensors, rest = {}, {}
+    for param, values in state_dict["state"].items():
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{param}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                rest.setdefault(str(param), {})[name] = value
+    return tensors, {"state": rest, "param_groups": state_dict["param_groups"]}
+
+
+def join_optimizer_state(tensors: dict[str, torch.Tensor], rest: dict[str, Any],
+                         template: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of `split_optimizer_state`; `template` (the optimiser's own state dict) gives back tuples JSON lost."""
+    state: dict[int, dict[str, Any]] = {int(param): dict(values) for param, values in rest["state"].items()}
+    for key, tensor in tensors.items():
+        param, name = key.split(".", 1)
+        state.setdefault(int(param), {})[name] = tensor
+    param_groups = [{name: tuple(value) if isinstance(template_group.get(name), tuple) else value
+                     for name, value in group.items()}
+                    for group, template_group in zip(rest["param_groups"], template["param_groups"], strict=True)]
+    return {"state": dict(sorted(state.items())), "param_groups": param_groups}  # safetensors sorts keys as text
 
 
 def _optimizer_and_schedule(draft: torch.nn.Module, settings: TrainingSettings,
