@@ -128,19 +128,21 @@ def warm_up_settings(settings: BenchSettings, block_size: int) -> BenchSettings:
 
 
 def prime_few_row_kernels(draft: DFlashDraftModel, target: torch.nn.Module, max_rows: int) -> int:
-    """Time the few-row LM-head products (`few_row_product`: the verify's head, the draft vocabulary's) for 1 ..
-    `max_rows` rows now, so that no timed run pays for choosing a kernel; how many products were primed."""
-    heads = []
-    head = target.get_output_embeddings()
-    if is_plain_linear(head):
-        heads.append((head.weight, head.bias))
+    """Time the few-row products (`few_row_product`: the Linear layers and LM heads of target and draft, the draft
+    vocabulary's head) for 1 .. `max_rows` rows now, so that no timed run pays for choosing a kernel; how many
+    products were primed."""
+    weights = [(module.weight, module.bias) for model in (target, draft) for module in model.modules()
+               if is_plain_linear(module)]
     vocabulary = dflash_proposer(draft, target, draft.mask_token_id).vocab
     if vocabulary is not None and vocabulary.lm_head is None:
-        heads.append((vocabulary.weight, vocabulary.bias))
-    for weight, bias in heads:
+        weights.append((vocabulary.weight, vocabulary.bias))
+    shapes = {}  # one weight of each shape, dtype and bias: the kernel choice is made per shape
+    for weight, bias in weights:
+        shapes.setdefault((tuple(weight.shape), weight.dtype, weight.device, bias is None), (weight, bias))
+    for weight, bias in shapes.values():
         for rows in range(1, max_rows + 1):
             few_row_product(weight, bias, weight.new_zeros(rows, weight.shape[1]))
-    return len(heads) * max_rows
+    return len(shapes) * max_rows
 
 
 def warm_up(draft: DFlashDraftModel, target: torch.nn.Module, prompts: list[list[int]], settings: BenchSettings,

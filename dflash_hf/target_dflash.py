@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:  # pragma: no cover
     from .modeling_dflash import DFlashDraftModel
@@ -148,44 +150,112 @@ def is_plain_linear(module: torch.nn.Module) -> bool:
     )
 
 
-# CPU only: (dtype, weight shape, rows, threads) -> whether (W @ x^T)^T beat F.linear when `few_row_product` first timed both in
-# this process. Which is faster depends on the BLAS, the CPU and the row count (on one AVX2 machine the transposed
-# product won at 2-16 rows; on an AVX-512 Xeon F.linear won up to 6 rows and lost from 7 on).
-FEW_ROW_KERNEL_CHOICE: dict[tuple[torch.dtype, tuple[int, ...], int, int], bool] = {}  # ..., rows, threads
+# --- Few-row products on a CPU: the fastest kernel for each shape, timed on this machine ---------------------------
+
+# (dtype, weight shape, rows, threads) -> the kernel `few_row_product` timed fastest for that shape in this process.
+# Which wins depends on the BLAS, the CPU and the row count: on one AVX2 machine the transposed product won at 2-16
+# rows; on an AVX-512 Xeon F.linear won up to 6 rows; on an AVX-512 EPYC oneDNN's packed weights ran 2-4x faster than
+# F.linear from 3 rows (MKL's kernels there read the weights more than once).
+FEW_ROW_KERNEL_CHOICE: dict[tuple[torch.dtype, tuple[int, ...], int, int], str] = {}  # ..., rows, threads
 KERNEL_TIMING_REPEATS = 3
+MAX_FEW_ROWS = 64  # more rows than this: F.linear, a product BLAS handles well
+_ONEDNN_PACKED: Any = WeakIdKeyDictionary()  # weight -> (its version, its data pointer, oneDNN's packed copy)
+_HAS_ONEDNN_LINEAR = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                      and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def onednn_packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's packed copy of a CPU weight [V, H], made once and again whenever the weight changes."""
+    version, pointer, packed = _ONEDNN_PACKED.get(weight, (None, None, None))
+    if version != weight._version or pointer != weight.data_ptr():
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        _ONEDNN_PACKED[weight] = (weight._version, weight.data_ptr(), packed)
+    return packed
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(states, weight, bias)
+
+
+def _transposed(weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor) -> torch.Tensor:
+    logits = (weight @ states.T).T  # [N, V]: a GEMM with a few columns
+    return logits if bias is None else logits + bias
+
+
+def _onednn(weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(states, onednn_packed_weight(weight), bias, "none", [], "")
+
+
+FEW_ROW_KERNELS = {"linear": _linear, "transposed": _transposed, "onednn": _onednn}
 
 
 def few_row_product(weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor) -> torch.Tensor:
     """states [N, H] times weight^T [H, V] (+ bias): [N, V].
 
-    On CPU, the faster of `F.linear` and (W @ states^T)^T (a GEMM with a few columns) for this shape, timed once per
-    process (`FEW_ROW_KERNEL_CHOICE`). On an accelerator, `F.linear`: the product `generate` computes.
+    On CPU, for up to `MAX_FEW_ROWS` rows, the fastest of `F.linear`, (W @ states^T)^T and oneDNN's packed weights for
+    this shape, timed once per process (`FEW_ROW_KERNEL_CHOICE`; a packed copy is kept only for weights it speeds up).
+    Elsewhere, `F.linear`: the product `generate` computes.
     """
-    if states.device.type != "cpu":
+    if states.device.type != "cpu" or not 0 < states.shape[0] <= MAX_FEW_ROWS:
         return torch.nn.functional.linear(states, weight, bias)
     key = (states.dtype, tuple(weight.shape), states.shape[0], torch.get_num_threads())
     if key not in FEW_ROW_KERNEL_CHOICE:
-        FEW_ROW_KERNEL_CHOICE[key] = _transposed_is_faster(weight, bias, states)
-    if not FEW_ROW_KERNEL_CHOICE[key]:
-        return torch.nn.functional.linear(states, weight, bias)
-    logits = (weight @ states.T).T  # [N, V]
-    return logits if bias is None else logits + bias
+        FEW_ROW_KERNEL_CHOICE[key] = fastest_kernel(weight, bias, states)
+    return FEW_ROW_KERNELS[FEW_ROW_KERNEL_CHOICE[key]](weight, bias, states)
 
 
-def _transposed_is_faster(weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor) -> bool:
-    """Whether (W @ states^T)^T (+ bias) ran faster than F.linear(states, W, bias) here (best of a few runs of each,
-    after one)."""
-    def best_seconds(product) -> float:
-        product()
+def fastest_kernel(weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor) -> str:
+    """The name of the `FEW_ROW_KERNELS` entry that ran this product fastest here (best of a few runs, after one)."""
+    def best_seconds(kernel) -> float:
+        kernel(weight, bias, states)
         times = []
         for _ in range(KERNEL_TIMING_REPEATS):
             started = time.perf_counter()
-            product()
+            kernel(weight, bias, states)
             times.append(time.perf_counter() - started)
         return min(times)
 
-    linear = best_seconds(lambda: torch.nn.functional.linear(states, weight, bias))
-    return best_seconds(lambda: (weight @ states.T).T if bias is None else (weight @ states.T).T + bias) < linear
+    seconds = {"linear": best_seconds(_linear), "transposed": best_seconds(_transposed)}
+    if _HAS_ONEDNN_LINEAR and states.dtype in (torch.float32, torch.bfloat16):
+        try:
+            seconds["onednn"] = best_seconds(_onednn)
+        except (RuntimeError, TypeError):  # a dtype or CPU oneDNN has no kernel for, or another torch's signature
+            pass
+    fastest = min(seconds, key=seconds.get)
+    shape_uses_onednn = any(kernel == "onednn" for (dtype, shape, *_), kernel in FEW_ROW_KERNEL_CHOICE.items()
+                            if dtype == states.dtype and shape == tuple(weight.shape))
+    if fastest != "onednn" and not shape_uses_onednn:
+        _ONEDNN_PACKED.pop(weight, None)  # no copy of a weight whose products do not use it
+    return fastest
+
+
+class FewRowLinear(TorchFunctionMode):
+    """While active, every `F.linear` of a few rows without autograd on a CPU runs `few_row_product` (the fastest
+    kernel for its shape on this machine); everything else runs as called. Models stay untouched."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and not torch.is_grad_enabled():
+            states, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if (states.device.type == "cpu" and weight.dim() == 2 and type(weight) in (torch.Tensor, torch.nn.Parameter)
+                    and type(states) is torch.Tensor and (bias is None or type(bias) in (torch.Tensor, torch.nn.Parameter))
+                    and states.dtype == weight.dtype and 0 < states.numel() // states.shape[-1] <= MAX_FEW_ROWS):
+                rows = states.reshape(-1, states.shape[-1])  # [N, H]
+                return few_row_product(weight, bias, rows).view(*states.shape[:-1], weight.shape[0])
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def few_row_kernels(model: torch.nn.Module) -> Iterator[bool]:
+    """While the block runs, a model that computes on the CPU (not dispatched by Accelerate) has its few-row Linear
+    products run by `FewRowLinear`. Yields whether they do."""
+    switch = execution_device(model).type == "cpu" and getattr(model, "hf_device_map", None) is None
+    if not switch:
+        yield False
+        return
+    with FewRowLinear():
+        yield True
 
 
 def few_row_logits(lm_head: torch.nn.Module, states: torch.Tensor) -> torch.Tensor:
@@ -248,7 +318,7 @@ def verify_forward(target: torch.nn.Module, capture: FeatureCapture | None = Non
     """A verify pass: (logits [n, b, V], the forward's outputs with its cache); `capture` collects the features."""
     capture = capture or FeatureCapture(target, None, torch.device("cpu"))
     parts = plain_head_parts(target)
-    with capture:
+    with capture, few_row_kernels(target):
         if parts is None:
             outputs = target(**inputs, **capture.forward_arguments())
             return outputs.logits, outputs

@@ -125,12 +125,19 @@ def test_step_costs_time_the_draft_with_its_vocabulary(monkeypatch):
 
 def test_warm_up_primes_the_few_row_kernels_so_timed_runs_do_not_choose_them(monkeypatch):
     import dflash_hf.target_dflash as target_dflash
-    from dflash_hf.evaluation import prime_few_row_kernels
+    from dflash_hf.evaluation import BenchSettings, measure_prompts, prime_few_row_kernels, warm_up
 
     target = make_target("qwen3", seed=7)
     draft = DFlashDraftModel(draft_config(dflash_config={"mask_token_id": VOCAB_SIZE - 1, "draft_vocab": VOCAB})).eval()
     monkeypatch.setattr(target_dflash, "FEW_ROW_KERNEL_CHOICE", {})
-    assert prime_few_row_kernels(draft, target, max_rows=5) == 10
+    shapes = {tuple(module.weight.shape) for model in (target, draft) for module in model.modules()
+              if type(module) is torch.nn.Linear} | {(len(VOCAB), target.config.hidden_size)}
+    assert prime_few_row_kernels(draft, target, max_rows=5) == len(shapes) * 5  # each shape once, biased or not
     primed = {(shape, rows) for _, shape, rows, _ in target_dflash.FEW_ROW_KERNEL_CHOICE}
-    hidden = target.config.hidden_size
-    assert primed == {(shape, rows) for shape in ((VOCAB_SIZE, hidden), (len(VOCAB), hidden)) for rows in range(1, 6)}
+    assert primed == {(shape, rows) for shape in shapes for rows in range(1, 6)}  # every layer's, the heads'
+    # after the warm-up on the same prompts, a measured run times no kernel (it would be timed with the run)
+    prompts = [prompt(7, 12)[0].tolist(), prompt(8, 5)[0].tolist()]
+    settings = BenchSettings(max_new_tokens=24, block_size=4, prompt_lookup_tokens=None, batch_size=2)
+    warm_up(draft, target, prompts, settings, stop_token_ids=[VOCAB_SIZE - 2], mask_token_id=VOCAB_SIZE - 1)
+    monkeypatch.setattr(target_dflash, "fastest_kernel", lambda *args: pytest.fail(f"kernel timed in a measured run"))
+    measure_prompts(draft, target, prompts, settings, stop_token_ids=[VOCAB_SIZE - 2], mask_token_id=VOCAB_SIZE - 1)

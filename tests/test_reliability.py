@@ -178,17 +178,17 @@ def test_rope_frequencies_stay_float32_through_dtype_casts():
     assert draft.fc.weight.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("transposed", [True, False])
-def test_few_row_products_equal_the_linear_layer_whichever_kernel_is_faster(transposed, monkeypatch):
+@pytest.mark.parametrize("kernel", ["linear", "transposed", "onednn"])
+def test_few_row_products_equal_the_linear_layer_whichever_kernel_is_faster(kernel, monkeypatch):
     weight, bias = torch.randn(300, 24, generator=torch.Generator().manual_seed(0)), torch.randn(300)
     timed = []
     monkeypatch.setattr(target_dflash, "FEW_ROW_KERNEL_CHOICE", {})
-    monkeypatch.setattr(target_dflash, "_transposed_is_faster", lambda w, b, s: timed.append(s.shape[0]) or transposed)
+    monkeypatch.setattr(target_dflash, "fastest_kernel", lambda w, b, s: timed.append(s.shape[0]) or kernel)
     for rows in (1, 3, 3, 7, 3):
         states = torch.randn(rows, 24)
         torch.testing.assert_close(target_dflash.few_row_product(weight, bias, states),
                                    torch.nn.functional.linear(states, weight, bias))
     assert timed == [1, 3, 7]  # each shape timed once per process, then its choice reused
     threads = torch.get_num_threads()
-    assert target_dflash.FEW_ROW_KERNEL_CHOICE == {(torch.float32, (300, 24), rows, threads): transposed
+    assert target_dflash.FEW_ROW_KERNEL_CHOICE == {(torch.float32, (300, 24), rows, threads): kernel
                                                    for rows in (1, 3, 7)}

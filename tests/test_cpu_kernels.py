@@ -1,0 +1,129 @@
+"""The verify's few-row products on a CPU (`FewRowLinear`): whichever kernel a shape is timed fastest with, the loop's
+greedy output stays the target's own, models stay untouched, and nothing else is rerouted."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from dflash_hf import target_dflash
+from dflash_hf.target_dflash import FewRowLinear, few_row_kernels
+from helpers import ReferenceProposer, VOCAB_SIZE, make_draft, make_target, plain_greedy
+
+from test_batch import left_pad_prompts, prompts_of
+
+KERNELS = ["linear", "transposed", "onednn"] if target_dflash._HAS_ONEDNN_LINEAR else ["linear", "transposed"]
+
+
+@pytest.fixture
+def forced_kernel(monkeypatch):
+    """Force every few-row product onto one kernel; record the shapes that were routed."""
+    routed = []
+
+    def force(kernel: str) -> list:
+        monkeypatch.setattr(target_dflash, "FEW_ROW_KERNEL_CHOICE", {})
+        monkeypatch.setattr(target_dflash, "fastest_kernel",
+                            lambda weight, bias, states: routed.append((tuple(weight.shape), states.shape[0])) or kernel)
+        return routed
+
+    return force
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_greedy_equals_generate_whichever_kernel_the_verify_uses(kernel, arch, forced_kernel):
+    routed = forced_kernel(kernel)
+    for seed, prompt_length in ((0, 1), (1, 9), (2, 23)):
+        target = make_target(arch, seed)
+        draft = make_draft(seed, block_size=8)
+        input_ids = torch.randint(0, VOCAB_SIZE - 1, (1, prompt_length), generator=torch.Generator().manual_seed(seed))
+        expected = plain_greedy(target, input_ids, max_new_tokens=30)
+        for block_size in (2, 4, 8):
+            output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=30, block_size=block_size)
+            assert torch.equal(output, expected), (seed, block_size)
+    layer_shapes = {tuple(module.weight.shape) for module in target.modules() if type(module) is torch.nn.Linear}
+    assert layer_shapes <= {shape for shape, _ in routed}  # the decoder layers' products were rerouted, not only the head
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_left_padded_batch_with_a_stop_token_equals_each_row_alone(kernel, forced_kernel):
+    forced_kernel(kernel)
+    target = make_target("qwen3", seed=1)
+    draft = make_draft(1, block_size=8)
+    prompts = prompts_of([1, 6, 23, 11], seed=1)
+    input_ids, attention_mask = left_pad_prompts(prompts)
+    stop_token = plain_greedy(target, prompts[2], max_new_tokens=20)[0, 23 + 7].item()
+    result = draft.spec_generate(target=target, input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=20,
+                                 block_size=4, stop_token_ids=[stop_token], return_stats=True)
+    for row, prompt in enumerate(prompts):
+        expected = plain_greedy(target, prompt, max_new_tokens=20, stop_token_ids=[stop_token])[0, prompt.shape[1]:]
+        assert result.new_tokens(row) == expected.tolist(), f"row {row}"
+    assert result.new_tokens(2)[-1] == stop_token and len(result.new_tokens(2)) <= 8
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_features_and_tokens_handed_to_the_proposer_are_the_targets(kernel, forced_kernel):
+    forced_kernel(kernel)
+    target = make_target("llama", seed=2)
+    input_ids = torch.randint(0, VOCAB_SIZE - 1, (1, 12), generator=torch.Generator().manual_seed(2))
+    expected = plain_greedy(target, input_ids, max_new_tokens=40)
+    from dflash_hf import speculative_decode
+
+    proposer = ReferenceProposer(expected, target=target, corrupt_seed=2)  # checks features against a plain forward
+    result = speculative_decode(target, proposer, input_ids, max_new_tokens=40, block_size=6)
+    assert torch.equal(result.output_ids, expected)
+
+
+def test_only_few_row_products_without_autograd_on_a_cpu_are_rerouted(forced_kernel):
+    routed = forced_kernel("transposed")
+    layer = torch.nn.Linear(16, 24)
+    for rows, grad in ((3, False), (target_dflash.MAX_FEW_ROWS + 1, False), (3, True), (target_dflash.MAX_FEW_ROWS, False)):
+        states = torch.randn(2, rows, 16)[:1]  # [1, rows, 16]
+        with torch.set_grad_enabled(grad), FewRowLinear():
+            output = layer(states)
+        torch.testing.assert_close(output, torch.nn.functional.linear(states, layer.weight, layer.bias))
+    assert routed == [((24, 16), 3), ((24, 16), target_dflash.MAX_FEW_ROWS)]  # not 65 rows, not with autograd
+    # outside the mode, nothing is rerouted; the layer itself was never changed
+    layer(torch.randn(3, 16))
+    assert len(routed) == 2 and type(layer) is torch.nn.Linear and not layer._forward_hooks and "forward" not in vars(layer)
+
+
+@pytest.mark.skipif(not target_dflash._HAS_ONEDNN_LINEAR, reason="this torch build has no oneDNN linear kernel")
+def test_a_packed_weight_follows_changes_to_the_weight():
+    layer = torch.nn.Linear(16, 24, bias=False)
+    states = torch.randn(3, 16)
+    product = target_dflash.FEW_ROW_KERNELS["onednn"]
+    torch.testing.assert_close(product(layer.weight, None, states), states @ layer.weight.T)
+    with torch.no_grad():
+        layer.weight.mul_(2)  # in place: its version changes
+    torch.testing.assert_close(product(layer.weight, None, states), states @ layer.weight.T)
+    layer.weight.data = torch.randn(24, 16)  # new storage
+    torch.testing.assert_close(product(layer.weight, None, states), states @ layer.weight.T)
+
+
+@pytest.mark.skipif(not target_dflash._HAS_ONEDNN_LINEAR, reason="this torch build has no oneDNN linear kernel")
+def test_no_packed_copy_is_kept_for_a_weight_whose_product_it_does_not_speed_up(monkeypatch):
+    weight, states = torch.randn(24, 16), torch.randn(3, 16)
+    onednn = target_dflash._onednn
+
+    def slow_onednn(*args):
+        time.sleep(0.01)
+        return onednn(*args)
+
+    monkeypatch.setattr(target_dflash, "_onednn", slow_onednn)
+    assert target_dflash.fastest_kernel(weight, None, states) in ("linear", "transposed")
+    assert weight not in target_dflash._ONEDNN_PACKED
+    monkeypatch.setattr(target_dflash, "_onednn", onednn)
+    target_dflash.onednn_packed_weight(weight)
+    assert weight in target_dflash._ONEDNN_PACKED
+
+
+def test_a_model_dispatched_by_accelerate_keeps_its_own_kernels():
+    target = make_target("qwen3", seed=0)
+    with few_row_kernels(target) as rerouted:
+        assert rerouted
+    target.hf_device_map = {"": "cpu"}
+    with few_row_kernels(target) as rerouted:
+        assert not rerouted
