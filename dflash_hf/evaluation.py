@@ -29,6 +29,7 @@ from .modeling_dflash import DFlashDraftModel
 from .proposer_dflash import Proposal
 from .sampling_dflash import cut_after_stop, mean_acceptance_length
 from .target_dflash import (
+    MAX_FEW_ROWS,
     few_row_product,
     grouped_query_attention,
     is_plain_linear,
@@ -128,21 +129,25 @@ def warm_up_settings(settings: BenchSettings, block_size: int) -> BenchSettings:
 
 
 def prime_few_row_kernels(draft: DFlashDraftModel, target: torch.nn.Module, max_rows: int) -> int:
-    """Time the few-row products (`few_row_product`: the Linear layers and LM heads of target and draft, the draft
-    vocabulary's head) for 1 .. `max_rows` rows now, so that no timed run pays for choosing a kernel; how many
-    products were primed."""
-    weights = [(module.weight, module.bias) for model in (target, draft) for module in model.modules()
-               if is_plain_linear(module)]
+    """Time the few-row products (`few_row_product`) now, so that no timed run pays for choosing a kernel: the LM heads
+    (the target's, the draft vocabulary's) for 1 .. `max_rows` rows, every other Linear shape of target and draft for
+    1 .. `MAX_FEW_ROWS` (the draft's first pass reads a short prompt's rows); how many products were primed."""
+    heads = [target.get_output_embeddings()]
     vocabulary = dflash_proposer(draft, target, draft.mask_token_id).vocab
+    head_weights = [(head.weight, head.bias) for head in heads if is_plain_linear(head)]
     if vocabulary is not None and vocabulary.lm_head is None:
-        weights.append((vocabulary.weight, vocabulary.bias))
-    shapes = {}  # one weight of each shape, dtype and bias: the kernel choice is made per shape
-    for weight, bias in weights:
-        shapes.setdefault((tuple(weight.shape), weight.dtype, weight.device, bias is None), (weight, bias))
-    for weight, bias in shapes.values():
-        for rows in range(1, max_rows + 1):
-            few_row_product(weight, bias, weight.new_zeros(rows, weight.shape[1]))
-    return len(shapes) * max_rows
+        head_weights.append((vocabulary.weight, vocabulary.bias))
+    layer_weights = [(module.weight, module.bias) for model in (target, draft) for module in model.modules()
+                     if is_plain_linear(module) and module not in heads]
+    shapes: dict[Any, tuple[torch.Tensor, torch.Tensor | None, int]] = {}  # the kernel choice is made per shape
+    for weights, rows in ((head_weights, max_rows), (layer_weights, MAX_FEW_ROWS)):
+        for weight, bias in weights:
+            key = (tuple(weight.shape), weight.dtype, weight.device)
+            shapes[key] = (weight, bias, max(rows, shapes.get(key, (None, None, 0))[2]))
+    for weight, bias, rows in shapes.values():
+        for count in range(1, rows + 1):
+            few_row_product(weight, bias, weight.new_zeros(count, weight.shape[1]))
+    return sum(rows for _, _, rows in shapes.values())
 
 
 def warm_up(draft: DFlashDraftModel, target: torch.nn.Module, prompts: list[list[int]], settings: BenchSettings,

@@ -41,6 +41,7 @@ from .target_dflash import (
     FeatureCapture,
     check_draft_target,
     check_generation_inputs,
+    drop_changed_packed_weights,
     grouped_query_attention,
     last_logits_only,
     resolve_generation_choices,
@@ -478,6 +479,7 @@ def speculative_decode(
         streamers=None if streamers is None else tuple(streamers), step_costs=step_costs,
     )
     layer_ids = proposer.target_layer_ids if proposer is not None and block_size > 1 else None
+    drop_changed_packed_weights()  # a weight changed through `.data` since the last call is packed again
     with grouped_query_attention(target):  # CPU: a verify's attention without copies of the key/value heads
         state = prefill(target, input_ids, attention_mask, layer_ids, settings)
         while drop_finished(state, proposer):

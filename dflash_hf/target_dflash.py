@@ -159,18 +159,36 @@ def is_plain_linear(module: torch.nn.Module) -> bool:
 FEW_ROW_KERNEL_CHOICE: dict[tuple[torch.dtype, tuple[int, ...], int, int], str] = {}  # ..., rows, threads
 KERNEL_TIMING_REPEATS = 3
 MAX_FEW_ROWS = 64  # more rows than this: F.linear, a product BLAS handles well
-_ONEDNN_PACKED: Any = WeakIdKeyDictionary()  # weight -> (its version, its data pointer, oneDNN's packed copy)
+_ONEDNN_PACKED: Any = WeakIdKeyDictionary()  # weight -> (version, data pointer, sample of its values, packed copy)
+FINGERPRINT_VALUES = 256  # values of a weight compared at each generation call (changes made through `.data`)
 _HAS_ONEDNN_LINEAR = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
                       and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def weight_fingerprint(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of `FINGERPRINT_VALUES` values spread over the weight: what `drop_changed_packed_weights` compares."""
+    values = weight.detach().reshape(-1)
+    return values[:: max(1, values.numel() // FINGERPRINT_VALUES)].clone()
+
+
 def onednn_packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's packed copy of a CPU weight [V, H], made once and again whenever the weight changes."""
-    version, pointer, packed = _ONEDNN_PACKED.get(weight, (None, None, None))
+    """oneDNN's packed copy of a CPU weight [V, H], made once and again whenever the weight changes in place (its
+    version) or gets new storage; changes made through `.data` are caught by `drop_changed_packed_weights`."""
+    version, pointer, _, packed = _ONEDNN_PACKED.get(weight, (None, None, None, None))
     if version != weight._version or pointer != weight.data_ptr():
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        _ONEDNN_PACKED[weight] = (weight._version, weight.data_ptr(), packed)
+        _ONEDNN_PACKED[weight] = (weight._version, weight.data_ptr(), weight_fingerprint(weight), packed)
     return packed
+
+
+def drop_changed_packed_weights() -> int:
+    """Drop the packed copies of weights whose values changed unseen (`weight.data += delta`, e.g. an adapter merged
+    in place): a sample of their values differs. Run once per generation call; how many were dropped."""
+    changed = [weight for weight, (_, _, fingerprint, _) in list(_ONEDNN_PACKED.items())
+               if not torch.equal(weight_fingerprint(weight), fingerprint)]
+    for weight in changed:
+        _ONEDNN_PACKED.pop(weight, None)
+    return len(changed)
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor) -> torch.Tensor:
@@ -183,6 +201,8 @@ def _transposed(weight: torch.Tensor, bias: torch.Tensor | None, states: torch.T
 
 
 def _onednn(weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor) -> torch.Tensor:
+    if weight.is_inference():  # no version counter to notice a change by: no packed copy
+        return torch.nn.functional.linear(states, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(states, onednn_packed_weight(weight), bias, "none", [], "")
 
 
@@ -230,17 +250,22 @@ def fastest_kernel(weight: torch.Tensor, bias: torch.Tensor | None, states: torc
 
 
 class FewRowLinear(TorchFunctionMode):
-    """While active, every `F.linear` of a few rows without autograd on a CPU runs `few_row_product` (the fastest
-    kernel for its shape on this machine); everything else runs as called. Models stay untouched."""
+    """While active, every `F.linear` of a few rows without autograd on a CPU, by a model's own weight (a Parameter),
+    runs `few_row_product` (the fastest kernel for its shape on this machine); everything else runs as called (weights
+    made per call, such as experts sliced from a stacked Parameter or dequantised weights, would be packed per call).
+    Models stay untouched."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is torch.nn.functional.linear and not torch.is_grad_enabled():
+        if func is torch.nn.functional.linear and not torch.is_grad_enabled() and len(args) >= 2:
             states, weight = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if (states.device.type == "cpu" and weight.dim() == 2 and type(weight) in (torch.Tensor, torch.nn.Parameter)
-                    and type(states) is torch.Tensor and (bias is None or type(bias) in (torch.Tensor, torch.nn.Parameter))
-                    and states.dtype == weight.dtype and 0 < states.numel() // states.shape[-1] <= MAX_FEW_ROWS):
+            if (type(weight) is torch.nn.Parameter and type(states) is torch.Tensor and weight.dim() == 2
+                    and weight.device.type == "cpu" and states.device.type == "cpu" and not weight.is_inference()
+                    and states.dtype == weight.dtype and states.dim() >= 1 and states.shape[-1] > 0
+                    and (bias is None or (type(bias) in (torch.Tensor, torch.nn.Parameter) and bias.dtype == weight.dtype
+                                          and bias.device.type == "cpu"))
+                    and 0 < states.numel() // states.shape[-1] <= MAX_FEW_ROWS):
                 rows = states.reshape(-1, states.shape[-1])  # [N, H]
                 return few_row_product(weight, bias, rows).view(*states.shape[:-1], weight.shape[0])
         return func(*args, **kwargs)

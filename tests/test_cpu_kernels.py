@@ -76,16 +76,22 @@ def test_features_and_tokens_handed_to_the_proposer_are_the_targets(kernel, forc
     assert torch.equal(result.output_ids, expected)
 
 
-def test_only_few_row_products_without_autograd_on_a_cpu_are_rerouted(forced_kernel):
+def test_only_few_row_products_by_a_models_weight_without_autograd_on_a_cpu_are_rerouted(forced_kernel):
     routed = forced_kernel("transposed")
     layer = torch.nn.Linear(16, 24)
     for rows, grad in ((3, False), (target_dflash.MAX_FEW_ROWS + 1, False), (3, True), (target_dflash.MAX_FEW_ROWS, False)):
-        states = torch.randn(2, rows, 16)[:1]  # [1, rows, 16]
+        states = torch.randn(rows, 2, 16)[:, 0]  # [rows, 16], not contiguous
         with torch.set_grad_enabled(grad), FewRowLinear():
-            output = layer(states)
-        torch.testing.assert_close(output, torch.nn.functional.linear(states, layer.weight, layer.bias))
+            output = layer(states[None])  # [1, rows, 24]
+        torch.testing.assert_close(output, torch.nn.functional.linear(states[None], layer.weight, layer.bias))
     assert routed == [((24, 16), 3), ((24, 16), target_dflash.MAX_FEW_ROWS)]  # not 65 rows, not with autograd
-    # outside the mode, nothing is rerouted; the layer itself was never changed
+    states = torch.randn(3, 16)
+    with torch.no_grad(), FewRowLinear():
+        per_call = torch.nn.functional.linear(states, layer.weight * 1)  # a weight made per call (an expert's slice)
+        by_keyword = torch.nn.functional.linear(states, weight=layer.weight)
+    torch.testing.assert_close(per_call, states @ layer.weight.T)
+    torch.testing.assert_close(by_keyword, states @ layer.weight.T)
+    # neither was rerouted; outside the mode nothing is; the layer itself was never changed
     layer(torch.randn(3, 16))
     assert len(routed) == 2 and type(layer) is torch.nn.Linear and not layer._forward_hooks and "forward" not in vars(layer)
 
@@ -101,10 +107,34 @@ def test_a_packed_weight_follows_changes_to_the_weight():
     torch.testing.assert_close(product(layer.weight, None, states), states @ layer.weight.T)
     layer.weight.data = torch.randn(24, 16)  # new storage
     torch.testing.assert_close(product(layer.weight, None, states), states @ layer.weight.T)
+    layer.weight.data.add_(1.0)  # through `.data`: neither version nor storage changes; each generation call checks
+    assert target_dflash.drop_changed_packed_weights() >= 1
+    torch.testing.assert_close(product(layer.weight, None, states), states @ layer.weight.T)
+    assert target_dflash.drop_changed_packed_weights() == 0
+    with torch.inference_mode():
+        frozen = torch.randn(24, 16)  # no version counter: never packed
+    torch.testing.assert_close(product(frozen, None, states), states @ frozen.T)
+    assert frozen not in target_dflash._ONEDNN_PACKED
+
+
+@pytest.mark.skipif(not target_dflash._HAS_ONEDNN_LINEAR, reason="this torch build has no oneDNN linear kernel")
+def test_a_weight_changed_through_data_between_calls_is_verified_with_its_new_values(forced_kernel):
+    forced_kernel("onednn")
+    target = make_target("qwen3", seed=3)
+    draft = make_draft(3, block_size=4)
+    input_ids = torch.randint(0, VOCAB_SIZE - 1, (1, 7), generator=torch.Generator().manual_seed(3))
+    draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=12)  # packs the target's weights
+    with torch.no_grad():
+        for module in target.modules():
+            if type(module) is torch.nn.Linear:
+                module.weight.data.add_(0.05 * torch.randn_like(module.weight))  # e.g. an adapter merged in place
+    expected = plain_greedy(target, input_ids, max_new_tokens=12)
+    assert torch.equal(draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=12), expected)
 
 
 @pytest.mark.skipif(not target_dflash._HAS_ONEDNN_LINEAR, reason="this torch build has no oneDNN linear kernel")
 def test_no_packed_copy_is_kept_for_a_weight_whose_product_it_does_not_speed_up(monkeypatch):
+    monkeypatch.setattr(target_dflash, "FEW_ROW_KERNEL_CHOICE", {})
     weight, states = torch.randn(24, 16), torch.randn(3, 16)
     onednn = target_dflash._onednn
 

@@ -130,14 +130,17 @@ def test_warm_up_primes_the_few_row_kernels_so_timed_runs_do_not_choose_them(mon
     target = make_target("qwen3", seed=7)
     draft = DFlashDraftModel(draft_config(dflash_config={"mask_token_id": VOCAB_SIZE - 1, "draft_vocab": VOCAB})).eval()
     monkeypatch.setattr(target_dflash, "FEW_ROW_KERNEL_CHOICE", {})
-    shapes = {tuple(module.weight.shape) for model in (target, draft) for module in model.modules()
-              if type(module) is torch.nn.Linear} | {(len(VOCAB), target.config.hidden_size)}
-    assert prime_few_row_kernels(draft, target, max_rows=5) == len(shapes) * 5  # each shape once, biased or not
+    rows_of = {(VOCAB_SIZE, target.config.hidden_size): 5, (len(VOCAB), target.config.hidden_size): 5}  # the heads
+    for module in [*target.model.modules(), *draft.modules()]:  # every other Linear: up to MAX_FEW_ROWS rows
+        if type(module) is torch.nn.Linear:
+            rows_of[tuple(module.weight.shape)] = target_dflash.MAX_FEW_ROWS  # a layer shaped like a head too
+    assert prime_few_row_kernels(draft, target, max_rows=5) == sum(rows_of.values())
     primed = {(shape, rows) for _, shape, rows, _ in target_dflash.FEW_ROW_KERNEL_CHOICE}
-    assert primed == {(shape, rows) for shape in shapes for rows in range(1, 6)}  # every layer's, the heads'
-    # after the warm-up on the same prompts, a measured run times no kernel (it would be timed with the run)
-    prompts = [prompt(7, 12)[0].tolist(), prompt(8, 5)[0].tolist()]
+    assert primed == {(shape, rows) for shape, most in rows_of.items() for rows in range(1, most + 1)}
+    # after the warm-up, a measured run times no kernel (it would be timed with the run), on other prompts too
     settings = BenchSettings(max_new_tokens=24, block_size=4, prompt_lookup_tokens=None, batch_size=2)
-    warm_up(draft, target, prompts, settings, stop_token_ids=[VOCAB_SIZE - 2], mask_token_id=VOCAB_SIZE - 1)
+    warm_up(draft, target, [prompt(7, 12)[0].tolist(), prompt(8, 5)[0].tolist()], settings,
+            stop_token_ids=[VOCAB_SIZE - 2], mask_token_id=VOCAB_SIZE - 1)
     monkeypatch.setattr(target_dflash, "fastest_kernel", lambda *args: pytest.fail(f"kernel timed in a measured run"))
-    measure_prompts(draft, target, prompts, settings, stop_token_ids=[VOCAB_SIZE - 2], mask_token_id=VOCAB_SIZE - 1)
+    measure_prompts(draft, target, [prompt(9, 17)[0].tolist(), prompt(10, 3)[0].tolist()], settings,
+                    stop_token_ids=[VOCAB_SIZE - 2], mask_token_id=VOCAB_SIZE - 1)
