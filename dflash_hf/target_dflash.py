@@ -261,12 +261,10 @@ class FewRowLinear(TorchFunctionMode):
             states, weight = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if (type(weight) is torch.nn.Parameter and type(states) is torch.Tensor and weight.dim() == 2
-                    and weight.device.type == "cpu" and states.device.type == "cpu" and not weight.is_inference()
-                    and states.dtype == weight.dtype and states.dim() >= 1 and states.shape[-1] > 0
-                    and (bias is None or (type(bias) in (torch.Tensor, torch.nn.Parameter) and bias.dtype == weight.dtype
-                                          and bias.device.type == "cpu"))
-                    and 0 < states.numel() // states.shape[-1] <= MAX_FEW_ROWS):
-                rows = states.reshape(-1, states.shape[-1])  # [N, H]
+                    and not weight.is_inference() and states.dtype == weight.dtype and states.dim() >= 1
+                    and states.shape[-1] > 0
+                    and (bias is None or (type(bias) in (torch.Tensor, torch.nn.Parameter) and bias.dtype == weight.dtype))):
+                rows = states.reshape(-1, states.shape[-1])  # [N, H]; few_row_product decides device and row count
                 return few_row_product(weight, bias, rows).view(*states.shape[:-1], weight.shape[0])
         return func(*args, **kwargs)
 
