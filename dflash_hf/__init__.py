@@ -5,12 +5,12 @@ from .configuration_dflash import DFLASH_HF_VERSION, DFlashConfig
 from .generation_dflash import SpecGenerateOutput, speculative_decode
 from .modeling_dflash import DFlashDraftModel
 from .proposer_dflash import DraftStep
-from .target_dflash import GenerationTokens, generation_tokens
+from .settings_dflash import DecodingSettings, GenerationTokens, generation_tokens, resolve_settings
 
 __version__ = DFLASH_HF_VERSION
 
-__all__ = ["DFlashConfig", "DFlashDraftModel", "DraftStep", "GenerationTokens", "SpecGenerateOutput",
-           "generation_tokens", "left_pad", "load_demo", "speculative_decode"]
+__all__ = ["DFlashConfig", "DFlashDraftModel", "DecodingSettings", "DraftStep", "GenerationTokens",
+           "SpecGenerateOutput", "generation_tokens", "left_pad", "load_demo", "resolve_settings", "speculative_decode"]
 
 
 def load_demo(*args, **kwargs):  # noqa: ANN002, ANN003 - the demo's own signature

@@ -16,21 +16,12 @@ from typing import Any, Callable
 
 import torch
 
-from .evaluation import (
-    BenchSettings,
-    TurnRecord,
-    calibrate_block_size,
-    calibrate_step_costs,
-    measure_prompts,
-    measure_step_costs,
-    records_tau,
-    summarize,
-    typical_context,
-    warm_up,
-)
+from .cost_model import measure_step_costs, resolve_block_choice, typical_context
+from .devices_dflash import target_device
+from .evaluation import BenchSettings, TurnRecord, measure_prompts, records_tau, summarize, warm_up
 from .modeling_dflash import DFlashDraftModel
 from .prompts import chat_prompt_ids, read_conversations, record_turns, user_prompt_ids
-from .target_dflash import GenerationTokens, generation_tokens, target_device
+from .settings_dflash import GenerationTokens, generation_tokens, resolve_block_size
 
 
 @dataclass(frozen=True)
@@ -61,7 +52,8 @@ def read_prompt_file(path: str | Path, limit: int | None = None) -> list[list[st
 def load_conversations(dataset: str, data_dir: str | Path, limit: int | None = None) -> list[list[str]]:
     """User turns of a benchmark's first `limit` prompts: the local copy in `data_dir`, else the Hub."""
     if dataset not in DATASETS:
-        raise ValueError(f"Unknown dataset {dataset!r}; choose from {', '.join(DATASETS)} or pass --prompts FILE.jsonl.")
+        raise ValueError(f"Unknown dataset {dataset!r}; choose from {', '.join(DATASETS)} "
+                         "or pass --prompts FILE.jsonl.")
     source = DATASETS[dataset]
     path = Path(data_dir) / source.file_name
     if path.exists():
@@ -69,8 +61,9 @@ def load_conversations(dataset: str, data_dir: str | Path, limit: int | None = N
     try:
         from datasets import load_dataset
     except ImportError as error:
-        raise FileNotFoundError(f"{path} does not exist and the `datasets` package is not installed to fetch "
-                                f"{source.hub[0]}; pass --data-dir.") from error
+        raise FileNotFoundError(f"No {source.file_name} in {Path(data_dir)}: pass --data-dir FOLDER (or set "
+                                f"$DFLASH_HF_DATA_DIR) to a folder holding it, or `pip install datasets` to fetch "
+                                f"{source.hub[0]} from the Hub.") from error
     name, config, split = source.hub
     rows = load_dataset(name, config, split=split)
     rows = rows.select(range(min(limit, len(rows)))) if limit is not None else rows
@@ -133,32 +126,28 @@ def run_benchmark(
     tokens = generation_tokens(target, tokenizer, draft)
     native_draft = transformers_dflash_peer(draft, settings, progress and process.is_main)
     first_prompt = user_prompt_ids(tokenizer, next(iter(datasets.values()))[0][0])
-    warm_up(draft, target, [first_prompt] * settings.batch_size, settings, tokens.stop_token_ids, tokens.mask_token_id,
-            native_draft)  # the batch's shape
+    warm_up(draft, target, [first_prompt] * settings.batch_size,
+            dataclasses.replace(settings, block_size=resolve_block_size(None, draft.block_size)
+                                if settings.block_size in ("auto", "adaptive") else settings.block_size),
+            tokens, native_draft)  # the batch's shape
     shards = {name: conversations[process.index :: process.count] for name, conversations in datasets.items()}
     bar = tqdm(total=sum(len(turns) for shard in shards.values() for turns in shard), desc="bench",
                disable=not progress or not process.is_main)
     results = []
     for name, conversations in datasets.items():
-        dataset_settings, predictions = settings, None
-        if settings.auto_block_size:
-            prompt = user_prompt_ids(tokenizer, conversations[0][0])
-            block_size, predictions = calibrate_block_size(draft, target, prompt, settings, tokens.stop_token_ids,
-                                                           tokens.mask_token_id)
-            dataset_settings = dataclasses.replace(settings, block_size=block_size)
-        if settings.adaptive_verify:
-            prompt = user_prompt_ids(tokenizer, conversations[0][0])
-            costs = calibrate_step_costs(draft, target, prompt, settings, tokens.stop_token_ids, tokens.mask_token_id)
-            dataset_settings = dataclasses.replace(settings, block_size=None, step_costs=costs)
+        choice = resolve_block_choice(settings.block_size, draft, target,
+                                      user_prompt_ids(tokenizer, conversations[0][0]),
+                                      settings.max_new_tokens, settings.batch_size, tokens.stop_token_ids,
+                                      tokens.mask_token_id)
+        dataset_settings = dataclasses.replace(settings, block_size=choice.block_size, step_costs=choice.step_costs)
         records, step_costs = measure_dataset(draft, target, tokenizer, shards[name], dataset_settings, tokens,
-                                              on_turns=lambda records, rows: _show(bar, name, records, rows),
+                                              on_turns=lambda records, rows, name=name: _show(bar, name, records, rows),
                                               native_draft=native_draft)
-        block_size = dataset_settings.block_size or draft.block_size
-        results.append(summarize(name, process.gather(records), len(conversations), block_size,
+        results.append(summarize(name, process.gather(records), len(conversations), choice.block_size,
                                  process.gather([step_costs])[0], settings.temperature == 0, settings.batch_size,
-                                 dataset_settings.step_costs))
-        if predictions is not None:
-            results[-1]["block_size_predictions"] = predictions
+                                 choice.step_costs))
+        if choice.predictions is not None:
+            results[-1]["block_size_predictions"] = choice.predictions
     bar.close()
     return results
 
@@ -200,7 +189,7 @@ def measure_dataset(
     call gets the next `turn`, so the method that runs first rotates.
     """
     device = target_device(target)
-    block_size = settings.block_size or draft.block_size
+    block_size = resolve_block_size(settings.block_size, draft.block_size)
     records: list[TurnRecord] = []
     step_costs = None
     turn = 0
@@ -212,8 +201,7 @@ def measure_dataset(
             for row in rows:
                 histories[row].append({"role": "user", "content": group[row][turn_index]})
             prompts = [chat_prompt_ids(tokenizer, histories[row]) for row in rows]
-            turn_records = measure_prompts(draft, target, prompts, settings, tokens.stop_token_ids, tokens.mask_token_id,
-                                           native_draft, turn=turn)
+            turn_records = measure_prompts(draft, target, prompts, settings, tokens, native_draft, turn=turn)
             turn += 1
             records.extend(turn_records)
             if step_costs is None:
@@ -222,7 +210,8 @@ def measure_dataset(
                                                 batch_size=len(prompts))
             for row, record in zip(rows, turn_records):
                 answer = [token for token in record.new_tokens["plain"] if token not in tokens.stop_token_ids]
-                histories[row].append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
+                histories[row].append({"role": "assistant",
+                                       "content": tokenizer.decode(answer, skip_special_tokens=True)})
             on_turns(records, len(rows))
     return records, step_costs
 

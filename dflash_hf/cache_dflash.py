@@ -115,7 +115,8 @@ def cache_keyword(target: torch.nn.Module) -> str:
     """The forward argument that takes the KV cache: `cache` on Transformers 5.x, `past_key_values` on 4.x."""
     decoder = target.get_decoder() if hasattr(target, "get_decoder") else target
     forwards = (target.forward, decoder.forward)  # a subclass may take **kwargs; its decoder names the argument
-    return "cache" if any("cache" in inspect.signature(forward).parameters for forward in forwards) else "past_key_values"
+    return "cache" if any("cache" in inspect.signature(forward).parameters
+                          for forward in forwards) else "past_key_values"
 
 
 def returned_cache(outputs: Any) -> Any:
@@ -224,7 +225,8 @@ def check_cache(cache: Any, target: torch.nn.Module, num_rows: int) -> None:
         raise ValueError(f"Target {type(target).__name__} keeps an attention indexer cache ({', '.join(indexed)}); "
                          "dflash-hf runs it one prompt at a time: pass one row.")
     if num_rows > 1 and not (hasattr(cache, "layers") and hasattr(cache, "batch_select_indices")):
-        raise ValueError(f"Target {type(target).__name__} returned a {type(cache).__name__}; batches need a DynamicCache.")
+        raise ValueError(f"Target {type(target).__name__} returned a {type(cache).__name__}; "
+                         "batches need a DynamicCache.")
 
 
 def crop_cache(cache: Any, length: int) -> None:
@@ -270,7 +272,8 @@ class DraftContextCache:
     @property
     def keys(self) -> list[torch.Tensor | None]:
         """Each layer's cached context keys [B, kv_heads, C, D] (views)."""
-        return [None if buffer is None else buffer[:, :, :length] for buffer, length in zip(self.key_buffers, self.lengths)]
+        return [None if buffer is None else buffer[:, :, :length]
+                for buffer, length in zip(self.key_buffers, self.lengths)]
 
     @property
     def values(self) -> list[torch.Tensor | None]:

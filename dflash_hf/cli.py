@@ -13,7 +13,6 @@ import torch
 from .loading import DTYPES, PUBLISHED_CONFIGS, SMOLLM2, load_target
 
 
-
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=SMOLLM2, help="target model: 'smollm2' or a path / Hub id")
     parser.add_argument("--output", required=True, help="run folder: responses, checkpoint, draft/")
@@ -102,12 +101,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompts per call (left-padded); several values run one after the other, e.g. 1 2 4 8")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--acceptance", choices=["rejection", "equality"], default="rejection",
-                        help="at temperature > 0: speculative (rejection) sampling of the draft's q, or the equality rule")
+                        help="at temperature > 0: speculative (rejection) sampling of the draft's q, "
+                             "or the equality rule")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
-                        help="auto: float32 on CPU (few-row bfloat16 matmuls are slow without native bf16), bfloat16 on GPU")
+                        help="auto: float32 on CPU (few-row bfloat16 matmuls are slow without native bf16), "
+                             "bfloat16 on GPU")
     parser.add_argument("--target", default=None, help="target path / Hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--draft", default=None, help="draft path / Hub id (default: the shipped SmolLM2 draft)")
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="0 skips prompt-lookup decoding")
+    add_cpu_kernels_argument(parser)
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     parser.add_argument("--plot", default="dflash_bench.png", help="PNG plot path ('' for none)")
     parser.add_argument("--seed", type=int, default=0)
@@ -122,6 +124,17 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     synthetic.add_argument("--context-length", type=int, default=512, help="tokens of random context before a step")
     synthetic.add_argument("--shrink", default="auto",
                            help="divide the widths by this (auto: 1 on a GPU, 8 on a CPU)")
+
+
+def cpu_kernels_choice(text: str) -> bool | None:
+    """`--cpu-kernels`: auto (None: on for a CPU target), on, off."""
+    return {"auto": None, "on": True, "off": False}[text]
+
+
+def add_cpu_kernels_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cpu-kernels", choices=["auto", "on", "off"], default="auto",
+                        help="few-row products of the verify and draft passes by the fastest kernel timed on this "
+                             "machine (auto: on for a CPU target); the output is the same either way")
 
 
 def bench_dtype(choice: str, device: torch.device) -> torch.dtype:
@@ -143,6 +156,21 @@ def bench_datasets(args: argparse.Namespace) -> dict[str, list[list[str]]]:
     return {name: load_conversations(name, data_dir, args.num_prompts) for name in names}
 
 
+def check_bench_arguments(args: argparse.Namespace) -> None:
+    """Exit naming the first `bench` argument that cannot be run (before anything is read or loaded)."""
+    if args.draft_config or args.tau is not None:
+        raise SystemExit("--draft-config and --tau belong to --synthetic; add --synthetic MODEL or drop them")
+    if (args.target is None) != (args.draft is None):
+        raise SystemExit("pass both --target and --draft, or neither (SmolLM2-135M-Instruct and the shipped draft)")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise SystemExit("--plot needs matplotlib: pip install 'dflash-hf[bench]' (or pass --plot '')")
+    if any(batch_size < 1 for batch_size in args.batch_size):
+        raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.num_prompts < 1 or args.max_new_tokens < 1:
+        raise SystemExit(f"--num-prompts and --max-new-tokens must be >= 1, got {args.num_prompts} and "
+                         f"{args.max_new_tokens}")
+
+
 def run_bench(args: argparse.Namespace) -> list[dict]:
     """Load target and draft, run every dataset, print the table, write the plot and the JSON."""
     from .benchmark import plot_results, process_context, run_benchmark
@@ -152,14 +180,14 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
 
     if args.synthetic is not None:
         return [run_synthetic(args)]
-    if args.draft_config or args.tau is not None:
-        raise SystemExit("--draft-config and --tau belong to --synthetic; add --synthetic MODEL or drop them")
-    if (args.target is None) != (args.draft is None):
-        raise SystemExit("pass both --target and --draft, or neither (SmolLM2-135M-Instruct and the shipped draft)")
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        raise SystemExit("--plot needs matplotlib: pip install 'dflash-hf[bench]' (or pass --plot '')")
-    if any(batch_size < 1 for batch_size in args.batch_size):
-        raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}")
+    check_bench_arguments(args)
+    try:  # the prompts are read (and their errors reported) before any model is loaded
+        datasets = bench_datasets(args)
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(f"dflash-hf bench: {error}") from error
+    empty = [name for name, conversations in datasets.items() if not conversations]
+    if empty:
+        raise SystemExit(f"dflash-hf bench: {empty[0]} holds no prompts")
     process = process_context()
     device = process.device
     dtype = bench_dtype(args.dtype, device)
@@ -170,15 +198,12 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
         raise SystemExit(f"--block-size {too_long[0]}: the draft was trained with blocks of {draft.block_size}; "
                          f"pass 1 to {draft.block_size}, or auto")
     target, draft = target.to(device), draft.to(device)
-    datasets = bench_datasets(args)
     results = []
     for batch_size in args.batch_size:
         for block_size in args.block_size:
-            chosen_here = block_size in ("auto", "adaptive")
-            settings = BenchSettings(args.max_new_tokens, None if chosen_here else block_size, args.temperature,
+            settings = BenchSettings(args.max_new_tokens, block_size, args.temperature,
                                      args.prompt_lookup_tokens or None, args.seed, batch_size,
-                                     auto_block_size=block_size == "auto", acceptance=args.acceptance,
-                                     adaptive_verify=block_size == "adaptive")
+                                     acceptance=args.acceptance, cpu_kernels=cpu_kernels_choice(args.cpu_kernels))
             results += run_benchmark(draft, target, tokenizer, datasets, settings, progress=process.is_main)
     if not process.is_main:  # under `accelerate launch` every process holds the gathered results; one reports
         return results
@@ -191,7 +216,8 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     if args.json:
         meta = {"dtype": str(dtype), "device": device.type, "threads": torch.get_num_threads(),
                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "acceptance": args.acceptance,
-                "target": args.target or "HuggingFaceTB/SmolLM2-135M-Instruct", "draft": str(args.draft or SHIPPED_DRAFT)}
+                "target": args.target or "HuggingFaceTB/SmolLM2-135M-Instruct",
+                "draft": str(args.draft or SHIPPED_DRAFT)}
         Path(args.json).write_text(json.dumps({"settings": meta, "results": results}, indent=2))
     return results
 
@@ -244,8 +270,11 @@ def run_push(args: argparse.Namespace) -> None:
     """Check a draft folder is Hub-ready (and its remote code the installed package's) and upload it."""
     from .push import push_to_hub
 
-    files = push_to_hub(args.folder, args.repo_id, private=args.private, dry_run=args.dry_run,
-                        keep_remote_code=args.keep_remote_code)
+    try:
+        files = push_to_hub(args.folder, args.repo_id, private=args.private, dry_run=args.dry_run,
+                            keep_remote_code=args.keep_remote_code)
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(f"dflash-hf push: {error}") from error
     print(("would upload" if args.dry_run else f"uploaded to https://huggingface.co/{args.repo_id}:"), ", ".join(files))
 
 
@@ -255,7 +284,7 @@ def run_convert(args: argparse.Namespace) -> None:
 
     try:
         destination = convert(args.source, args.destination, args.to, vocab_size=args.vocab_size)
-    except ValueError as error:
+    except (ValueError, FileNotFoundError) as error:
         raise SystemExit(f"dflash-hf convert: {error}") from error
     if args.to == "transformers":
         print(f"wrote {destination}: AutoModel.from_pretrained({str(destination)!r}) gives MuseGlimmerAssistantModel; "
@@ -278,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="auto (default): the best predicted block size on this machine, calibrated on the first "
                            "prompt before timing; adaptive: draft the trained block, verify per step the prefix worth "
                            "its cost timed here; or an integer up to the draft's trained size")
+    add_cpu_kernels_argument(demo)
     add_bench_arguments(commands.add_parser("bench", help="tau, tokens/s and speedup against plain decoding"))
     card = commands.add_parser("card", help="render a draft's Hub model card (README.md) from its dflash_card.json")
     card.add_argument("folder", nargs="?", default=None)
@@ -296,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("source", help="draft folder or Hub id (DFlash layout, or native with --to dflash)")
     convert.add_argument("destination", help="folder to write")
     convert.add_argument("--to", choices=["transformers", "dflash"], required=True,
-                         help="transformers: MuseGlimmerAssistantModel (Transformers >= 5.24); dflash: the published layout")
+                         help="transformers: MuseGlimmerAssistantModel (Transformers >= 5.24); "
+                              "dflash: the published layout")
     convert.add_argument("--vocab-size", type=int, default=None,
                          help="the target's vocabulary size, for a native draft whose config does not record it")
     return parser
@@ -313,7 +344,8 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "demo":
         from .demo import run_demo
 
-        run_demo(args.max_new_tokens, DTYPES[args.dtype], args.draft, args.block_size)
+        run_demo(args.max_new_tokens, DTYPES[args.dtype], args.draft, args.block_size,
+                 cpu_kernels_choice(args.cpu_kernels))
     elif args.command == "bench":
         from .benchmark import process_context
 

@@ -1,7 +1,7 @@
 """DFlash draft configuration: a Qwen3 config plus the DFlash fields of the published drafts.
 
 The config normalises and validates itself when it is constructed or loaded, so every published
-variant (design doc section 1) reads the same way afterwards. Hub remote code: imports only
+variant (docs/formats.md) reads the same way afterwards. Hub remote code: imports only
 torch and transformers.
 """
 
@@ -18,14 +18,17 @@ REMOTE_CODE_FILES = (
     "modeling_dflash.py",
     "cache_dflash.py",
     "sampling_dflash.py",
+    "devices_dflash.py",
+    "kernels_dflash.py",
     "target_dflash.py",
     "proposer_dflash.py",
+    "settings_dflash.py",
     "generation_dflash.py",
     "custom_generate_dflash.py",
 )
 # `save_pretrained` also writes custom_generate_dflash.py here, where `generate(custom_generate=FOLDER)` looks.
 CUSTOM_GENERATE_FILE = "custom_generate/generate.py"
-DEFAULT_BLOCK_SIZE = 16  # dflash-formats.md: `block_size` when a config names none
+DEFAULT_BLOCK_SIZE = 16  # docs/formats.md: `block_size` when a config names none
 # Written into every saved config.json, even where equal to the class default (readers other than Transformers).
 ALWAYS_SAVED = ("block_size", "num_target_layers", "dflash_config", "rope_parameters", "rope_theta", "rope_scaling")
 
@@ -122,7 +125,7 @@ class DFlashConfig(Qwen3Config):
     Transformers, vLLM and SGLang. After construction the layout is canonical: top-level `block_size` and
     `num_target_layers`; `dflash_config` with `target_layer_ids` (computed when absent), `mask_token_id` when
     known and `mask_token` when published as a string; rope in the installed Transformers' own style; the newer
-    fields of dflash-formats.md (`layer_types`, `sliding_window`, `is_causal`, `input_embedding_scale`,
+    fields of docs/formats.md (`layer_types`, `sliding_window`, `is_causal`, `input_embedding_scale`,
     `output_multiplier`, `final_logit_softcapping`, and DFlash2's convolution and selector sizes) at top level.
     """
 
@@ -164,7 +167,7 @@ class DFlashConfig(Qwen3Config):
 
 SUPPORTED_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# Fields of the newer drafts (dflash-formats.md), read like every DFlash field, kept at top level once normalised.
+# Fields of the newer drafts (docs/formats.md), read like every DFlash field, kept at top level once normalised.
 SCALING_DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
@@ -187,7 +190,7 @@ def _check_architecture(config: Qwen3Config) -> None:
     unknown = [name for name in architectures if "DFlash" in name and name not in SUPPORTED_ARCHITECTURES]
     if unknown:
         raise ValueError(f"Draft architecture {unknown} is not supported: dflash-hf loads "
-                         f"{' and '.join(SUPPORTED_ARCHITECTURES)} drafts (see dflash-formats.md).")
+                         f"{' and '.join(SUPPORTED_ARCHITECTURES)} drafts (see docs/formats.md).")
 
 
 def normalize_dflash_config(config: Qwen3Config, published_sliding_window: int | None = None) -> None:
@@ -209,7 +212,8 @@ def normalize_dflash_config(config: Qwen3Config, published_sliding_window: int |
     if target_layer_ids is not None:
         target_layer_ids = [int(i) for i in target_layer_ids]
         if not target_layer_ids or min(target_layer_ids) < 0:
-            raise ValueError(f"Draft config `target_layer_ids` must be non-negative layer indices, got {target_layer_ids}.")
+            raise ValueError(f"Draft config `target_layer_ids` must be non-negative layer indices, "
+                             f"got {target_layer_ids}.")
         dflash_config["target_layer_ids"] = target_layer_ids
     mask_token_id = dflash_field(config, dflash_config, "mask_token_id")
     mask_token = dflash_config.get("mask_token")
@@ -230,7 +234,8 @@ def normalize_dflash_config(config: Qwen3Config, published_sliding_window: int |
     _normalize_rope(config)
 
 
-def _normalize_layer_attention(config: Qwen3Config, dflash_config: dict[str, Any], published_window: int | None) -> None:
+def _normalize_layer_attention(config: Qwen3Config, dflash_config: dict[str, Any],
+                               published_window: int | None) -> None:
     """Per-layer attention (`layer_types`, `sliding_window`, `is_causal`) at top level, checked; idempotent."""
     layer_types = dflash_field(config, dflash_config, "layer_types") or ["full_attention"] * config.num_hidden_layers
     layer_types = list(layer_types)
@@ -267,11 +272,13 @@ def _normalize_dflash2(config: Qwen3Config, dflash_config: dict[str, Any]) -> No
     for name in DFLASH2_FIELDS:
         value = dflash_field(config, dflash_config, name)
         if value is None or int(value) < 1:
-            raise ValueError(f"DFlash2 draft config needs a positive `{name}` (dflash_config or top level), got {value}.")
+            raise ValueError(f"DFlash2 draft config needs a positive `{name}` (dflash_config or top level), "
+                             f"got {value}.")
         setattr(config, name, int(value))
         dflash_config.pop(name, None)
     if config.hidden_size % config.conv_group_size:
-        raise ValueError(f"DFlash2 `conv_group_size` {config.conv_group_size} must divide hidden_size {config.hidden_size}.")
+        raise ValueError(f"DFlash2 `conv_group_size` {config.conv_group_size} "
+                         f"must divide hidden_size {config.hidden_size}.")
 
 
 def _normalize_rope(config: Qwen3Config) -> None:

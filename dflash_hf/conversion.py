@@ -47,8 +47,10 @@ def inexpressible_in_native(config: DFlashConfig) -> list[str]:
         problems.append("architectures=DFlash2DraftModel (convolutions and candidate selector)")
     causal_layers = [i for i in range(config.num_hidden_layers) if layer_attention(config, i)[0]]
     if causal_layers:
-        problems.append(f"causal layers {causal_layers} (is_causal={config.is_causal}; native layers are bidirectional)")
-    for name, neutral in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0), ("final_logit_softcapping", None)):
+        problems.append(f"causal layers {causal_layers} (is_causal={config.is_causal}; "
+                        "native layers are bidirectional)")
+    for name, neutral in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0),
+                          ("final_logit_softcapping", None)):
         if getattr(config, name) != neutral:
             problems.append(f"{name}={getattr(config, name)}")
     if config.attention_bias:
@@ -115,6 +117,8 @@ def convert(source: str | Path, destination: str | Path, to: str, vocab_size: in
     """
     if to not in CONVERSION_TARGETS:
         raise ValueError(f"to must be one of {CONVERSION_TARGETS}, got {to!r}.")
+    if Path(destination).exists() and not Path(destination).is_dir():
+        raise ValueError(f"{destination} is an existing file; pass a folder to write the draft into.")
     if to == "transformers":
         native_classes()  # refuse before loading anything
     draft = DFlashDraftModel.from_pretrained(source, dtype="auto")

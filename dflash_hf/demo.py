@@ -36,45 +36,45 @@ def load_demo(dtype: torch.dtype = torch.float32, draft_path: str | Path | None 
 
 
 def run_demo(max_new_tokens: int = 256, dtype: torch.dtype = torch.float32, draft_path: str | Path | None = None,
-             block_size: int | str = "auto") -> dict:
+             block_size: int | str = "auto", cpu_kernels: bool | None = None) -> dict:
     """Answer the demo prompts with spec_generate; print answers, tau, tokens/s and the speedup over generate.
 
-    block_size "auto": the block with the best predicted speedup on this machine (`calibrate_block_size` on the first
-    prompt: its acceptance at the trained block and the step costs timed here), chosen before anything is timed;
-    "adaptive": draft the trained block, verify per step the prefix worth its cost (`calibrate_step_costs`).
+    block_size "auto": the block with the best predicted speedup on this machine, chosen on the first prompt before
+    anything is timed; "adaptive": draft the trained block, verify per step the prefix worth its cost
+    (`cost_model.resolve_block_choice`, as bench chooses). `cpu_kernels`: see `spec_generate`.
     """
-    from .evaluation import BenchSettings, calibrate_block_size, calibrate_step_costs, evaluate_draft
+    from .cost_model import resolve_block_choice
+    from .evaluation import evaluate_draft
     from .prompts import user_prompt_ids
-    from .target_dflash import generation_tokens
+    from .settings_dflash import generation_tokens
 
     target, tokenizer, draft = load_demo(dtype, draft_path)
     prompts = [user_prompt_ids(tokenizer, prompt) for prompt in DEMO_PROMPTS]
-    tokens = generation_tokens(target, tokenizer, draft)
-    stop_token_ids = tokens.stop_token_ids  # as bench and train's evaluation stop
-    if block_size == "auto":
-        block_size, predictions = calibrate_block_size(draft, target, prompts[0], BenchSettings(max_new_tokens),
-                                                       stop_token_ids, tokens.mask_token_id)
+    tokens = generation_tokens(target, tokenizer, draft)  # as bench and train's evaluation stop
+    choice = resolve_block_choice(block_size, draft, target, prompts[0], max_new_tokens, 1, tokens.stop_token_ids,
+                                  tokens.mask_token_id)
+    if choice.predictions is not None:
         print("predicted speedup per block size on this machine: "
-              + ", ".join(f"{size}: {value:.2f}x" for size, value in sorted(predictions.items()))
-              + f" -> block size {block_size}", flush=True)
-    step_costs = None
-    if block_size == "adaptive":
-        step_costs = calibrate_step_costs(draft, target, prompts[0], BenchSettings(max_new_tokens), stop_token_ids,
-                                          tokens.mask_token_id)
-        block_size = draft.block_size
-        print(f"step costs on this machine: draft {step_costs.draft * 1000:.1f} ms, verify of 1..{block_size} tokens "
-              + " ".join(f"{seconds * 1000:.1f}" for seconds in step_costs.verify) + " ms", flush=True)
+              + ", ".join(f"{size}: {value:.2f}x" for size, value in sorted(choice.predictions.items()))
+              + f" -> block size {choice.block_size}", flush=True)
+    if choice.step_costs is not None:
+        print(f"step costs on this machine: draft {choice.step_costs.draft * 1000:.1f} ms, verify of "
+              f"1..{choice.block_size} tokens "
+              + " ".join(f"{seconds * 1000:.1f}" for seconds in choice.step_costs.verify)
+              + " ms", flush=True)
 
     def show(index: int, record) -> None:
-        tokens, lengths = record.new_tokens["dflash"], record.acceptance_lengths
-        print(f"\n### {DEMO_PROMPTS[index]}\n{tokenizer.decode(tokens, skip_special_tokens=True)}")
-        print(f"[tau {mean_acceptance_length(lengths):.2f}, {len(tokens)} tokens]", flush=True)
+        new_tokens, lengths = record.new_tokens["dflash"], record.acceptance_lengths
+        print(f"\n### {DEMO_PROMPTS[index]}\n{tokenizer.decode(new_tokens, skip_special_tokens=True)}")
+        print(f"[tau {mean_acceptance_length(lengths):.2f}, {len(new_tokens)} tokens]", flush=True)
 
-    summary = evaluate_draft(draft, target, prompts, max_new_tokens, block_size, stop_token_ids=stop_token_ids,
-                             on_result=show, step_costs=step_costs)
-    verified = "" if step_costs is None else f", adaptive: {summary['mean_verified_length']:.2f} verified per step"
+    summary = evaluate_draft(draft, target, prompts, max_new_tokens, choice.block_size, tokens=tokens, on_result=show,
+                             step_costs=choice.step_costs, cpu_kernels=cpu_kernels)
+    verified = "" if choice.step_costs is None else (f", adaptive: {summary['mean_verified_length']:.2f} "
+                                                     "verified per step")
     rates = summary["tokens_per_s"]
     print(f"\ntau {summary['tau']:.2f} | target.generate {rates['plain']:.1f} tokens/s | spec_generate "
           f"{rates['dflash']:.1f} tokens/s | speedup {summary['speedup']:.2f}x | identical to generate: "
-          f"{summary['lossless']} ({dtype}, block size {block_size} of {draft.block_size}{verified}, {torch.get_num_threads()} threads)")
+          f"{summary['lossless']} ({dtype}, block size {choice.block_size} of {draft.block_size}{verified}, "
+          f"{torch.get_num_threads()} threads)")
     return summary

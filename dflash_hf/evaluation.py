@@ -1,42 +1,25 @@
-"""Measuring a draft: time prompts with `generate` and DFlash, summarise (tau, tokens/s, speedup, lossless), and the
-cost model built on the loop's own stage functions. `bench`, `train` and `demo` all measure through this module.
+"""Measuring a draft: time prompts with `generate`, DFlash, prompt lookup and Transformers' own DFlash, judge each
+greedy output against plain `generate` (exact, near-tie or NO), and summarise (tau, tokens/s, speedup, bound).
+`bench`, `train` and `demo` all measure through this module; the step costs come from `cost_model`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
 
-from .cache_dflash import crop_cache, left_pad
-from .generation_dflash import (
-    GenerationSettings,
-    SpecGenerateOutput,
-    StepCosts,
-    TargetContext,
-    dflash_proposer,
-    plan_step,
-    prefill,
-    propose,
-    synchronize,
-    verify,
-)
+from .cache_dflash import left_pad
+from .cost_model import acceptance_histogram, cost_model_bound, prime_few_row_kernels
+from .devices_dflash import target_device
+from .generation_dflash import synchronize
 from .modeling_dflash import DFlashDraftModel
-from .proposer_dflash import Proposal
 from .sampling_dflash import cut_after_stop, mean_acceptance_length
-from .target_dflash import (
-    MAX_FEW_ROWS,
-    few_row_product,
-    grouped_query_attention,
-    is_plain_linear,
-    last_logits_only,
-    neutral_overrides,
-    target_device,
-)
+from .settings_dflash import GenerationTokens, StepCosts, neutral_overrides, resolve_block_size
+from .target_dflash import last_logits_only
 
 METHODS = ("plain", "dflash", "prompt_lookup", "transformers_dflash")  # the last: Transformers' own DFlash loop
 VERDICTS = ("exact", "near-tie", "NO")
@@ -71,15 +54,16 @@ class BenchSettings:
     """What every prompt is run with."""
 
     max_new_tokens: int = 256
-    block_size: int | None = None  # None: the draft's trained block size
+    # an integer; None: the draft's trained size; "auto" / "adaptive": resolved per dataset on its first prompt
+    # (`cost_model.resolve_block_choice`), which also sets `step_costs` for "adaptive"
+    block_size: int | str | None = None
     temperature: float = 0.0
     prompt_lookup_tokens: int | None = 10  # None: skip prompt-lookup decoding
     seed: int = 0
     batch_size: int = 1  # prompts per generate / spec_generate call (left-padded); > 1 skips prompt lookup
-    auto_block_size: bool = False  # per dataset: calibrate on its first prompt, then take choose_block_size's pick
     acceptance: str = "rejection"  # sampling: speculative (rejection) sampling, or the equality rule
-    adaptive_verify: bool = False  # per dataset: time this machine's step costs, then verify the worthwhile prefix
-    step_costs: StepCosts | None = None  # spec_generate's step_costs (set by run_benchmark when adaptive_verify)
+    step_costs: StepCosts | None = None  # spec_generate's step_costs (adaptive verify)
+    cpu_kernels: bool | None = None  # spec_generate's cpu_kernels (None: on for a CPU target)
 
 
 def near_tie_tolerance(logit: float, dtype: torch.dtype, ulps: float = NEAR_TIE_ULPS) -> float:
@@ -128,36 +112,12 @@ def warm_up_settings(settings: BenchSettings, block_size: int) -> BenchSettings:
     return replace(settings, max_new_tokens=2 * block_size + 1)
 
 
-def prime_few_row_kernels(draft: DFlashDraftModel, target: torch.nn.Module, max_rows: int) -> int:
-    """Time the few-row products (`few_row_product`) now, so that no timed run pays for choosing a kernel: the LM heads
-    (the target's, the draft vocabulary's) for 1 .. `max_rows` rows, every other Linear shape of target and draft for
-    1 .. `MAX_FEW_ROWS` (the draft's first pass reads a short prompt's rows); how many products were primed."""
-    heads = [target.get_output_embeddings()]
-    vocabulary = dflash_proposer(draft, target, draft.mask_token_id).vocab
-    head_weights = [(head.weight, head.bias) for head in heads if is_plain_linear(head)]
-    if vocabulary is not None and vocabulary.lm_head is None:
-        head_weights.append((vocabulary.weight, vocabulary.bias))
-    layer_weights = [(module.weight, module.bias) for model in (target, draft) for module in model.modules()
-                     if is_plain_linear(module) and module not in heads]
-    shapes: dict[Any, tuple[torch.Tensor, torch.Tensor | None, int]] = {}  # the kernel choice is made per shape
-    for weights, rows in ((head_weights, max_rows), (layer_weights, MAX_FEW_ROWS)):
-        for weight, bias in weights:
-            key = (tuple(weight.shape), weight.dtype, weight.device)
-            shapes[key] = (weight, bias, max(rows, shapes.get(key, (None, None, 0))[2]))
-    for weight, bias, rows in shapes.values():
-        for count in range(1, rows + 1):
-            few_row_product(weight, bias, weight.new_zeros(count, weight.shape[1]))
-    return sum(rows for _, _, rows in shapes.values())
-
-
 def warm_up(draft: DFlashDraftModel, target: torch.nn.Module, prompts: list[list[int]], settings: BenchSettings,
-            stop_token_ids: list[int], mask_token_id: int | None = None, native_draft: torch.nn.Module | None = None
-            ) -> None:
+            tokens: GenerationTokens, native_draft: torch.nn.Module | None = None) -> None:
     """The untimed warm-up before measuring: every method over `prompts` for two full blocks, kernels primed."""
-    block_size = settings.block_size or draft.block_size
+    block_size = resolve_block_size(settings.block_size, draft.block_size)
     prime_few_row_kernels(draft, target, len(prompts) * block_size)
-    measure_prompts(draft, target, prompts, warm_up_settings(settings, block_size), stop_token_ids, mask_token_id,
-                    native_draft)
+    measure_prompts(draft, target, prompts, warm_up_settings(settings, block_size), tokens, native_draft)
 
 
 def _timed(run: Callable[[], list[list[int]]], device: torch.device, seed: int) -> tuple[list[list[int]], float]:
@@ -175,8 +135,7 @@ def measure_prompts(
     target: torch.nn.Module,
     prompts: list[list[int]],
     settings: BenchSettings,
-    stop_token_ids: list[int],
-    mask_token_id: int | None = None,
+    tokens: GenerationTokens,
     native_draft: torch.nn.Module | None = None,
     turn: int = 0,
 ) -> list[TurnRecord]:
@@ -185,9 +144,10 @@ def measure_prompts(
 
     One record per row; each row carries 1/N of the batch's wall time, so summed seconds are wall time. The methods
     run in `method_order(..., turn)`; greedy records hold each method's `compare_outputs` verdict against "plain".
+    `tokens`: the stop, pad and mask ids (`generation_tokens`).
     """
     device = target_device(target)
-    pad_id = stop_token_ids[0]
+    stop_token_ids, pad_id = tokens.stop_token_ids, tokens.pad_token_id
     input_ids, attention_mask = left_pad(prompts, pad_id, device)  # [N, T]
     sampling = {"do_sample": True, "temperature": settings.temperature, "top_k": 0, "top_p": 1.0} \
         if settings.temperature > 0 else {"do_sample": False}
@@ -207,8 +167,9 @@ def measure_prompts(
             target=target, input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=settings.max_new_tokens,
             temperature=settings.temperature, top_k=0, top_p=1.0,  # as `generate` above: no other filter
             stop_token_ids=stop_token_ids, block_size=settings.block_size,
-            seed=settings.seed if settings.temperature > 0 else None, mask_token_id=mask_token_id, return_stats=True,
-            acceptance=settings.acceptance, step_costs=settings.step_costs, **neutral,
+            seed=settings.seed if settings.temperature > 0 else None, mask_token_id=tokens.mask_token_id,
+            return_stats=True,
+            acceptance=settings.acceptance, step_costs=settings.step_costs, cpu_kernels=settings.cpu_kernels, **neutral,
         ))
         return [results[-1].new_tokens(row) for row in range(len(prompts))]
 
@@ -220,7 +181,8 @@ def measure_prompts(
         methods["prompt_lookup"] = lambda: generated(target.generate(
             input_ids, prompt_lookup_num_tokens=settings.prompt_lookup_tokens, **common))
     # Transformers' DFlash is assisted decoding (one prompt) and drafts the draft's own block size
-    if native_draft is not None and len(prompts) == 1 and settings.block_size in (None, draft.block_size):
+    if (native_draft is not None and len(prompts) == 1
+            and resolve_block_size(settings.block_size, draft.block_size) == draft.block_size):
         methods["transformers_dflash"] = lambda: generated(target.generate(
             input_ids, assistant_model=native_draft, speculation_type="dflash", **common))
     timed = {method: _timed(methods[method], device, settings.seed) for method in method_order(list(methods), turn)}
@@ -246,230 +208,7 @@ def turn_records(target: torch.nn.Module, prompts: list[list[int]],
     return records
 
 
-# --- The cost model ----------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def time_step_stages(
-    draft: DFlashDraftModel,
-    target: torch.nn.Module,
-    context_ids: torch.Tensor,
-    block_size: int,
-    mask_token_id: int,
-    verify_widths: list[int],
-    repeats: int = 5,
-    batch_size: int = 1,
-) -> dict[str, Any]:
-    """Median seconds after a context [1, T] copied to `batch_size` rows: "target_1" (one token of plain decoding per
-    row), "draft" (a draft pass over a `block_size` block) and "verify" {w: a w-token verify per row}.
-
-    The verify and the draft pass are timed on the loop's own stages; the stages take turns, so that a slow spell of
-    the machine spreads over all of them. Every output is dropped as soon as it is timed; between repetitions only
-    the cache and the proposal are kept.
-    """
-    with grouped_query_attention(target):  # as in speculative_decode
-        return _time_step_stages(draft, target, context_ids, block_size, mask_token_id, verify_widths, repeats,
-                                 batch_size)
-
-
-def _time_step_stages(draft: DFlashDraftModel, target: torch.nn.Module, context_ids: torch.Tensor, block_size: int,
-                      mask_token_id: int, verify_widths: list[int], repeats: int, batch_size: int) -> dict[str, Any]:
-    device = context_ids.device
-    settings = GenerationSettings(max_new_tokens=block_size + 1, block_size=block_size,
-                                  generators=(None,) * batch_size)
-    proposer = dflash_proposer(draft, target, mask_token_id)  # spec_generate's, draft vocabulary included
-    state = prefill(target, context_ids.repeat(batch_size, 1), None, proposer.target_layer_ids, settings)
-    block = plan_step(state, settings)
-    single = plan_step(state, replace(settings, block_size=1))
-    hidden = state.context.hidden  # [N, T, L*H]: an empty copy, as a [:, :0] view would keep the prompt's features
-    no_new_context = TargetContext(hidden.new_empty((hidden.shape[0], 0, hidden.shape[2])),
-                                   state.context.position_ids[:, :0].clone(), None)
-    del hidden
-    proposal = propose(proposer, state, block, settings)  # hands the whole context to the draft
-    last_only = last_logits_only(target)
-
-    def plain_step() -> Any:  # one token of `generate`: the target's own forward, its full LM head over that token
-        return target(input_ids=single.pending, position_ids=single.positions, use_cache=True, **last_only,
-                      **{state.cache_argument: state.cache})
-
-    def draft_pass() -> Proposal:
-        state.context = no_new_context  # a pass over the cached context and the block
-        return propose(proposer, state, block, settings)
-
-    def verify_pass(width: int) -> Callable[[], Any]:
-        step = plan_step(state, replace(settings, block_size=width))
-        shortened = Proposal(proposal.tokens[:, : width - 1])
-        return lambda: verify(target, state, step, shortened, settings)
-
-    def seconds(run: Callable[[], Any]) -> float:
-        synchronize(device)
-        started = time.perf_counter()
-        run()  # its outputs are not kept: freed here
-        synchronize(device)
-        elapsed = time.perf_counter() - started
-        crop_cache(state.cache, state.columns.width)  # a verify's columns leave the cache again
-        return elapsed
-
-    stages: dict[Any, Callable[[], Any]] = {"target_1": plain_step, **{width: verify_pass(width) for width in verify_widths}}
-    if block_size > 1:  # a block of 1 drafts nothing
-        stages["draft"] = draft_pass
-    for run in stages.values():
-        seconds(run)  # warm-up
-    samples: dict[Any, list[float]] = {name: [] for name in stages}
-    for _ in range(repeats):
-        for name, run in stages.items():
-            samples[name].append(seconds(run))
-    medians = {name: statistics.median(values) for name, values in samples.items()}
-    return {"target_1": medians["target_1"], "draft": medians.get("draft", 0.0),
-            "verify": {width: medians[width] for width in verify_widths}}
-
-
-def measure_step_costs(
-    draft: DFlashDraftModel,
-    target: torch.nn.Module,
-    context_ids: torch.Tensor,
-    block_size: int,
-    mask_token_id: int,
-    repeats: int = 5,
-    batch_size: int = 1,
-) -> dict[str, float]:
-    """The cost model's terms (median seconds, `time_step_stages`): "target_1", "target_block" (a `block_size`-token
-    verify per row) and "draft"."""
-    timings = time_step_stages(draft, target, context_ids, block_size, mask_token_id, [block_size], repeats, batch_size)
-    return {"target_1": timings["target_1"], "target_block": timings["verify"][block_size], "draft": timings["draft"]}
-
-
-def measure_verify_costs(
-    draft: DFlashDraftModel,
-    target: torch.nn.Module,
-    context_ids: torch.Tensor,
-    mask_token_id: int,
-    block_size: int | None = None,
-    repeats: int = 5,
-    batch_size: int = 1,
-) -> StepCosts:
-    """This machine's `StepCosts` for `spec_generate(step_costs=...)`: a draft pass over a block (default: the
-    draft's trained size) and a verify of every width 1 .. block (made non-decreasing), after a typical context [1, T]
-    (`typical_context`)."""
-    block_size = block_size or draft.block_size
-    timings = time_step_stages(draft, target, context_ids, block_size, mask_token_id, list(range(1, block_size + 1)),
-                               repeats, batch_size)
-    verify = nondecreasing([timings["verify"][width] for width in range(1, block_size + 1)])
-    return StepCosts(timings["draft"], tuple(verify))
-
-
-def nondecreasing(values: list[float]) -> list[float]:
-    """The closest non-decreasing sequence in squared error (pool adjacent violators): verify times measured on a busy
-    machine, where a wider verify sometimes times faster than a narrower one by chance."""
-    pools: list[list[float]] = []  # [mean, count] per pool of adjacent values
-    for value in values:
-        pools.append([value, 1])
-        while len(pools) > 1 and pools[-2][0] > pools[-1][0]:
-            mean, count = pools.pop()
-            pools[-1] = [(pools[-1][0] * pools[-1][1] + mean * count) / (pools[-1][1] + count), pools[-1][1] + count]
-    return [mean for mean, count in pools for _ in range(int(count))]
-
-
-def cost_model_bound(tau: float, step_costs: dict[str, float]) -> float:
-    """Speedup the cost model allows: tau * t(1 token) / (t(B-token verify) + t(draft))."""
-    return tau * step_costs["target_1"] / (step_costs["target_block"] + step_costs["draft"])
-
-
-def truncated_tau(acceptance_histogram: list[int], block_size: int) -> float:
-    """tau at a smaller block, from a histogram measured at the full block: the sum over k <= B of P(length >= k)."""
-    total = sum(acceptance_histogram)
-    if total == 0:
-        raise ValueError("the acceptance histogram is empty: no draft/verify step was measured")
-    return sum(sum(acceptance_histogram[k - 1 :]) for k in range(1, block_size + 1)) / total
-
-
-@torch.no_grad()
-def choose_block_size(
-    draft: DFlashDraftModel,
-    target: torch.nn.Module,
-    context_ids: torch.Tensor,
-    acceptance_histogram: list[int],
-    batch_size: int,
-    mask_token_id: int,
-) -> tuple[int, dict[int, float]]:
-    """The block size with the best predicted speedup for `batch_size` rows on this machine, and every prediction.
-
-    Prediction for B: truncated_tau(B) * t(1 token) / (t(B-token verify) + t(draft)), timed here at N rows;
-    B = 1 is plain decoding by the same loop (1.0). Drafting shorter blocks is assumed to keep the acceptance
-    of the positions it keeps.
-    """
-    candidates = sorted({b for b in (2, 3, 4, 6, 8, 12, 16) if b <= draft.block_size} | {draft.block_size})
-    predictions = {1: 1.0}
-    for block_size in candidates:
-        costs = measure_step_costs(draft, target, context_ids, block_size, mask_token_id, batch_size=batch_size)
-        predictions[block_size] = cost_model_bound(truncated_tau(acceptance_histogram, block_size), costs)
-    return max(predictions, key=predictions.get), predictions
-
-
-@torch.no_grad()
-def calibration_run(
-    draft: DFlashDraftModel,
-    target: torch.nn.Module,
-    prompt: list[int],
-    settings: BenchSettings,
-    stop_token_ids: list[int],
-    mask_token_id: int,
-) -> SpecGenerateOutput:
-    """One prompt, greedy, at the draft's full block: the acceptance and the answer the automatic choices rest on."""
-    device = target_device(target)
-    return draft.spec_generate(target=target, input_ids=torch.tensor([prompt], device=device),
-                               max_new_tokens=settings.max_new_tokens, temperature=0.0, stop_token_ids=stop_token_ids,
-                               mask_token_id=mask_token_id, return_stats=True,
-                               **neutral_overrides(getattr(target, "generation_config", None)))
-
-
-@torch.no_grad()
-def calibrate_block_size(
-    draft: DFlashDraftModel,
-    target: torch.nn.Module,
-    prompt: list[int],
-    settings: BenchSettings,
-    stop_token_ids: list[int],
-    mask_token_id: int,
-) -> tuple[int, dict[int, float]]:
-    """`calibration_run` on one prompt for its acceptance histogram, then `choose_block_size` for N rows."""
-    result = calibration_run(draft, target, prompt, settings, stop_token_ids, mask_token_id)
-    histogram = acceptance_histogram(result.acceptance_lengths[0], draft.block_size)
-    return choose_block_size(draft, target, typical_context(prompt, result.new_tokens(0), target_device(target)),
-                             histogram, settings.batch_size, mask_token_id)
-
-
-@torch.no_grad()
-def calibrate_step_costs(
-    draft: DFlashDraftModel,
-    target: torch.nn.Module,
-    prompt: list[int],
-    settings: BenchSettings,
-    stop_token_ids: list[int],
-    mask_token_id: int,
-) -> StepCosts:
-    """`measure_verify_costs` for N rows at the draft's full block, after `calibration_run`'s typical context."""
-    result = calibration_run(draft, target, prompt, settings, stop_token_ids, mask_token_id)
-    context = typical_context(prompt, result.new_tokens(0), target_device(target))
-    return measure_verify_costs(draft, target, context, mask_token_id, batch_size=settings.batch_size)
-
-
-def typical_context(prompt: list[int], answer: list[int], device: torch.device) -> torch.Tensor:
-    """Where the cost model is timed: the prompt and half of an answer, [1, T]."""
-    return torch.tensor([prompt + answer[: max(len(answer) // 2, 1)]], device=device)
-
-
 # --- Summaries ----------------------------------------------------------------------------------------------------
-
-
-def acceptance_histogram(acceptance_lengths: list[int], block_size: int) -> list[int]:
-    """Steps per acceptance length: entry k-1 counts the steps that committed k tokens (k = 1..B)."""
-    histogram = [0] * block_size
-    for length in acceptance_lengths:
-        if not 1 <= length <= block_size:
-            raise ValueError(f"acceptance length {length} is outside 1..{block_size}")
-        histogram[length - 1] += 1
-    return histogram
 
 
 def records_tau(records: list[TurnRecord]) -> float:
@@ -540,7 +279,8 @@ def summarize(
         "acceptance_histogram": acceptance_histogram([n for r in records for n in r.acceptance_lengths], block_size),
         "tokens_per_s": tokens_per_s,
         "speedup": tokens_per_s["dflash"] / plain if plain > 0 else 0.0,
-        "speedup_prompt_lookup": tokens_per_s["prompt_lookup"] / plain if plain > 0 and "prompt_lookup" in tokens_per_s else None,
+        "speedup_prompt_lookup": tokens_per_s["prompt_lookup"] / plain
+        if plain > 0 and "prompt_lookup" in tokens_per_s else None,
         "speedup_transformers_dflash": tokens_per_s["transformers_dflash"] / plain
         if plain > 0 and "transformers_dflash" in tokens_per_s else None,
         "bound": bound,
@@ -595,7 +335,8 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
             block = f"{block} (adaptive, verified {result['mean_verified_length']:.2f})"
         lines.append(
             f"| {result['dataset']} | {result['num_prompts']} |{batch} {block} | {result['tau']:.2f} | "
-            f"{rates['plain']:.1f} | {rates['dflash']:.1f} | {lookup} | {native} | {result['speedup']:.2f}x | {bound} | "
+            f"{rates['plain']:.1f} | {rates['dflash']:.1f} | {lookup} | {native} | "
+            f"{result['speedup']:.2f}x | {bound} | "
             f"{lossless} |"
         )
     return "\n".join(lines)
@@ -609,24 +350,27 @@ def evaluate_draft(
     max_new_tokens: int = 256,
     block_size: int | None = None,
     *,
-    stop_token_ids: list[int],
+    tokens: GenerationTokens,
     on_result: Callable[[int, TurnRecord], None] | None = None,
     step_costs: StepCosts | None = None,
+    cpu_kernels: bool | None = None,
 ) -> dict[str, Any]:
-    """`dflash-hf bench`'s greedy measurement of prompts one at a time: tau, tokens/s against `target.generate`, lossless.
+    """`dflash-hf bench`'s greedy measurement of prompts one at a time: tau, tokens/s against `target.generate`,
+    lossless.
 
-    `on_result(prompt_index, record)` sees each prompt's record as soon as it is measured; the method that runs first
-    rotates from prompt to prompt. `step_costs`: adaptive verify length (`spec_generate(step_costs=...)`).
+    `tokens`: stop, pad and mask ids (`generation_tokens`). `on_result(prompt_index, record)` sees each prompt's
+    record as soon as it is measured; the method that runs first rotates from prompt to prompt. `step_costs`:
+    adaptive verify length (`spec_generate(step_costs=...)`).
     """
-    if not stop_token_ids:
-        raise ValueError("evaluate_draft needs a stop token (the first one also pads): see dflash_hf.generation_tokens.")
+    if not prompts:
+        raise ValueError("evaluate_draft needs at least one prompt.")
+    block_size = resolve_block_size(block_size, draft.block_size)
     settings = BenchSettings(max_new_tokens=max_new_tokens, block_size=block_size, prompt_lookup_tokens=None,
-                             step_costs=step_costs)
-    warm_up(draft, target, prompts[:1], settings, stop_token_ids)
+                             step_costs=step_costs, cpu_kernels=cpu_kernels)
+    warm_up(draft, target, prompts[:1], settings, tokens)
     records = []
     for index, prompt in enumerate(prompts):
-        records += measure_prompts(draft, target, [prompt], settings, stop_token_ids, turn=index)
+        records += measure_prompts(draft, target, [prompt], settings, tokens, turn=index)
         if on_result is not None:
             on_result(index, records[-1])
-    return summarize("evaluation", records, len(prompts), block_size or draft.block_size, None, greedy=True,
-                     verify_costs=step_costs)
+    return summarize("evaluation", records, len(prompts), block_size, None, greedy=True, verify_costs=step_costs)

@@ -1,26 +1,30 @@
-"""The DFlash decoding loop (design doc section 3): draft a block, verify it in one target pass, keep the longest match.
+"""The DFlash decoding loop: draft a block, verify it in one target pass, keep the longest match.
 
 `speculative_decode` takes any proposer and reads as named stages: `prefill`, then per step `drop_finished`,
 `compact_caches`, `plan_step`, `propose`, `shorten_step`, `verify`, `commit` and `keep_context`, then `finish`. A
-`DecodeState` holds what one call changes; `GenerationSettings` what it was asked. `spec_generate` wires the loop to a
-DFlash draft.
+`DecodeState` holds what one call changes; `DecodingSettings` (settings_dflash) what it was asked. `DecodeSession`
+runs the stages one at a time (the cost model times them through it); `spec_generate` wires the loop to a DFlash
+draft, and `DFlashGenerationMixin` gives a draft model its `spec_generate` method. See docs/architecture.md.
 
 Hub remote code: imports only torch and transformers.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from .cache_dflash import (
     CacheColumns,
+    cache_keyword,
     check_cache,
     crop_cache,
-    cache_keyword,
     full_history_cache,
     host_to_device,
     left_padded_positions,
@@ -28,7 +32,9 @@ from .cache_dflash import (
     returned_cache,
     select_cache_rows,
 )
-from .proposer_dflash import DFlashProposer, DraftStep, Proposal, Proposer, draft_vocab_ids
+from .devices_dflash import target_device, target_text_config
+from .kernels_dflash import cpu_kernels, grouped_query_attention
+from .proposer_dflash import DFlashDraft, DFlashProposer, DraftStep, Proposal, Proposer
 from .sampling_dflash import (
     commit_block,
     draw_uniforms,
@@ -37,21 +43,8 @@ from .sampling_dflash import (
     sample_from,
     speculative_sample,
 )
-from .target_dflash import (
-    FeatureCapture,
-    check_draft_target,
-    check_generation_inputs,
-    drop_changed_packed_weights,
-    grouped_query_attention,
-    last_logits_only,
-    resolve_generation_choices,
-    target_device,
-    target_text_config,
-    verify_forward,
-)
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .modeling_dflash import DFlashDraftModel
+from .settings_dflash import DecodingSettings, StepCosts, resolve_settings
+from .target_dflash import FeatureCapture, last_logits_only, verify_forward
 
 
 @dataclass
@@ -116,36 +109,6 @@ def synchronize(device: torch.device) -> None:
 # --- What one call was asked, and what it changes ------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class StepCosts:
-    """Seconds of one loop step measured on this machine at one batch size (`evaluation.measure_verify_costs`)."""
-
-    draft: float  # a draft pass over the block
-    verify: tuple[float, ...]  # verify[w - 1]: a target verify of w tokens per row, w = 1 .. block size
-
-    def __post_init__(self) -> None:
-        if not self.verify or min(self.verify) <= 0 or self.draft < 0:
-            raise ValueError(f"StepCosts needs positive verify seconds for widths 1 .. B and a draft time >= 0; got "
-                             f"draft {self.draft}, verify {self.verify}. Measure them with "
-                             "dflash_hf.evaluation.measure_verify_costs.")
-
-
-@dataclass(frozen=True)
-class GenerationSettings:
-    """What one call of the loop was asked (per-row generators and streamers already expanded)."""
-
-    max_new_tokens: int
-    block_size: int
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    stop_token_ids: frozenset[int] = frozenset()
-    pad_token_id: int = 0
-    generators: tuple[torch.Generator | None, ...] = ()  # one per row
-    streamers: tuple[Any, ...] | None = None  # one per row
-    step_costs: StepCosts | None = None  # given: each step verifies only the prefix of proposals worth its cost
-
-
 @dataclass
 class TargetContext:
     """Target features of positions the proposer has not seen yet."""
@@ -159,9 +122,15 @@ class TargetContext:
         """Features with padding and rejected columns zeroed (they carry no signal)."""
         return cls(hidden if valid is None else torch.where(valid[..., None], hidden, 0.0), position_ids, valid)
 
+    def seen(self) -> TargetContext:
+        """No new features: an empty context of the same rows (a copy, so the handed-over features can be freed)."""
+        hidden = self.hidden.new_empty((self.hidden.shape[0], 0, self.hidden.shape[2]))
+        return TargetContext(hidden, self.position_ids[:, :0].clone(), None)
+
     def select_rows(self, index: torch.Tensor) -> TargetContext:
         """The rows `index` [n'] of this context."""
-        return TargetContext(self.hidden[index], self.position_ids[index], None if self.valid is None else self.valid[index])
+        return TargetContext(self.hidden[index], self.position_ids[index],
+                             None if self.valid is None else self.valid[index])
 
 
 @dataclass
@@ -202,7 +171,7 @@ class StepPlan:
 # --- The stages -----------------------------------------------------------------------------------------------------
 
 
-def pick_block(logits: torch.Tensor, rows: list[int], settings: GenerationSettings) -> torch.Tensor:
+def pick_block(logits: torch.Tensor, rows: list[int], settings: DecodingSettings) -> torch.Tensor:
     """The target's tokens [n, b] for logits [n, b, V]: its argmax, or a sample per position (row i drawn with the
     generator of row rows[i])."""
     if settings.temperature == 0.0:
@@ -213,7 +182,7 @@ def pick_block(logits: torch.Tensor, rows: list[int], settings: GenerationSettin
 
 
 def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-            layer_ids: list[int] | None, settings: GenerationSettings) -> DecodeState:
+            layer_ids: list[int] | None, settings: DecodingSettings) -> DecodeState:
     """Run the target over the prompts [N, T]: its cache, the first token of every row, the features of the prompts."""
     cache = full_history_cache(target, target_text_config(target))  # None: the target's own cache can be cropped
     cache_argument = cache_keyword(target)
@@ -278,7 +247,7 @@ def compact_caches(state: DecodeState) -> None:
         reorder_cache_columns(state.cache, order)
 
 
-def plan_step(state: DecodeState, settings: GenerationSettings) -> StepPlan:
+def plan_step(state: DecodeState, settings: DecodingSettings) -> StepPlan:
     """The step's block: as wide as the block size, or what the longest active row still needs."""
     remaining = [settings.max_new_tokens - len(state.generated[row]) for row in state.active]
     width = min(settings.block_size, max(remaining))
@@ -291,7 +260,7 @@ def plan_step(state: DecodeState, settings: GenerationSettings) -> StepPlan:
     )
 
 
-def propose(proposer: Proposer | None, state: DecodeState, step: StepPlan, settings: GenerationSettings) -> Proposal:
+def propose(proposer: Proposer | None, state: DecodeState, step: StepPlan, settings: DecodingSettings) -> Proposal:
     """The proposer's tokens [n, b - 1] for the step (and their q, if it sampled them); it gets the new features."""
     if step.width == 1:
         return Proposal(step.pending[:, :0])
@@ -312,7 +281,7 @@ def propose(proposer: Proposer | None, state: DecodeState, step: StepPlan, setti
         generators=tuple(settings.generators[row] for row in state.active),
         score_proposals=settings.step_costs is not None,
     )
-    state.context = None  # handed over
+    state.context = None if context is None else context.seen()  # handed over
     proposal = proposer.propose(draft_step)
     proposal = proposal if isinstance(proposal, Proposal) else Proposal(proposal)
     tokens = proposal.tokens.to(device=state.device, dtype=torch.long).reshape(len(state.active), step.width - 1)
@@ -333,7 +302,7 @@ def worthwhile_width(confidences: torch.Tensor, counts: list[int], costs: StepCo
     return int((expected.sum(dim=0) / seconds).argmax()) + 1
 
 
-def shorten_step(step: StepPlan, proposal: Proposal, settings: GenerationSettings) -> tuple[StepPlan, Proposal]:
+def shorten_step(step: StepPlan, proposal: Proposal, settings: DecodingSettings) -> tuple[StepPlan, Proposal]:
     """With step costs: the step cut to `worthwhile_width` (the pending token and that many - 1 proposals)."""
     confidences = proposal.proposal_confidences()
     if settings.step_costs is None or confidences is None or step.width == 1:
@@ -347,7 +316,7 @@ def shorten_step(step: StepPlan, proposal: Proposal, settings: GenerationSetting
 
 
 def verify(target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal: Proposal,
-           settings: GenerationSettings) -> torch.Tensor:
+           settings: DecodingSettings) -> torch.Tensor:
     """One target pass over [pending, proposals]: the target's tokens [n, b]; the features of every verified column
     become `state.context` (`keep_context` keeps the accepted ones). The cache grows in place.
 
@@ -369,7 +338,7 @@ def verify(target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal
 
 
 def target_tokens(logits: torch.Tensor, proposal: Proposal, state: DecodeState, step: StepPlan,
-                  settings: GenerationSettings) -> torch.Tensor:
+                  settings: DecodingSettings) -> torch.Tensor:
     """The target's token at each verified position [n, b], from its logits [n, b, V].
 
     Without q: its argmax or its sample at every position (a proposal is kept when it equals it). With q: speculative
@@ -381,7 +350,8 @@ def target_tokens(logits: torch.Tensor, proposal: Proposal, state: DecodeState, 
     probabilities = probabilities.softmax(dim=-1).view(logits.shape)  # [n, b, V]: p
     uniforms = draw_uniforms([settings.generators[row] for row in state.active], step.width, logits.device)
     limits = host_to_device([count - 1 for count in step.counts], logits.device)  # what max_new_tokens lets a row keep
-    accepted, tokens = speculative_sample(proposal.tokens, proposal.draft_probabilities, probabilities, uniforms, limits)
+    accepted, tokens = speculative_sample(proposal.tokens, proposal.draft_probabilities, probabilities, uniforms,
+                                          limits)
     columns = torch.arange(step.width, device=logits.device)[None, :]  # [1, b]
     proposals = torch.nn.functional.pad(proposal.tokens, (0, 1), value=-1)  # [n, b]
     picked = torch.where(columns < accepted[:, None], proposals, -1)
@@ -389,7 +359,7 @@ def target_tokens(logits: torch.Tensor, proposal: Proposal, state: DecodeState, 
 
 
 def commit(state: DecodeState, step: StepPlan, proposal: Proposal, tokens_of_target: torch.Tensor,
-           settings: GenerationSettings) -> list[int]:
+           settings: DecodingSettings) -> list[int]:
     """Append each row's accepted proposals and the target's token; mark finished rows; the accepted counts."""
     proposed_and_target = torch.cat((proposal.tokens, tokens_of_target), dim=1).tolist()  # one device sync
     accepted_counts = []
@@ -421,7 +391,7 @@ def keep_context(state: DecodeState, step: StepPlan, accepted_counts: list[int])
                                      kept if holes else None)
 
 
-def finish(state: DecodeState, settings: GenerationSettings) -> SpecGenerateOutput:
+def finish(state: DecodeState, settings: DecodingSettings) -> SpecGenerateOutput:
     """The output ids (prompts as passed, then each row's tokens right-padded) and the statistics."""
     for streamer in settings.streamers or ():
         streamer.end()
@@ -443,7 +413,97 @@ def finish(state: DecodeState, settings: GenerationSettings) -> SpecGenerateOutp
     )
 
 
-# --- The loop ----------------------------------------------------------------------------------------------------------
+# --- The loop ---------------------------------------------------------------------------------------------------------
+
+_CALL_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> the lock its calls hold
+_CALL_LOCKS_GUARD = threading.Lock()
+
+
+def call_lock(target: torch.nn.Module) -> threading.RLock:
+    """The lock a generation call holds on its target: calls on one target from several threads run one at a time
+    (a call switches the target's attention implementation and hooks its layers); other targets run concurrently."""
+    with _CALL_LOCKS_GUARD:
+        lock = _CALL_LOCKS.get(target)
+        if lock is None:
+            lock = _CALL_LOCKS[target] = threading.RLock()
+        return lock
+
+
+class DecodeSession:
+    """One call of the loop, stage by stage, over one target: what `speculative_decode` runs, and what the cost model
+    (`dflash_hf.cost_model`) times. Use inside `with session.running():`."""
+
+    def __init__(self, target: torch.nn.Module, proposer: Proposer | None, settings: DecodingSettings) -> None:
+        self.target, self.proposer, self.settings = target, proposer, settings
+        self.layer_ids = proposer.target_layer_ids if proposer is not None and settings.block_size > 1 else None
+        self.state: DecodeState | None = None
+
+    @contextmanager
+    def running(self) -> Iterator[DecodeSession]:
+        """The call's scope: its target's lock, the CPU kernels (if on) and the verify's attention switch; all
+        released or set back when it ends, also after an exception."""
+        with ExitStack() as scope:
+            scope.enter_context(call_lock(self.target))
+            scope.enter_context(cpu_kernels(self.settings.cpu_kernels))
+            scope.enter_context(grouped_query_attention(self.target, self.settings.cpu_kernels))
+            yield self
+
+    @property
+    def cache(self) -> Any:
+        """The target's cache after the committed tokens (and the last verify's columns until `discard_verify`)."""
+        return self.state.cache
+
+    @property
+    def cache_argument(self) -> str:
+        """The target forward's keyword for the cache."""
+        return self.state.cache_argument
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        """The prompts' pass: the cache, the first token of every row, the prompts' features."""
+        self.state = prefill(self.target, input_ids, attention_mask, self.layer_ids, self.settings)
+
+    def plan(self, width: int | None = None) -> StepPlan:
+        """The next step's block (at most `width` tokens per row; default: the call's block size)."""
+        settings = self.settings if width is None else _with_block_size(self.settings, width)
+        return plan_step(self.state, settings)
+
+    def propose(self, step: StepPlan) -> Proposal:
+        """The proposer's tokens for the step; it reads the features it has not seen (none after a draft pass)."""
+        return propose(self.proposer, self.state, step, self.settings)
+
+    def verify(self, step: StepPlan, proposal: Proposal) -> torch.Tensor:
+        """The target's tokens [n, b] over [pending, proposals]; the cache holds the verified columns meanwhile."""
+        return verify(self.target, self.state, step, proposal, self.settings)
+
+    def discard_verify(self) -> None:
+        """Forget the last verify (or any forward over the cache): the cache holds the committed columns again."""
+        crop_cache(self.state.cache, self.state.columns.width)
+        context = self.state.context
+        self.state.context = None if context is None else context.seen()
+
+    def step(self) -> bool:
+        """One draft-and-verify step over the active rows; False once every row has finished."""
+        state, settings = self.state, self.settings
+        if not drop_finished(state, self.proposer):
+            return False
+        compact_caches(state)
+        step = plan_step(state, settings)
+        proposal = propose(self.proposer, state, step, settings)
+        step, proposal = shorten_step(step, proposal, settings)
+        tokens_of_target = verify(self.target, state, step, proposal, settings)
+        accepted_counts = commit(state, step, proposal, tokens_of_target, settings)
+        keep_context(state, step, accepted_counts)
+        return True
+
+    def finish(self) -> SpecGenerateOutput:
+        """The output ids and statistics of the call."""
+        return finish(self.state, self.settings)
+
+
+def _with_block_size(settings: DecodingSettings, block_size: int) -> DecodingSettings:
+    from dataclasses import replace
+
+    return replace(settings, block_size=block_size)
 
 
 @torch.no_grad()
@@ -451,94 +511,42 @@ def speculative_decode(
     target: torch.nn.Module,
     proposer: Proposer | None,
     input_ids: torch.Tensor,
-    max_new_tokens: int,
-    block_size: int,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    stop_token_ids: list[int] | None = None,
-    generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    max_new_tokens: int | None = None,
+    block_size: int | None = None,
+    *,
     attention_mask: torch.Tensor | None = None,
-    streamers: Sequence[Any] | None = None,
-    pad_token_id: int = 0,
-    step_costs: StepCosts | None = None,
+    settings: DecodingSettings | None = None,
+    **arguments: Any,
 ) -> SpecGenerateOutput:
-    """Draft-and-verify decoding of N left-padded prompts [N, T] (design doc section 3); exact for any proposer.
+    """Draft-and-verify decoding of N left-padded prompts [N, T] with any proposer; exact for every proposer.
 
-    `generator` is one generator for the batch or one per row; `streamers` has one streamer per row. `step_costs`
-    (widths 1 .. block_size): each step verifies only the prefix of proposals worth its cost (`shorten_step`).
+    `settings`: as resolved by `settings_dflash.resolve_settings`; else it is resolved here from `max_new_tokens`,
+    `block_size` and `arguments` (temperature, top_k, top_p, stop_token_ids, generator, seed, streamer, pad_token_id,
+    step_costs, cpu_kernels, generation_config, ...) over the target's generation config.
     """
-    if step_costs is not None and len(step_costs.verify) < block_size:
-        raise ValueError(f"step_costs times verify widths 1 .. {len(step_costs.verify)} but block_size is {block_size}; "
-                         "measure them at this block size (dflash_hf.evaluation.measure_verify_costs).")
-    device = target_device(target)
-    settings = GenerationSettings(
-        max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature, top_k=top_k, top_p=top_p,
-        stop_token_ids=frozenset(stop_token_ids or ()), pad_token_id=pad_token_id,
-        generators=row_generators(generator, input_ids.shape[0], device),
-        streamers=None if streamers is None else tuple(streamers), step_costs=step_costs,
-    )
-    layer_ids = proposer.target_layer_ids if proposer is not None and block_size > 1 else None
-    drop_changed_packed_weights()  # a weight changed through `.data` since the last call is packed again
-    with grouped_query_attention(target):  # CPU: a verify's attention without copies of the key/value heads
-        state = prefill(target, input_ids, attention_mask, layer_ids, settings)
-        while drop_finished(state, proposer):
-            compact_caches(state)
-            step = plan_step(state, settings)
-            proposal = propose(proposer, state, step, settings)
-            step, proposal = shorten_step(step, proposal, settings)
-            tokens_of_target = verify(target, state, step, proposal, settings)
-            accepted_counts = commit(state, step, proposal, tokens_of_target, settings)
-            keep_context(state, step, accepted_counts)
-    return finish(state, settings)
+    if settings is None:
+        settings = resolve_settings(target, input_ids, None, attention_mask=attention_mask,
+                                    max_new_tokens=max_new_tokens, block_size=block_size, **arguments)
+    session = DecodeSession(target, proposer, settings)
+    with session.running():
+        session.prefill(input_ids, attention_mask)
+        while session.step():
+            pass
+    return session.finish()
 
 
 # --- spec_generate: the loop with a DFlash draft ----------------------------------------------------------------------
 
 
-def _as_streamers(streamer: Any, num_rows: int) -> list[Any] | None:
-    """One streamer per row: a streamer for a batch of one, or a list of N streamers."""
-    if streamer is None:
-        return None
-    streamers = list(streamer) if isinstance(streamer, (list, tuple)) else [streamer]
-    if len(streamers) != num_rows:
-        raise ValueError(
-            f"Got {len(streamers)} streamer(s) for a batch of {num_rows}: a streamer receives one row; "
-            "pass a list with one streamer per row."
-        )
-    for item in streamers:
-        if not (callable(getattr(item, "put", None)) and callable(getattr(item, "end", None))):
-            raise TypeError(f"streamer {type(item).__name__} lacks put()/end() (Transformers' streamer protocol).")
-    return streamers
-
-
-def row_generators(generator: torch.Generator | Sequence[torch.Generator] | None, num_rows: int,
-                   device: torch.device, seed: int | None = None) -> tuple[torch.Generator | None, ...]:
-    """One sampling generator per row: the given one shared, one per row as given, or a new one seeded with `seed`."""
-    if generator is None and seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
-    if isinstance(generator, (list, tuple)) and len(generator) != num_rows:
-        raise ValueError(f"Got {len(generator)} generators for a batch of {num_rows}: pass one, or one per row.")
-    generators = tuple(generator) if isinstance(generator, (list, tuple)) else (generator,) * num_rows
-    for item in generators:
-        if item is not None and item.device.type != device.type:
-            raise ValueError(f"generator is on {item.device} but the target runs on {device}.")
-    return generators
-
-
-def dflash_proposer(draft: DFlashDraftModel, target: torch.nn.Module, mask_token_id: int,
-                    acceptance: str = "rejection", draft_vocab: bool | Sequence[int] | torch.Tensor | None = None
-                    ) -> DFlashProposer:
-    """The proposer `spec_generate` runs: the draft with its mask id, acceptance rule and draft vocabulary (None: the
-    config's)."""
-    vocab_size = target.get_output_embeddings().weight.shape[0]
-    return DFlashProposer(draft, target, mask_token_id, sample_proposals=acceptance == "rejection",
-                          draft_vocab=draft_vocab_ids(draft, draft_vocab, vocab_size))
+def dflash_proposer(draft: DFlashDraft, target: torch.nn.Module, settings: DecodingSettings) -> DFlashProposer:
+    """The proposer `spec_generate` runs: the draft with the call's mask id, acceptance rule and draft vocabulary."""
+    return DFlashProposer(draft, target, settings.mask_token_id, sample_proposals=settings.acceptance == "rejection",
+                          draft_vocab=settings.draft_vocab)
 
 
 @torch.no_grad()
 def spec_generate(
-    draft: DFlashDraftModel,
+    draft: DFlashDraft,
     target: torch.nn.Module,
     input_ids: torch.Tensor,
     max_new_tokens: int | None = None,
@@ -557,6 +565,7 @@ def spec_generate(
     acceptance: str = "rejection",
     draft_vocab: bool | Sequence[int] | torch.Tensor | None = None,
     step_costs: StepCosts | None = None,
+    cpu_kernels: bool | None = None,
     do_sample: bool | None = None,
     generation_config: Any = None,
     **generation_settings: Any,
@@ -570,29 +579,32 @@ def spec_generate(
     `"equality"` proposes the draft's argmax and keeps a proposal when the target samples the same token.
     `draft_vocab`: the token ids the draft proposes from (None: its config's `draft_vocab` if any; False: every token);
     verification is unchanged, so the output stays the target's own. `step_costs` (this machine's, from
-    `dflash_hf.evaluation.measure_verify_costs`): each step verifies only the prefix of the drafted block whose expected
-    tokens pay for its verify time; the output is the same, only the verified lengths change.
+    `dflash_hf.cost_model.measure_verify_costs`): each step verifies only the prefix of the drafted block whose expected
+    tokens pay for its verify time; the output is the same, only the verified lengths change. `cpu_kernels` (default:
+    on for a CPU target): few-row products by the fastest kernel timed on this machine; the output is the same.
     """
-    if acceptance not in ("rejection", "equality"):
-        raise ValueError(f"acceptance must be 'rejection' or 'equality', got {acceptance!r}.")
-    choices = resolve_generation_choices(
-        target, input_ids.shape[-1] if isinstance(input_ids, torch.Tensor) else 0, generation_config,
+    settings = resolve_settings(
+        target, input_ids, draft, attention_mask=attention_mask, generation_config=generation_config,
+        block_size=block_size, mask_token_id=mask_token_id, acceptance=acceptance, cpu_kernels=cpu_kernels,
+        generator=generator, seed=seed, streamer=streamer, step_costs=step_costs, draft_vocab=draft_vocab,
         max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
         stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, **generation_settings)
-    check_generation_inputs(target, input_ids, choices.max_new_tokens, choices.temperature, choices.top_k,
-                            choices.top_p, attention_mask)
-    mask_token_id = check_draft_target(draft, target, mask_token_id, input_ids.shape[1] + choices.max_new_tokens)
-    block_size = draft.block_size if block_size is None else block_size
-    if not isinstance(block_size, int) or not 1 <= block_size <= draft.block_size:
-        raise ValueError(f"block_size must be an integer from 1 to the draft's trained size {draft.block_size}, got {block_size!r}.")
-    num_rows = input_ids.shape[0]
-    device = target_device(target)
-    result = speculative_decode(
-        target, dflash_proposer(draft, target, mask_token_id, acceptance, draft_vocab), input_ids,
-        max_new_tokens=choices.max_new_tokens, block_size=block_size, temperature=choices.temperature,
-        top_k=choices.top_k, top_p=choices.top_p, stop_token_ids=choices.stop_token_ids,
-        generator=row_generators(generator, num_rows, device, seed if choices.temperature > 0 else None),
-        attention_mask=attention_mask, streamers=_as_streamers(streamer, num_rows), pad_token_id=choices.pad_token_id,
-        step_costs=step_costs,
-    )
+    result = speculative_decode(target, dflash_proposer(draft, target, settings), input_ids,
+                                attention_mask=attention_mask, settings=settings)
     return result if return_stats else result.output_ids
+
+
+class DFlashGenerationMixin:
+    """Gives a DFlash draft model its `spec_generate` method, as Transformers' models get `generate` from
+    `GenerationMixin`."""
+
+    def spec_generate(self, target: torch.nn.Module, input_ids: torch.Tensor, *args: Any,
+                      **generation_kwargs: Any) -> torch.Tensor | SpecGenerateOutput:
+        """Lossless speculative decoding with `target`: ids [N, prompt + new], or `SpecGenerateOutput` with stats.
+
+        Arguments: max_new_tokens, temperature, top_k, top_p, stop_token_ids, block_size, generator, seed,
+        mask_token_id, attention_mask, streamer, pad_token_id, return_stats, acceptance, draft_vocab, step_costs,
+        cpu_kernels, do_sample, generation_config; what is not passed comes from the target's generation config, as in
+        `generate` (see `generation_dflash.spec_generate`).
+        """
+        return spec_generate(self, target, input_ids, *args, **generation_kwargs)

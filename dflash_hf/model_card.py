@@ -49,7 +49,8 @@ def card_info_for_config(config: Any, repo_id: str, base_model: str, **fields: A
     mask_token_note = None
     if dflash_config.get("mask_token_id") is None and dflash_config.get("mask_token"):
         mask_token_note = (f"The config names the mask token as `{dflash_config['mask_token']}`; pass "
-                           f"`mask_token_id=tokenizer.convert_tokens_to_ids({dflash_config['mask_token']!r})` to `spec_generate`.")
+                           f"`mask_token_id=tokenizer.convert_tokens_to_ids({dflash_config['mask_token']!r})` "
+                           "to `spec_generate`.")
     fields.setdefault("limitations", list(DEFAULT_LIMITATIONS))
     return CardInfo(repo_id=repo_id, base_model=base_model, block_size=int(config.block_size),
                     num_layers=int(config.num_hidden_layers), target_layer_ids=list(dflash_config["target_layer_ids"]),
@@ -86,7 +87,8 @@ def results_from_bench(bench: dict[str, Any], command: str) -> tuple[str, str]:
     from .evaluation import markdown_table
 
     settings = bench.get("settings", {})
-    setup = ", ".join(f"{key} {settings[key]}" for key in ("device", "dtype", "threads", "max_new_tokens", "temperature")
+    setup = ", ".join(f"{key} {settings[key]}"
+                      for key in ("device", "dtype", "threads", "max_new_tokens", "temperature")
                       if key in settings)
     source = (f"Measured with dflash-hf ({setup}); plain decoding is `target.generate` in the same process and dtype. "
               f"Command: `{command}`. `bound` is the cost model tau * t(1 token) / (t(block verify) + t(draft)) "
@@ -99,7 +101,8 @@ def results_from_bench(bench: dict[str, Any], command: str) -> tuple[str, str]:
 # --------------------------------------------------------------------------------------------------
 
 PAPER_QWEN3_8B = {"GSM8K": (5.15, 6.54), "MATH-500": (6.08, 7.87), "AIME25": (5.62, 7.08), "HumanEval": (5.14, 6.50),
-                  "MBPP": (4.65, 5.95), "LiveCodeBench": (5.51, 7.27), "MT-Bench": (2.75, 4.24), "average": (4.86, 6.49)}
+                  "MBPP": (4.65, 5.95), "LiveCodeBench": (5.51, 7.27), "MT-Bench": (2.75, 4.24),
+                  "average": (4.86, 6.49)}
 
 
 def _paper_table(rows: dict[str, tuple[float, float]]) -> str:
@@ -121,7 +124,8 @@ PUBLISHED = {
         "`dflash-hf bench --target Qwen/Qwen3-Coder-30B-A3B-Instruct --draft z-lab/Qwen3-Coder-30B-A3B-DFlash "
         "--dataset humaneval mbpp`."), ""),
     "LLaMA3.1-8B-Instruct-DFlash-UltraChat": ("meta-llama/Llama-3.1-8B-Instruct", (
-        f"Quoted from the paper ({PAPER}), not measured by dflash-hf: SGLang backend, block size 10, concurrency 1, greedy."),
+        f"Quoted from the paper ({PAPER}), not measured by dflash-hf: SGLang backend, "
+        "block size 10, concurrency 1, greedy."),
         _paper_table({"GSM8K": (2.4, 4.32), "HumanEval": (2.8, 4.91)})),
 }
 
@@ -136,10 +140,13 @@ def published_card_infos(configs_dir: str | Path) -> dict[str, CardInfo]:
         infos[name] = card_info_for_config(
             config, f"z-lab/{name}", base_model, license="other",
             title=f"DFlash draft for {base_model}",
-            description=f"The published DFlash draft `z-lab/{name}`, described by dflash-hf. The weights are the authors'; "
-                        "the config layout is the one in dflash-hf's `dflash_hf/published_configs/` (check it against the downloaded file).",
+            description=f"The published DFlash draft `z-lab/{name}`, described by dflash-hf. "
+                        "The weights are the authors'; "
+                        "the config layout is the one in dflash-hf's `dflash_hf/published_configs/` "
+                        "(check it against the downloaded file).",
             results_source=source, results_table=table, has_custom_generate=False,
-            training={"recipe": "the authors' (not released): see the DFlash paper, section 4 of dflash-hf's design notes",
+            training={"recipe": "the authors' (not released): see the DFlash paper, "
+                                "section 4 of dflash-hf's design notes",
                       "training data": "see the paper"},
         )
     return infos

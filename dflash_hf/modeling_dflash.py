@@ -5,7 +5,7 @@ its keys/values are computed over [fused target context ; block], and every bloc
 to all of them (non-causal), or causally and/or within a sliding window where the config's
 `layer_types` / `is_causal` say so. Embedding and LM head are borrowed from the target.
 `DFlash2DraftModel` adds dynamic causal convolutions around each sub-layer and a candidate
-selector over the head's top-K (dflash-formats.md).
+selector over the head's top-K (docs/formats.md).
 
 Hub remote code: this file imports only torch, transformers and its sibling files.
 """
@@ -37,13 +37,16 @@ from .configuration_dflash import (
     layer_attention,
     read_rope_parameters,
 )
+from .generation_dflash import DFlashGenerationMixin
 
 # Weight name prefixes of Transformers' native DFlash draft (`MuseGlimmerAssistantModel`) -> ours; the rest is shared.
 NATIVE_PREFIXES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
-NATIVE_KEY_MAPPING = {"^" + re.escape(native): ours for native, ours in NATIVE_PREFIXES.items()}  # from_pretrained's form
+# from_pretrained's form
+NATIVE_KEY_MAPPING = {"^" + re.escape(native): ours for native, ours in NATIVE_PREFIXES.items()}
 
 # The first line of every remote-code file that `save_pretrained` writes.
-REMOTE_CODE_HEADER = "# Exported by dflash-hf {version}: a copy of the package's module; change the package, not this file.\n"
+REMOTE_CODE_HEADER = ("# Exported by dflash-hf {version}: a copy of the package's module; "
+                      "change the package, not this file.\n")
 
 
 def without_export_header(text: str) -> str:
@@ -184,7 +187,7 @@ def layer_attention_mask(
     causal: bool,
     window: int | None,
 ) -> torch.Tensor | None:
-    """Bool mask [N, 1, T, S] of one layer kind (dflash-formats.md), over key positions [N, S] of [context ; block].
+    """Bool mask [N, 1, T, S] of one layer kind (docs/formats.md), over key positions [N, S] of [context ; block].
 
     causal: a query sees keys at positions <= its own; window w: also qpos - kpos < w, and kpos - qpos < w when not
     causal. Positions are absolute, so a row's mask does not depend on the holes a batch leaves in the cache;
@@ -318,8 +321,10 @@ class DFlashCandidateSelector(nn.Module):
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
         self.top_k = config.selector_top_k
-        self.predecessor_codebook = nn.Parameter(torch.randn(config.vocab_size, config.selector_rank) * config.initializer_range)
-        self.successor_codebook = nn.Parameter(torch.randn(config.vocab_size, config.selector_rank) * config.initializer_range)
+        self.predecessor_codebook = nn.Parameter(torch.randn(config.vocab_size, config.selector_rank)
+                                                 * config.initializer_range)
+        self.successor_codebook = nn.Parameter(torch.randn(config.vocab_size, config.selector_rank)
+                                               * config.initializer_range)
         self.hidden_projection = nn.Linear(config.hidden_size, config.selector_rank, bias=False)
 
     def walk(
@@ -387,11 +392,32 @@ class DFlashDecoderLayer(nn.Module):
         return convolution.finish(sublayer(prepared), kernel, block_length)
 
 
-class DFlashDraftModel(PreTrainedModel):
+def check_draft_source(source: Any, subfolder: str = "") -> None:
+    """Raise a FileNotFoundError / ValueError when `source` (and `subfolder` in it) names a local path that holds no
+    draft (a missing folder, a file, a folder without config.json); a Hub repo id ("namespace/name") passes."""
+    if source is None or not isinstance(source, (str, Path)):
+        return
+    path = Path(source).expanduser() / subfolder
+    if path.is_file():
+        raise ValueError(f"{source} is a file; pass the draft's folder (with config.json and model.safetensors).")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{source} holds no config.json: it is not a draft folder (export one with "
+                             "draft.save_pretrained(folder) or `dflash-hf convert`).")
+        return
+    text = str(source)
+    looks_local = (isinstance(source, Path) or path.is_absolute() or text.startswith((".", "~")) or "\\" in text
+                   or text.count("/") != 1)
+    if looks_local:
+        raise FileNotFoundError(f"No draft folder at {source}; pass an existing folder or a Hub repo id "
+                                "('namespace/name').")
+
+
+class DFlashDraftModel(PreTrainedModel, DFlashGenerationMixin):
     """DFlash draft: fuses target hidden states (`fc`, `hidden_norm`) and denoises a block of masks.
 
-    Weight names and config keys are those of the published `z-lab/*-DFlash*` checkpoints.
-    `spec_generate` runs lossless speculative decoding with a target model.
+    Weight names and config keys are those of the published `z-lab/*-DFlash*` checkpoints (docs/formats.md).
+    `spec_generate` (from `DFlashGenerationMixin`) runs lossless speculative decoding with a target model.
     """
 
     config_class = DFlashConfig
@@ -439,7 +465,8 @@ class DFlashDraftModel(PreTrainedModel):
 
     @property
     def draft_vocab(self) -> list[int] | None:
-        """Token ids the draft proposes from (`dflash_config.draft_vocab`, most frequent first), or None: every token."""
+        """Token ids the draft proposes from (`dflash_config.draft_vocab`, most frequent first), or None: every
+        token."""
         return self.config.dflash_config.get("draft_vocab")
 
     def new_cache(self) -> DraftContextCache:
@@ -485,7 +512,8 @@ class DFlashDraftModel(PreTrainedModel):
         context_position_ids = context_position_ids.expand(block_position_ids.shape[0], -1)
         if cache is not None:
             context_position_ids = cache.append_positions(context_position_ids)
-        masks = self._layer_masks(attention_mask, block_position_ids, torch.cat((context_position_ids, block_position_ids), 1))
+        masks = self._layer_masks(attention_mask, block_position_ids,
+                                  torch.cat((context_position_ids, block_position_ids), 1))
         for layer in self.layers:
             hidden_states = layer(hidden_states, context, block_rope, context_rope, cache, masks[layer.attention_kind],
                                   block_length)
@@ -497,29 +525,14 @@ class DFlashDraftModel(PreTrainedModel):
         kinds = {layer.attention_kind for layer in self.layers}
         return {kind: layer_attention_mask(attention_mask, query_positions, key_positions, *kind) for kind in kinds}
 
-    def spec_generate(self, target: nn.Module, input_ids: torch.Tensor, *args: Any, **generation_kwargs: Any) -> Any:
-        """Lossless speculative decoding with `target`: ids [N, prompt + new], or `SpecGenerateOutput` with stats.
-
-        Arguments: max_new_tokens, temperature, top_k, top_p, stop_token_ids, block_size, generator, seed, mask_token_id,
-        attention_mask, streamer, pad_token_id, return_stats, acceptance, do_sample, generation_config; what is not passed
-        comes from the target's generation config, as in `generate` (see `generation_dflash.spec_generate`).
-        """
-        # The loop depends on the model, never the other way, so it is imported here. Its modules are all named:
-        # Transformers 4.57 copies a local remote-code folder's files into its module cache only when the model
-        # file imports them itself.
-        from .generation_dflash import spec_generate
-        from .proposer_dflash import DFlashProposer  # noqa: F401
-        from .sampling_dflash import commit_block  # noqa: F401
-        from .target_dflash import verify_forward  # noqa: F401
-
-        return spec_generate(self, target, input_ids, *args, **generation_kwargs)
-
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
         """`PreTrainedModel.from_pretrained` of the class the checkpoint's config names (DFlash or DFlash2), refusing
         a checkpoint whose weights do not match the draft one for one. A folder of Transformers' native DFlash draft
         (`muse_glimmer_assistant`) loads as the same draft in our layout."""
         wants_loading_info = kwargs.pop("output_loading_info", False)
+        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        check_draft_source(source, kwargs.get("subfolder") or "")
         if cls is DFlashDraftModel and not isinstance(kwargs.get("config"), DFlashConfig):
             config_kwargs = {key: kwargs[key] for key in ("revision", "cache_dir", "local_files_only", "token",
                                                           "subfolder", "force_download", "proxies") if key in kwargs}
@@ -533,17 +546,24 @@ class DFlashDraftModel(PreTrainedModel):
         elif cls is DFlashDraftModel and is_dflash2(kwargs["config"]):
             cls = DFlash2DraftModel
         try:
-            model, loading_info = super(DFlashDraftModel, cls).from_pretrained(*args, output_loading_info=True, **kwargs)
+            model, loading_info = super(DFlashDraftModel, cls).from_pretrained(*args, output_loading_info=True,
+                                                                               **kwargs)
         except RuntimeError as error:  # Transformers refuses weights of other shapes with a RuntimeError
             if "size" not in str(error):
                 raise
             raise ValueError(f"The checkpoint's weights do not match a DFlash draft of this config: {error}") from error
+        except Exception as error:
+            if type(error).__name__ != "SafetensorError":
+                raise
+            raise ValueError(f"{source}: the weights file is damaged and cannot be read ({error}); download or "
+                             "export the draft again.") from error
         problems = {key: sorted(map(str, value)) for key, value in loading_info.items()
                     if key in ("missing_keys", "unexpected_keys", "mismatched_keys") and value}
         if problems:
             details = "; ".join(f"{key}: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"
                                 for key, names in problems.items())
-            raise ValueError(f"The checkpoint's weights do not match a DFlash draft of this config ({cls.__name__}: {details}). "
+            raise ValueError(f"The checkpoint's weights do not match a DFlash draft of this config "
+                             f"({cls.__name__}: {details}). "
                              "Is it a DFlash draft in the published layout (fc, hidden_norm, layers.*, norm)?")
         return (model, loading_info) if wants_loading_info else model
 
@@ -574,7 +594,7 @@ class DFlashDraftModel(PreTrainedModel):
 
 class DFlash2DraftModel(DFlashDraftModel):
     """DFlash2 draft: a DFlash draft with dynamic causal convolutions around attention and MLP, and a candidate
-    selector that picks each proposal among the head's top-K given the previous one (dflash-formats.md)."""
+    selector that picks each proposal among the head's top-K given the previous one (docs/formats.md)."""
 
     with_dflash2_parts = True
     _no_split_modules = ["DFlashDecoderLayer", "DFlashCandidateSelector"]

@@ -26,7 +26,7 @@ def record_turns(record: dict[str, Any], field: str | None = None, where: str = 
         wanted = repr(field) if field is not None else "/".join(PROMPT_FIELDS)
         raise ValueError(f"{where}: expected an object with a {wanted} list or string, got keys {sorted(record)}.")
     value = record[name]
-    turns = [value] if isinstance(value, str) else list(value)
+    turns = [value] if isinstance(value, str) else list(value) if isinstance(value, list) else []
     if not turns or not all(isinstance(turn, str) and turn for turn in turns):
         raise ValueError(f"{where}: {name!r} must be a non-empty string or list of strings, got {value!r}.")
     return turns
@@ -37,12 +37,22 @@ def read_conversations(paths: str | Path | Iterable[str | Path], field: str | No
     """User turns of every record (one conversation a line) of one or more JSONL files, up to `limit` in all."""
     conversations: list[list[str]] = []
     for path in [paths] if isinstance(paths, (str, Path)) else paths:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"No prompt file at {path} (JSONL, one object per line); pass --data-dir or the "
+                                    "file's path (README, 'Benchmark data').")
         with open(path, encoding="utf-8") as handle:
             for number, line in enumerate(handle, 1):
                 if limit is not None and len(conversations) >= limit:
                     return conversations
-                if line.strip():
-                    conversations.append(record_turns(json.loads(line), field, where=f"{path}:{number}"))
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path}:{number}: not a JSON object ({error.msg}).") from None
+                if not isinstance(record, dict):
+                    raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}.")
+                conversations.append(record_turns(record, field, where=f"{path}:{number}"))
     return conversations
 
 

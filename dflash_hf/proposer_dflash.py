@@ -1,7 +1,8 @@
 """Proposers: what drafts the next tokens of each row for one step of the loop.
 
-`speculative_decode` takes any object with `propose(step) -> [N, block_size - 1]`; `DFlashProposer` drafts
-with a DFlash draft and owns the draft's context cache for one generation.
+`speculative_decode` takes any object with `propose(step) -> [N, block_size - 1]` (the `Proposer` protocol);
+`DFlashProposer` drafts with a DFlash draft (anything shaped as the `DFlashDraft` protocol) and owns the draft's
+context cache for one generation. See docs/architecture.md, "The proposer seam".
 
 Hub remote code: imports only torch and transformers.
 """
@@ -9,17 +10,54 @@ Hub remote code: imports only torch and transformers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from .cache_dflash import CacheColumns, host_to_device
+from .cache_dflash import CacheColumns, DraftContextCache, host_to_device
+from .devices_dflash import execution_device, materialized_weight
+from .kernels_dflash import few_row_kernels, few_row_logits, few_row_product, is_plain_linear
 from .sampling_dflash import draw_uniforms, process_logits, sample_from
-from .target_dflash import (execution_device, few_row_kernels, few_row_logits, few_row_product, is_plain_linear,
-                            materialized_weight)
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .modeling_dflash import DFlashCandidateSelector, DFlashDraftModel
+
+class CandidateSelector(Protocol):
+    """DFlash2's candidate selector, as the proposer uses it (`modeling_dflash.DFlashCandidateSelector`)."""
+
+    def walk(self, logits: torch.Tensor, hidden_states: torch.Tensor, anchor_tokens: torch.Tensor,
+             choose: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Chosen tokens [N, P] along the block (see `DFlashCandidateSelector.walk`)."""
+        ...
+
+
+class DFlashDraft(Protocol):
+    """What the loop needs of a DFlash draft (`modeling_dflash.DFlashDraftModel` is one)."""
+
+    config: Any
+    candidate_selector: CandidateSelector | None
+
+    @property
+    def block_size(self) -> int: ...  # noqa: D102 - see DFlashDraftModel
+
+    @property
+    def target_layer_ids(self) -> list[int]: ...  # noqa: D102
+
+    @property
+    def mask_token_id(self) -> int | None: ...  # noqa: D102
+
+    @property
+    def draft_vocab(self) -> list[int] | None: ...  # noqa: D102
+
+    def parameters(self) -> Any: ...  # noqa: D102
+
+    def new_cache(self) -> DraftContextCache: ...  # noqa: D102
+
+    def embed_block(self, block_ids: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor: ...  # noqa: D102
+
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor: ...  # noqa: D102
+
+    def __call__(self, block_embeddings: torch.Tensor, target_hidden: torch.Tensor, block_position_ids: torch.Tensor,
+                 context_position_ids: torch.Tensor, cache: DraftContextCache | None = None,
+                 attention_mask: torch.Tensor | None = None) -> torch.Tensor: ...  # noqa: D102
 
 
 @dataclass
@@ -96,7 +134,7 @@ class Proposer(Protocol):
 class DFlashProposer:
     """Proposes blocks with a DFlash draft; owns the draft's context cache for one generation."""
 
-    def __init__(self, draft: DFlashDraftModel, target: torch.nn.Module, mask_token_id: int,
+    def __init__(self, draft: DFlashDraft, target: torch.nn.Module, mask_token_id: int,
                  sample_proposals: bool = True, draft_vocab: torch.Tensor | None = None) -> None:
         self.draft = draft
         self.sample_proposals = sample_proposals  # at temperature > 0: sample from q (else propose the argmax)
@@ -136,7 +174,8 @@ class DFlashProposer:
         attention_mask = self._attention_mask(step, step.pending_positions)  # position s: the positions before it
         block_position_ids = step.block_position_ids  # [N, B]
         if block_position_ids is None:
-            block_position_ids = host_to_device(step.pending_positions, device)[:, None] + torch.arange(block_size, device=device)
+            block_position_ids = (host_to_device(step.pending_positions, device)[:, None]
+                                  + torch.arange(block_size, device=device))
         pending_ids = host_to_device(step.pending_tokens, device) if step.pending_ids is None else step.pending_ids
         block_ids = torch.full((len(step.row_ids), block_size), self.mask_token_id, dtype=torch.long, device=device)
         block_ids[:, 0] = pending_ids
@@ -162,7 +201,8 @@ class DFlashProposer:
         if self.vocab is not None and not sample and selector is None:  # greedy: the argmax over the draft's vocabulary
             logits = self.draft.scale_logits(self.vocab.logits(proposal_states))  # [N * (B-1), K]
             tokens = self.vocab.ids[logits.argmax(dim=-1).to(device)].view(shape)
-            return Proposal(tokens, confidences=greedy_confidences(logits).view(shape)) if step.score_proposals else tokens
+            return (Proposal(tokens, confidences=greedy_confidences(logits).view(shape)) if step.score_proposals
+                    else tokens)
         if self.vocab is not None:
             logits = self.vocab.full_logits(self.draft.scale_logits(self.vocab.logits(proposal_states)))
         else:
@@ -181,7 +221,7 @@ def greedy_confidences(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().softmax(dim=-1).amax(dim=-1)
 
 
-def draft_vocab_ids(draft: DFlashDraftModel, choice: bool | Sequence[int] | torch.Tensor | None,
+def draft_vocab_ids(draft: DFlashDraft, choice: bool | Sequence[int] | torch.Tensor | None,
                     target_vocab_size: int) -> torch.Tensor | None:
     """The ids [K] the draft proposes from for a call's `draft_vocab` choice (None: every token).
 
@@ -198,7 +238,8 @@ def draft_vocab_ids(draft: DFlashDraftModel, choice: bool | Sequence[int] | torc
     ids = torch.as_tensor(choice, dtype=torch.long).flatten()
     if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= target_vocab_size or len(ids.unique()) != len(ids):
         raise ValueError(f"draft_vocab must hold distinct token ids of the target's vocabulary (0 to "
-                         f"{target_vocab_size - 1}); got {ids.numel()} ids from {int(ids.min()) if ids.numel() else None} "
+                         f"{target_vocab_size - 1}); got {ids.numel()} ids from "
+                         f"{int(ids.min()) if ids.numel() else None} "
                          f"to {int(ids.max()) if ids.numel() else None}.")
     return ids
 
@@ -227,7 +268,7 @@ class DraftVocabulary:
         return full.scatter_(1, self.ids.to(logits.device).expand(logits.shape[0], -1), logits)
 
 
-def select_candidates(selector: DFlashCandidateSelector, logits: torch.Tensor, hidden_states: torch.Tensor,
+def select_candidates(selector: CandidateSelector, logits: torch.Tensor, hidden_states: torch.Tensor,
                       anchor_tokens: torch.Tensor, step: DraftStep, sample: bool) -> torch.Tensor | Proposal:
     """DFlash2 proposals [N, B-1]: the selector's greedy path, or a path sampled from softmax(score / T) after the
     step's top-k / top-p, whose distribution over the candidates is the draft's q (logits [N, B-1, V])."""

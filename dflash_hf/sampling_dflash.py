@@ -13,8 +13,12 @@ import torch
 def process_logits(
     logits: torch.Tensor, temperature: float, top_k: int | None = None, top_p: float | None = None
 ) -> torch.Tensor:
-    """Temperature, then top-k, then top-p filtering (as Transformers' warpers), in float32: [N, V]."""
-    scores = logits.float() / temperature
+    """Temperature, then top-k, then top-p filtering (as Transformers' warpers), in float32: [N, V].
+
+    The logits are shifted by their maximum before the division, which changes no softmax: a tiny temperature then
+    gives the limit it tends to (all weight on the best tokens), never the NaN that infinite scores would give."""
+    scores = logits.float()
+    scores = (scores - scores.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < scores.shape[-1]:
         kth_best = torch.topk(scores, top_k, dim=-1).values[..., -1:]  # [N, 1]
         scores = scores.masked_fill(scores < kth_best, float("-inf"))

@@ -13,7 +13,8 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBase
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_MASK_TOKEN = "<empty_output>"  # the shipped draft's mask: an existing special token SmolLM2 never generates in chat
+# the shipped draft's mask: an existing special token SmolLM2 never generates in chat
+SMOLLM2_MASK_TOKEN = "<empty_output>"
 # One converted copy per Transformers major version: each writes its own config layout (rope keys differ).
 DEFAULT_CACHE = Path(os.environ.get("DFLASH_HF_CACHE", Path.home() / ".cache" / "dflash-hf")) / (
     f"smollm2-135m-instruct-transformers{transformers.__version__.split('.')[0]}"

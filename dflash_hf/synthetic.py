@@ -2,7 +2,7 @@
 
 Target and draft are built from their configs with random weights (a step costs the same whatever the weights), a
 random context is prefilled, and t(1 token), t(B-token verify) and t(draft pass) are timed with the loop's own stages
-(`evaluation.measure_step_costs`). The projected speedup is the cost model's bound at a tau (default: the paper's tau
+(`cost_model.measure_step_costs`). The projected speedup is the cost model's bound at a tau (default: the paper's tau
 for that pair). `shrink` divides the widths (hidden size, FFN, heads, vocabulary) so a CPU can run the same code.
 """
 
@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import torch
 
 from .configuration_dflash import DFlashConfig
-from .evaluation import cost_model_bound, measure_step_costs
+from .cost_model import cost_model_bound, measure_step_costs
 from .loading import PUBLISHED_CONFIGS, device_description
 from .modeling_dflash import DFlashDraftModel
 
@@ -93,7 +93,8 @@ def shrink_configs(target: dict[str, Any], draft: dict[str, Any], factor: int
         missing = [field for field in ("hidden_size", "num_attention_heads", "vocab_size") if not config.get(field)]
         if missing:
             raise ValueError(f"the {name} config has no top-level {', '.join(missing)}: pass a text model's config "
-                             "(a multimodal one nests it in text_config) and a draft config with its target's vocab_size")
+                             "(a multimodal one nests it in text_config) "
+                             "and a draft config with its target's vocab_size")
     if factor == 1:
         return target, draft
     for config in (target, draft):
@@ -167,7 +168,8 @@ def run_synthetic_bench(spec: SyntheticSpec, device: torch.device, dtype: torch.
     paper_tau = tau is None  # the paper's tau holds at the draft's own block size only
     tau = tau if tau is not None else spec.tau
     if tau is None or tau < 1:
-        raise ValueError(f"no paper tau for {spec.name}: pass --tau (>= 1)" if tau is None else f"--tau must be >= 1, got {tau}")
+        raise ValueError(f"no paper tau for {spec.name}: pass --tau (>= 1)" if tau is None
+                         else f"--tau must be >= 1, got {tau}")
     if context_length < 1:
         raise ValueError(f"--context-length must be >= 1, got {context_length}")
     target_config, draft_config = shrink_configs(spec.target_config, spec.draft_config, shrink)

@@ -54,9 +54,11 @@ def main() -> None:
             input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=n, min_new_tokens=n,
             do_sample=False, pad_token_id=0), args.repeats)
         loop_time, loop = best_time(lambda: draft.spec_generate(target=target, input_ids=input_ids,
-                                                                max_new_tokens=n, block_size=1, stop_token_ids=[]), args.repeats)
+                                                                max_new_tokens=n, block_size=1, stop_token_ids=[]),
+                                    args.repeats)
         draft_time, drafted = best_time(lambda: draft.spec_generate(target=target, input_ids=input_ids,
-                                                                    max_new_tokens=n, stop_token_ids=[], return_stats=True), args.repeats)
+                                                                    max_new_tokens=n, stop_token_ids=[],
+                                                                    return_stats=True), args.repeats)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {n} new tokens, best of {args.repeats}")
     print(f"target.generate (greedy)          : {n / plain_time:8.1f} tokens/s")
     print(f"spec_generate(block_size=1)       : {n / loop_time:8.1f} tokens/s  "

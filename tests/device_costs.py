@@ -37,7 +37,8 @@ def _waiting_call(name: str, args: tuple, kwargs: dict) -> str | None:
         return f"{name}[bool mask]"
     if name == "where" and len(args) + len(kwargs) == 1:
         return "where(condition)"
-    if name == "repeat_interleave" and "output_size" not in kwargs and any(isinstance(a, torch.Tensor) for a in args[1:2]):
+    if (name == "repeat_interleave" and "output_size" not in kwargs
+            and any(isinstance(a, torch.Tensor) for a in args[1:2])):
         return "repeat_interleave"
     return None
 

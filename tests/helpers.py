@@ -6,6 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, DraftStep
+from dflash_hf.proposer_dflash import DFlashProposer
 
 VOCAB_SIZE = 128
 HIDDEN_SIZE = 64
@@ -163,7 +164,8 @@ def make_tokenizer(vocab_size: int = VOCAB_SIZE):
     backend = Tokenizer(models.WordLevel(vocab, unk_token="w2"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="w0", eos_token="w1", unk_token="w2")
-    tokenizer.chat_template = "{% for m in messages %}w3 {{ m['content'] }} w1 {% endfor %}{% if add_generation_prompt %}w4{% endif %}"
+    tokenizer.chat_template = ("{% for m in messages %}w3 {{ m['content'] }} w1 {% endfor %}"
+                               "{% if add_generation_prompt %}w4{% endif %}")
     return tokenizer
 
 
@@ -206,3 +208,28 @@ def chi_square_p_value(counts: dict, expected: dict, num_samples: int) -> float:
     degrees = len(observed_cells) - 1
     return float(torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64),
                                          torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+def random_prompt(seed: int, length: int, vocab_size: int = VOCAB_SIZE) -> torch.Tensor:
+    """Seeded random prompt ids [1, length] (never the last id: the tiny drafts' mask token)."""
+    return torch.randint(0, vocab_size - 1, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+class RecordingProposer(DFlashProposer):
+    """A DFlash proposer that records every step: the proposals [N, B-1], each row's (by the caller's row index), and
+    how far the draft cache's width exceeds the longest row's context."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.steps: list[torch.Tensor] = []
+        self.proposed: dict[int, list[list[int]]] = {}
+        self.cache_excess: list[int] = []
+
+    def propose(self, step: DraftStep):
+        proposal = super().propose(step)
+        tokens = getattr(proposal, "tokens", proposal)
+        self.steps.append(tokens)
+        for row, row_tokens in zip(step.row_ids, tokens.tolist()):
+            self.proposed.setdefault(row, []).append(row_tokens)
+        self.cache_excess.append(self.cache.get_seq_length() - max(len(s) - 1 for s in step.sequences))
+        return proposal

@@ -7,19 +7,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import VOCAB_SIZE, ReferenceProposer, make_draft, make_target, plain_greedy, random_prompt
 
 from dflash_hf import DraftStep, left_pad, speculative_decode
-from dflash_hf.evaluation import measure_verify_costs
-from dflash_hf.generation_dflash import StepCosts, worthwhile_width
+from dflash_hf.cost_model import measure_verify_costs
+from dflash_hf.generation_dflash import worthwhile_width
 from dflash_hf.proposer_dflash import Proposal
-from helpers import VOCAB_SIZE, ReferenceProposer, make_draft, make_target, plain_greedy
+from dflash_hf.settings_dflash import StepCosts
 
 STEEP = StepCosts(draft=0.002, verify=(0.010, 0.013, 0.016, 0.030, 0.034, 0.038, 0.042, 0.046))  # the CPU's shape
 FLAT = StepCosts(draft=0.002, verify=(0.010,) * 8)  # a GPU's: any width costs one step
 
-
-def prompt(seed: int, length: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB_SIZE - 1, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
 # --- The choice --------------------------------------------------------------------------------------------------
@@ -59,7 +57,7 @@ def test_step_costs_are_checked():
         StepCosts(draft=0.001, verify=(0.01, 0.0))
     target, draft = make_target("qwen3", seed=0), make_draft(0)
     with pytest.raises(ValueError, match="verify widths 1 .. 4 but block_size is 8.*measure_verify_costs"):
-        draft.spec_generate(target=target, input_ids=prompt(0, 5), max_new_tokens=10,
+        draft.spec_generate(target=target, input_ids=random_prompt(0, 5), max_new_tokens=10,
                             step_costs=StepCosts(0.001, (0.01,) * 4))
 
 
@@ -89,7 +87,7 @@ class ConfidentReference(ReferenceProposer):
                                                         ([0.05] * 7, 1), ([1.0] * 7, 8)])
 def test_each_step_verifies_the_width_its_confidences_choose(confidences, expected_width):
     target = make_target("qwen3", seed=4)
-    input_ids = prompt(4, 6)
+    input_ids = random_prompt(4, 6)
     reference = plain_greedy(target, input_ids, 40)
     proposer = ConfidentReference(reference, target, corrupt_seed=4, confidences=confidences)
     result = speculative_decode(target, proposer, input_ids, 40, 8, step_costs=STEEP)
@@ -108,7 +106,7 @@ def test_each_step_verifies_the_width_its_confidences_choose(confidences, expect
 ])
 def test_greedy_with_step_costs_equals_plain_greedy(arch, seed, length, block_size, costs):
     target, draft = make_target(arch, seed=seed), make_draft(seed)
-    input_ids = prompt(seed, length)
+    input_ids = random_prompt(seed, length)
     result = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=40, block_size=block_size,
                                  step_costs=costs, return_stats=True)
     assert torch.equal(result.output_ids, plain_greedy(target, input_ids, 40))
@@ -118,7 +116,7 @@ def test_greedy_with_step_costs_equals_plain_greedy(arch, seed, length, block_si
 
 def test_greedy_with_step_costs_stops_where_plain_greedy_stops():
     target, draft = make_target("qwen3", seed=5), make_draft(5)
-    input_ids = prompt(5, 7)
+    input_ids = random_prompt(5, 7)
     free = plain_greedy(target, input_ids, 30)[0, 7:].tolist()
     stop = free[11]  # a token the target produces: generation must end at its first occurrence
     expected = plain_greedy(target, input_ids, 30, stop_token_ids=[stop])
@@ -129,7 +127,7 @@ def test_greedy_with_step_costs_stops_where_plain_greedy_stops():
 
 def test_a_left_padded_batch_with_step_costs_equals_each_rows_greedy():
     target, draft = make_target("llama", seed=6), make_draft(6)
-    prompts = [prompt(60 + row, length)[0].tolist() for row, length in enumerate((3, 11, 6))]
+    prompts = [random_prompt(60 + row, length)[0].tolist() for row, length in enumerate((3, 11, 6))]
     input_ids, attention_mask = left_pad(prompts, 0, torch.device("cpu"))
     result = draft.spec_generate(target=target, input_ids=input_ids, attention_mask=attention_mask,
                                  max_new_tokens=25, step_costs=STEEP, return_stats=True)
@@ -141,21 +139,21 @@ def test_a_left_padded_batch_with_step_costs_equals_each_rows_greedy():
 def test_the_draft_scores_its_proposals_only_when_asked():
     target, draft = make_target("qwen3", seed=7), make_draft(7)
     proposals: list[Proposal] = []
-    from dflash_hf.generation_dflash import dflash_proposer
+    from dflash_hf.proposer_dflash import DFlashProposer
 
     class Recording:
         def __init__(self):
-            self.inner = dflash_proposer(draft, target, VOCAB_SIZE - 1)
+            self.inner = DFlashProposer(draft, target, VOCAB_SIZE - 1)
             self.target_layer_ids = self.inner.target_layer_ids
 
         def propose(self, step):
             proposals.append(self.inner.propose(step))
             return proposals[-1]
 
-    speculative_decode(target, Recording(), prompt(7, 5), 12, 8)
+    speculative_decode(target, Recording(), random_prompt(7, 5), 12, 8)
     assert proposals and all(isinstance(p, torch.Tensor) for p in proposals)  # unscored: the tokens as before
     proposals.clear()
-    speculative_decode(target, Recording(), prompt(7, 5), 12, 8, step_costs=FLAT)
+    speculative_decode(target, Recording(), random_prompt(7, 5), 12, 8, step_costs=FLAT)
     confidences = proposals[0].confidences  # [1, 7]: the draft's probability of its own argmax
     assert confidences.shape == (1, 7) and bool(((confidences > 0) & (confidences <= 1)).all())
 
@@ -164,12 +162,12 @@ def test_measured_verify_costs_cover_every_width():
     target, draft = make_target("llama", seed=8), make_draft(8, block_size=4)
     costs = measure_verify_costs(draft, target, torch.arange(5, 25)[None], VOCAB_SIZE - 1, repeats=2)
     assert len(costs.verify) == 4 and min(costs.verify) > 0 and costs.draft > 0
-    output = draft.spec_generate(target=target, input_ids=prompt(8, 4), max_new_tokens=15, step_costs=costs)
-    assert torch.equal(output, plain_greedy(target, prompt(8, 4), 15))
+    output = draft.spec_generate(target=target, input_ids=random_prompt(8, 4), max_new_tokens=15, step_costs=costs)
+    assert torch.equal(output, plain_greedy(target, random_prompt(8, 4), 15))
 
 
 def test_measured_verify_times_are_made_non_decreasing():
-    from dflash_hf.evaluation import nondecreasing
+    from dflash_hf.cost_model import nondecreasing
 
     assert nondecreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]  # already in order: unchanged
     assert nondecreasing([3.0, 2.0, 1.0]) == [2.0, 2.0, 2.0]  # one pool, its mean

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import VOCAB_SIZE, RecordingProposer, ReferenceProposer, make_draft, make_target, plain_greedy
 
 from dflash_hf import cache_dflash, left_pad, speculative_decode
 from dflash_hf.cache_dflash import CacheColumns
 from dflash_hf.proposer_dflash import DFlashProposer
-from helpers import VOCAB_SIZE, ReferenceProposer, make_draft, make_target, plain_greedy
 
 ARCHS = ["qwen3", "llama"]
 LENGTHS = [1, 6, 23, 11]
@@ -22,22 +22,6 @@ def prompts_of(lengths: list[int], seed: int, vocab_size: int = VOCAB_SIZE) -> l
 def left_pad_prompts(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ids [N, T] and their attention mask (pad id 0)."""
     return left_pad([prompt[0].tolist() for prompt in prompts], pad_token_id=0)
-
-
-class RecordingProposer(DFlashProposer):
-    """A DFlash proposer that records what it proposed for each row, in order."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.proposed: dict[int, list[list[int]]] = {}
-        self.cache_excess: list[int] = []  # draft cache width beyond the longest row's context
-
-    def propose(self, step):
-        proposals = super().propose(step)
-        for row, row_proposals in zip(step.row_ids, proposals.tolist()):
-            self.proposed.setdefault(row, []).append(row_proposals)
-        self.cache_excess.append(self.cache.get_seq_length() - max(len(s) - 1 for s in step.sequences))
-        return proposals
 
 
 @pytest.mark.parametrize("arch", ARCHS)

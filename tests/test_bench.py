@@ -9,25 +9,21 @@ import weakref
 
 import pytest
 import torch
-
-import dflash_hf.benchmark as benchmark
-import dflash_hf.evaluation as evaluation
-from dflash_hf.benchmark import load_conversations, read_prompt_file, run_benchmark
-from dflash_hf.evaluation import (
-    BenchSettings,
-    TurnRecord,
-    Verdict,
-    acceptance_histogram,
-    compare_outputs,
-    cost_model_bound,
-    markdown_table,
-    summarize,
-)
-from dflash_hf.cli import main
-from dflash_hf.prompts import chat_prompt_ids
 from helpers import FixedLogitsTarget, make_draft, make_target, make_tokenizer
 
+import dflash_hf.benchmark as benchmark
+import dflash_hf.cost_model as cost_model
+import dflash_hf.evaluation as evaluation
+import dflash_hf.generation_dflash as generation_dflash
+from dflash_hf.benchmark import load_conversations, read_prompt_file, run_benchmark
+from dflash_hf.cli import main
+from dflash_hf.cost_model import acceptance_histogram, cost_model_bound
+from dflash_hf.evaluation import BenchSettings, TurnRecord, Verdict, compare_outputs, markdown_table, summarize
+from dflash_hf.prompts import chat_prompt_ids
+from dflash_hf.settings_dflash import GenerationTokens
+
 STEP_COSTS = {"target_1": 0.010, "target_block": 0.015, "draft": 0.005}
+ONE_STOP = GenerationTokens(stop_token_ids=[1], pad_token_id=1, mask_token_id=127)  # the tiny tokenizer's EOS
 
 
 def record(plain: list[int], dflash: list[int], lengths: list[int], seconds=(2.0, 1.0, 1.5)) -> TurnRecord:
@@ -53,7 +49,8 @@ def test_summary_values_are_consistent():
 def test_lossless_flag_turns_false_when_an_output_differs():
     records = [record([5, 6, 7], [5, 6, 7], [3]), record([5, 6, 7], [5, 6, 8], [2, 1])]
     assert summarize("x", records, 2, 4, STEP_COSTS, greedy=True)["lossless"] is False
-    assert summarize("x", records, 2, 4, STEP_COSTS, greedy=False)["lossless"] is None  # sampling: not an equality check
+    # sampling: not an equality check
+    assert summarize("x", records, 2, 4, STEP_COSTS, greedy=False)["lossless"] is None
     assert "NO" in markdown_table([summarize("x", records, 2, 4, STEP_COSTS, greedy=True)])
 
 
@@ -73,7 +70,8 @@ def test_prompt_files_and_datasets(tmp_path):
         read_prompt_file(path)
     with pytest.raises(ValueError, match="Unknown dataset 'squad'"):
         load_conversations("squad", tmp_path)
-    (tmp_path / "mt_bench.jsonl").write_text('{"question_id": 81, "turns": ["a", "b"]}\n{"question_id": 82, "turns": ["c", "d"]}\n')
+    (tmp_path / "mt_bench.jsonl").write_text('{"question_id": 81, "turns": ["a", "b"]}\n'
+                                             '{"question_id": 82, "turns": ["c", "d"]}\n')
     (tmp_path / "gsm8k_test.jsonl").write_text('{"question": "q1", "answer": "x"}\n{"question": "q2", "answer": "y"}\n')
     assert load_conversations("mt-bench", tmp_path, limit=1) == [["a", "b"]]
     assert load_conversations("gsm8k", tmp_path) == [["q1"], ["q2"]]
@@ -98,10 +96,12 @@ def test_multi_turn_feeds_back_the_models_own_answer(tiny_models, monkeypatch):
 
     monkeypatch.setattr(benchmark, "measure_prompts", spy)
     turns = ["w10 w11 w12", "w20 w21"]
-    results = run_benchmark(draft, target, tokenizer, {"mt-bench": [turns]}, BenchSettings(max_new_tokens=6), progress=False)
+    results = run_benchmark(draft, target, tokenizer, {"mt-bench": [turns]}, BenchSettings(max_new_tokens=6),
+                            progress=False)
     (first_prompt, first), (second_prompt, _) = seen  # the warm-up runs in evaluation.warm_up, not seen here
     assert first_prompt == chat_prompt_ids(tokenizer, [{"role": "user", "content": turns[0]}])
-    answer = tokenizer.decode([t for t in first.new_tokens["plain"] if t != tokenizer.eos_token_id], skip_special_tokens=True)
+    answer = tokenizer.decode([t for t in first.new_tokens["plain"] if t != tokenizer.eos_token_id],
+                              skip_special_tokens=True)
     assert second_prompt == chat_prompt_ids(tokenizer, [{"role": "user", "content": turns[0]},
                                                         {"role": "assistant", "content": answer},
                                                         {"role": "user", "content": turns[1]}])
@@ -129,7 +129,8 @@ def test_bench_command_end_to_end(saved_models, tmp_path):
     assert result["dataset"] == "prompts" and result["num_prompts"] == 2 and result["num_turns"] == 3
     assert result["block_size"] == 4 and len(result["acceptance_histogram"]) == 4
     native = importlib.util.find_spec("transformers.models.muse_glimmer_assistant") is not None  # Transformers >= 5.24
-    assert set(result["tokens_per_s"]) == {"plain", "dflash", "prompt_lookup"} | ({"transformers_dflash"} if native else set())
+    assert set(result["tokens_per_s"]) == ({"plain", "dflash", "prompt_lookup"}
+                                           | ({"transformers_dflash"} if native else set()))
     assert result["lossless"] is True and result["bound"] > 0
     # Transformers' own DFlash loop on the same weights, with its own lossless check (absent where unavailable)
     assert result["lossless_transformers_dflash"] is (True if native else None)
@@ -146,7 +147,8 @@ def test_bench_command_needs_target_and_draft_together(tmp_path):
 
 def test_measured_step_costs_are_positive(tiny_models):
     target, draft, _ = tiny_models
-    costs = evaluation.measure_step_costs(draft, target, torch.arange(5, 25)[None], block_size=4, mask_token_id=127, repeats=2)
+    costs = cost_model.measure_step_costs(draft, target, torch.arange(5, 25)[None], block_size=4, mask_token_id=127,
+                                          repeats=2)
     assert set(costs) == {"target_1", "target_block", "draft"} and all(v > 0 for v in costs.values())
 
 
@@ -159,7 +161,8 @@ def test_data_parallel_processes_shard_prompts_and_gather_results(saved_models, 
     prompts.write_text("".join(f'{{"turns": ["w{5 + i} w{6 + i}"]}}\n' for i in range(5)))
     out = tmp_path / "bench.json"
     # two CPU processes (torchrun; `accelerate launch` starts the same kind of processes on GPUs)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "dflash_hf.cli", "bench",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "dflash_hf.cli", "bench",
                *saved_models,
                "--prompts", str(prompts),
                "--max-new-tokens", "4", "--block-size", "3", "--json", str(out), "--plot", ""]
@@ -177,7 +180,7 @@ def test_batched_measurement_is_per_row_and_shares_the_wall_time(tiny_models):
     prompts = [[3, 10, 11, 4], [3, 20, 4], [3, 30, 31, 32, 33, 4]]
     settings = BenchSettings(max_new_tokens=12, block_size=4, batch_size=3)
     stop = [tokenizer.eos_token_id]
-    records = evaluation.measure_prompts(draft, target, prompts, settings, stop, mask_token_id=127)
+    records = evaluation.measure_prompts(draft, target, prompts, settings, GenerationTokens(stop, stop[0], 127))
     assert len(records) == 3
     for prompt, record in zip(prompts, records):
         alone = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=stop,
@@ -205,11 +208,11 @@ def test_bench_command_with_several_batch_sizes(saved_models, tmp_path):
 
 def test_truncated_tau_and_the_block_size_choice(tiny_models):
     histogram = [2, 1, 1]  # lengths 1, 1, 2, 3
-    assert evaluation.truncated_tau(histogram, 3) == pytest.approx(7 / 4)  # the measured mean
-    assert evaluation.truncated_tau(histogram, 2) == pytest.approx(6 / 4)
-    assert evaluation.truncated_tau(histogram, 1) == 1.0
+    assert cost_model.truncated_tau(histogram, 3) == pytest.approx(7 / 4)  # the measured mean
+    assert cost_model.truncated_tau(histogram, 2) == pytest.approx(6 / 4)
+    assert cost_model.truncated_tau(histogram, 1) == 1.0
     target, draft, _ = tiny_models
-    best, predictions = evaluation.choose_block_size(draft, target, torch.arange(5, 25)[None], [0, 0, 0, 10],
+    best, predictions = cost_model.choose_block_size(draft, target, torch.arange(5, 25)[None], [0, 0, 0, 10],
                                                     batch_size=2, mask_token_id=127)
     assert set(predictions) == {1, 2, 3, 4} and predictions[1] == 1.0
     assert predictions[best] == max(predictions.values())
@@ -273,7 +276,7 @@ def test_transformers_dflash_is_timed_only_at_the_drafts_own_block_size(tiny_mod
     native = to_native(draft)
     for block_size, timed in ((None, True), (4, True), (3, False)):
         (record,) = evaluation.measure_prompts(draft, target, [[5, 6, 7]], BenchSettings(
-            max_new_tokens=4, block_size=block_size, prompt_lookup_tokens=None), [1], native_draft=native)
+            max_new_tokens=4, block_size=block_size, prompt_lookup_tokens=None), ONE_STOP, native_draft=native)
         assert ("transformers_dflash" in record.new_tokens) is timed
 
 
@@ -319,10 +322,10 @@ def test_summary_counts_verdicts_and_a_near_tie_stays_lossless():
 def test_greedy_records_carry_a_verdict_per_method(tiny_models):
     target, draft, _ = tiny_models
     settings = BenchSettings(max_new_tokens=5, block_size=4, prompt_lookup_tokens=2)
-    (greedy,) = evaluation.measure_prompts(draft, target, [[5, 6, 7, 5, 6]], settings, [1])
+    (greedy,) = evaluation.measure_prompts(draft, target, [[5, 6, 7, 5, 6]], settings, ONE_STOP)
     assert greedy.verdicts == {"dflash": Verdict("exact"), "prompt_lookup": Verdict("exact")}
     (sampled,) = evaluation.measure_prompts(draft, target, [[5, 6, 7]], BenchSettings(
-        max_new_tokens=3, block_size=4, temperature=1.0, prompt_lookup_tokens=None), [1])
+        max_new_tokens=3, block_size=4, temperature=1.0, prompt_lookup_tokens=None), ONE_STOP)
     assert sampled.verdicts == {}
 
 
@@ -345,7 +348,7 @@ def test_the_method_that_runs_first_rotates(tiny_models, monkeypatch):
     for turn in range(4):
         calls.clear()
         (record,) = evaluation.measure_prompts(draft, target, [[5, 6, 7]], BenchSettings(
-            max_new_tokens=3, block_size=4, prompt_lookup_tokens=2), [1], turn=turn)
+            max_new_tokens=3, block_size=4, prompt_lookup_tokens=2), ONE_STOP, turn=turn)
         orders.append(list(calls))
         assert list(record.new_tokens) == ["plain", "dflash", "prompt_lookup"]  # records keep the usual order
     assert orders == [["plain", "dflash", "prompt_lookup"], ["dflash", "prompt_lookup", "plain"],
@@ -376,13 +379,11 @@ def test_warm_up_covers_full_blocks_and_turns_rotate(tiny_models, block_8_draft,
     assert rows == 2 and warm_up_tokens >= 8 + 1  # a full block of 8 after the prefill's token, two rows
     assert timed == [(2, 4, 0), (1, 4, 1)]
     seen.clear()
-    evaluation.evaluate_draft(block_8_draft, target, [[5, 6], [7, 8]], max_new_tokens=3, stop_token_ids=[1])
+    evaluation.evaluate_draft(block_8_draft, target, [[5, 6], [7, 8]], max_new_tokens=3, tokens=ONE_STOP)
     assert seen[0][1] >= 8 + 1 and [turn for _, _, turn in seen[1:]] == [0, 1]
 
 
 def test_step_costs_keep_no_logits_or_hidden_states_between_repetitions(tiny_models, monkeypatch):
-    from dflash_hf.target_dflash import plain_head_parts
-
     target, draft, _ = tiny_models
     earlier: list[weakref.ref] = []  # logits, hidden states and prompt features of earlier target calls
     calls: list[tuple[str, dict]] = []
@@ -402,17 +403,16 @@ def test_step_costs_keep_no_logits_or_hidden_states_between_repetitions(tiny_mod
 
         monkeypatch.setattr(module, "forward", recording)
 
-    record("target", target)
-    record("base", plain_head_parts(target)[0])  # the verify runs the base model and its own head
-    prefill = evaluation.prefill
+    record("target", target)  # a patched forward: every verify runs the target's own forward
+    prefill = generation_dflash.prefill
 
     def keeping_features(*args, **kwargs):
         state = prefill(*args, **kwargs)
         earlier.append(weakref.ref(state.context.hidden))  # handed to the draft, then no longer needed
         return state
 
-    monkeypatch.setattr(evaluation, "prefill", keeping_features)
-    evaluation.measure_step_costs(draft, target, torch.arange(5, 25)[None], block_size=4, mask_token_id=127, repeats=3)
+    monkeypatch.setattr(generation_dflash, "prefill", keeping_features)
+    cost_model.measure_step_costs(draft, target, torch.arange(5, 25)[None], block_size=4, mask_token_id=127, repeats=3)
     plain_steps = [kwargs for name, kwargs in calls if name == "target" and kwargs["input_ids"].shape[1] == 1]
     assert len(plain_steps) == 4 and all(kwargs.get("logits_to_keep") == 1 for kwargs in plain_steps)  # warm-up + 3
-    assert sum(name == "base" and kwargs["input_ids"].shape[1] == 4 for name, kwargs in calls) == 4  # the verifies
+    assert sum(name == "target" and kwargs["input_ids"].shape[1] == 4 for name, kwargs in calls) == 4  # the verifies

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import make_target
 from safetensors.torch import load_file, save_file
 
 from dflash_hf import DFlashConfig, DFlashDraftModel
@@ -18,7 +19,6 @@ from dflash_hf.configuration_dflash import (
     read_rope_parameters,
 )
 from dflash_hf.modeling_dflash import DFlash2DraftModel
-from helpers import make_target
 
 CONFIGS = Path(__file__).resolve().parents[1] / "dflash_hf" / "published_configs"
 
@@ -136,7 +136,8 @@ def test_published_configs_round_trip_through_save_pretrained(tmp_path, path):
     reloaded = DFlashConfig.from_pretrained(tmp_path)
     assert {name: getattr(reloaded, name) for name in expected_fields(config_dict)} == expected_fields(config_dict)
     assert reloaded.architectures == config_dict["architectures"]
-    assert (reloaded.block_size, reloaded.dflash_config["target_layer_ids"], reloaded.dflash_config["mask_token_id"]) == (
+    assert (reloaded.block_size, reloaded.dflash_config["target_layer_ids"],
+            reloaded.dflash_config["mask_token_id"]) == (
         draft_field(config_dict, "block_size", 16), config_dict["dflash_config"]["target_layer_ids"],
         config_dict["dflash_config"]["mask_token_id"])
     rope = read_rope_parameters(DFlashConfig.from_json_file(str(path)))
@@ -156,7 +157,8 @@ def test_qwen3_8b_config_matches_the_design_doc():
     config = json.loads((CONFIGS / "Qwen3-8B-DFlash-b16.json").read_text())
     assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"],
             config["intermediate_size"], config["rms_norm_eps"], config["rope_theta"], config["rope_scaling"],
-            config["max_position_embeddings"], config["vocab_size"]) == (4096, 32, 8, 128, 12288, 1e-6, 1e6, None, 40960, 151936)
+            config["max_position_embeddings"], config["vocab_size"]) == (4096, 32, 8, 128, 12288, 1e-6, 1e6, None,
+                                                                         40960, 151936)
     assert (config["block_size"], config["num_target_layers"], config["num_hidden_layers"]) == (16, 36, 5)
     assert config["dflash_config"] == {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}
 
@@ -201,10 +203,13 @@ def load_and_check(folder: Path, weights: dict[str, torch.Tensor]) -> DFlashDraf
 
 VARIANTS = {
     "as_published": {},
-    "block_size_in_dflash_config": {"block_size": None, "dflash_config": {"mask_token_id": 127, "target_layer_ids": [0, 2], "block_size": 8}},
+    "block_size_in_dflash_config": {"block_size": None,
+                                    "dflash_config": {"mask_token_id": 127, "target_layer_ids": [0, 2],
+                                                      "block_size": 8}},
     "target_layer_ids_absent": {"dflash_config": {"mask_token_id": 127}},
     "mask_token_as_string": {"dflash_config": {"mask_token": "<|MASK|>", "target_layer_ids": [0, 2]}},
-    "rope_parameters": {"rope_theta": None, "rope_scaling": None, "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}},
+    "rope_parameters": {"rope_theta": None, "rope_scaling": None,
+                        "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}},
 }
 
 
@@ -265,7 +270,8 @@ def test_save_pretrained_round_trip_is_hub_ready(tmp_path):
     ({"architectures": ["DFlash2DraftModel"]}, "DFlash2 draft config needs a positive `conv_kernel_size`"),
     ({"architectures": ["DFlash2DraftModel"], "conv_kernel_size": 3, "conv_group_size": 5, "selector_rank": 4,
       "selector_top_k": 4}, "`conv_group_size` 5 must divide hidden_size 64"),
-    ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding-attention layers but no positive `sliding_window`"),
+    ({"layer_types": ["sliding_attention", "full_attention"]},
+     "sliding-attention layers but no positive `sliding_window`"),
     ({"layer_types": ["full_attention"]}, "layer.types"),  # Transformers' own check: it names the field
     ({"layer_types": ["linear_attention", "full_attention"]}, "layer_types"),
     ({"block_size": 1}, "block_size"),

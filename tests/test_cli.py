@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
+from helpers import make_target, make_tokenizer
 from safetensors.torch import load_file
 from transformers import AutoModel
 
 from dflash_hf.cli import main
-from helpers import make_target, make_tokenizer
 
 
 def save_tiny_target_and_prompts(tmp_path, num_prompts: int):
@@ -20,7 +20,8 @@ def save_tiny_target_and_prompts(tmp_path, num_prompts: int):
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"question": f"w{10 + i} w{20 + i} w{30 + i}"}) for i in range(num_prompts)))
+    prompts.write_text("\n".join(json.dumps({"question": f"w{10 + i} w{20 + i} w{30 + i}"})
+                                 for i in range(num_prompts)))
     return prompts
 
 def test_train_command_writes_a_hub_ready_draft(tmp_path):
@@ -96,7 +97,8 @@ def test_train_init_from_starts_at_a_trained_draft_and_keeps_its_architecture(tm
     assert json.loads((tmp_path / "mixed" / "training_log.json").read_text())["steps"] == 3  # prompts 2..4
     card = " ".join((tmp_path / "mixed" / "draft" / "README.md").read_text().split())
     assert "3 prompts (2-4) of prompts.jsonl (its first 3), other.jsonl (its first 2)" in card
-    with pytest.raises(SystemExit, match="--num-prompts 3 2 1: give one count in all or one per --prompts file \\(2\\)"):
+    with pytest.raises(SystemExit,
+                       match="--num-prompts 3 2 1: give one count in all or one per --prompts file \\(2\\)"):
         main(["train", "--output", str(tmp_path / "third"), "--num-prompts", "3", "2", "1", *two_files])
     with pytest.raises(SystemExit, match="--num-prompts 3 for .*other.jsonl: it holds only 2 prompts"):
         main(["train", "--output", str(tmp_path / "third"), "--num-prompts", "1", "3", *two_files])
@@ -143,7 +145,8 @@ def test_train_generate_only_writes_the_rows_a_draft_regenerates_and_stops(tmp_p
     # rows shipped as an archive seed a new run: kept as they are (even one that differs), only the rest generated
     rows = [json.loads(line) for line in plain]
     rows[1]["response_ids"] = [7, 7, 1]
-    (tmp_path / "rows.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(row) + "\n" for row in rows[:3]).encode()))
+    (tmp_path / "rows.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(row) + "\n"
+                                                                   for row in rows[:3]).encode()))
     main([*common, "--output", str(tmp_path / "seeded"), "--responses", str(tmp_path / "rows.jsonl.gz")])
     seeded = sorted((json.loads(line) for line in (tmp_path / "seeded" / "responses.jsonl").read_text().splitlines()),
                     key=lambda row: row["index"])

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from helpers import VOCAB_SIZE, RecordingProposer, make_draft, make_target, make_variant_draft, plain_greedy
 from safetensors.torch import save_file
 from transformers import AutoModel
 
@@ -13,8 +14,6 @@ from dflash_hf import DFlashDraftModel, speculative_decode
 from dflash_hf.cli import main
 from dflash_hf.configuration_dflash import NATIVE_DEFAULTS
 from dflash_hf.conversion import from_native, to_native
-from dflash_hf.proposer_dflash import DFlashProposer
-from helpers import VOCAB_SIZE, make_draft, make_target, make_variant_draft, plain_greedy
 
 try:
     from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
@@ -23,20 +22,8 @@ except ImportError:  # Transformers < 5.24
     MuseGlimmerAssistantModel = None
 needs_native = pytest.mark.skipif(MuseGlimmerAssistantModel is None, reason="Transformers < 5.24 has no native DFlash")
 
-DRAFTS = {"full": lambda: make_draft(3, block_size=8), "sliding": lambda: make_variant_draft("sliding_bidirectional", 3)}
-
-
-class RecordingProposer(DFlashProposer):
-    """Records the proposals of every step."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.proposed: list[list[int]] = []
-
-    def propose(self, step):
-        proposals = super().propose(step)
-        self.proposed.append(proposals[0].tolist())
-        return proposals
+DRAFTS = {"full": lambda: make_draft(3, block_size=8),
+          "sliding": lambda: make_variant_draft("sliding_bidirectional", 3)}
 
 
 def native_generate(target, native, input_ids, max_new_tokens, monkeypatch) -> tuple[torch.Tensor, list[list[int]]]:
@@ -83,7 +70,7 @@ def test_converted_drafts_decode_like_plain_greedy_in_both_loops(tmp_path, monke
         proposer = RecordingProposer(native_loaded_as_ours, target, VOCAB_SIZE - 1)
         assert torch.equal(speculative_decode(target, proposer, input_ids, 30, block_size=8).output_ids, expected)
         # both loops draft full blocks until ours shortens its last ones to what is still needed: there, the same
-        full_blocks = [proposals for proposals in proposer.proposed if len(proposals) == 7]
+        full_blocks = [proposals for proposals in proposer.proposed[0] if len(proposals) == 7]
         assert len(full_blocks) >= 10 and native_drafted[: len(full_blocks)] == full_blocks
 
 
@@ -168,7 +155,8 @@ def test_native_rope_is_read_as_the_native_class_reads_it():
     base = {"model_type": "muse_glimmer_assistant", "num_hidden_layers": 2, "layer_types": ["full_attention"] * 2}
     assert config_from_native(base)["rope_theta"] == 500000.0  # the class default
     assert config_from_native({**base, "rope_theta": 1e6})["rope_theta"] == 1e6  # top level, as the class accepts
-    assert config_from_native({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 2e6}})["rope_theta"] == 2e6
+    assert config_from_native({**base,
+                               "rope_parameters": {"rope_type": "default", "rope_theta": 2e6}})["rope_theta"] == 2e6
     with pytest.raises(ValueError, match="not one rope with a `rope_theta`"):
         config_from_native({**base, "rope_parameters": {"rope_type": "default"}})
 

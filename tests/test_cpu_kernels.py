@@ -7,14 +7,14 @@ import time
 
 import pytest
 import torch
-
-from dflash_hf import target_dflash
-from dflash_hf.target_dflash import FewRowLinear, few_row_kernels
-from helpers import ReferenceProposer, VOCAB_SIZE, make_draft, make_target, plain_greedy
-
+from helpers import VOCAB_SIZE, ReferenceProposer, make_draft, make_target, plain_greedy
 from test_batch import left_pad_prompts, prompts_of
 
-KERNELS = ["linear", "transposed", "onednn"] if target_dflash._HAS_ONEDNN_LINEAR else ["linear", "transposed"]
+from dflash_hf import kernels_dflash
+from dflash_hf.kernels_dflash import FewRowLinear, cpu_kernels, few_row_kernels
+
+KERNELS = ["linear", "transposed", "onednn"] if kernels_dflash.HAS_ONEDNN_LINEAR else ["linear", "transposed"]
+needs_onednn = pytest.mark.skipif(not kernels_dflash.HAS_ONEDNN_LINEAR, reason="this torch build has no oneDNN linear")
 
 
 @pytest.fixture
@@ -23,9 +23,10 @@ def forced_kernel(monkeypatch):
     routed = []
 
     def force(kernel: str) -> list:
-        monkeypatch.setattr(target_dflash, "FEW_ROW_KERNEL_CHOICE", {})
-        monkeypatch.setattr(target_dflash, "fastest_kernel",
-                            lambda weight, bias, states: routed.append((tuple(weight.shape), states.shape[0])) or kernel)
+        monkeypatch.setattr(kernels_dflash, "FEW_ROW_KERNEL_CHOICE", {})
+        monkeypatch.setattr(kernels_dflash, "fastest_kernel",
+                            lambda weight, bias, states: routed.append((tuple(weight.shape),
+                                                                        states.shape[0])) or kernel)
         return routed
 
     return force
@@ -44,7 +45,8 @@ def test_greedy_equals_generate_whichever_kernel_the_verify_uses(kernel, arch, f
             output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=30, block_size=block_size)
             assert torch.equal(output, expected), (seed, block_size)
     layer_shapes = {tuple(module.weight.shape) for module in target.modules() if type(module) is torch.nn.Linear}
-    assert layer_shapes <= {shape for shape, _ in routed}  # the decoder layers' products were rerouted, not only the head
+    # the decoder layers' products were rerouted, not only the head
+    assert layer_shapes <= {shape for shape, _ in routed}
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -79,45 +81,53 @@ def test_features_and_tokens_handed_to_the_proposer_are_the_targets(kernel, forc
 def test_only_few_row_products_by_a_models_weight_without_autograd_on_a_cpu_are_rerouted(forced_kernel):
     routed = forced_kernel("transposed")
     layer = torch.nn.Linear(16, 24)
-    for rows, grad in ((3, False), (target_dflash.MAX_FEW_ROWS + 1, False), (3, True), (target_dflash.MAX_FEW_ROWS, False)):
+    for rows, grad in ((3, False), (kernels_dflash.MAX_FEW_ROWS + 1, False), (3, True),
+                       (kernels_dflash.MAX_FEW_ROWS, False)):
         states = torch.randn(rows, 2, 16)[:, 0]  # [rows, 16], not contiguous
-        with torch.set_grad_enabled(grad), FewRowLinear():
+        with torch.set_grad_enabled(grad), cpu_kernels(), FewRowLinear():
             output = layer(states[None])  # [1, rows, 24]
         torch.testing.assert_close(output, torch.nn.functional.linear(states[None], layer.weight, layer.bias))
-    assert routed == [((24, 16), 3), ((24, 16), target_dflash.MAX_FEW_ROWS)]  # not 65 rows, not with autograd
+    assert routed == [((24, 16), 3), ((24, 16), kernels_dflash.MAX_FEW_ROWS)]  # not 65 rows, not with autograd
+    with torch.no_grad(), FewRowLinear():  # outside a generation call's scope: F.linear
+        layer(torch.randn(5, 16))
+    assert len(routed) == 2
     states = torch.randn(3, 16)
-    with torch.no_grad(), FewRowLinear():
+    with torch.no_grad(), cpu_kernels(), FewRowLinear():
         per_call = torch.nn.functional.linear(states, layer.weight * 1)  # a weight made per call (an expert's slice)
         by_keyword = torch.nn.functional.linear(states, weight=layer.weight)
     torch.testing.assert_close(per_call, states @ layer.weight.T)
     torch.testing.assert_close(by_keyword, states @ layer.weight.T)
     # neither was rerouted; outside the mode nothing is; the layer itself was never changed
     layer(torch.randn(3, 16))
-    assert len(routed) == 2 and type(layer) is torch.nn.Linear and not layer._forward_hooks and "forward" not in vars(layer)
+    assert (len(routed) == 2 and type(layer) is torch.nn.Linear and not layer._forward_hooks
+            and "forward" not in vars(layer))
 
 
-@pytest.mark.skipif(not target_dflash._HAS_ONEDNN_LINEAR, reason="this torch build has no oneDNN linear kernel")
-def test_a_packed_weight_follows_changes_to_the_weight():
+@needs_onednn
+def test_a_packed_weight_follows_changes_to_the_weight_within_a_call_and_lives_only_as_long_as_the_call():
     layer = torch.nn.Linear(16, 24, bias=False)
     states = torch.randn(3, 16)
-    product = target_dflash.FEW_ROW_KERNELS["onednn"]
-    torch.testing.assert_close(product(layer.weight, None, states), states @ layer.weight.T)
-    with torch.no_grad():
-        layer.weight.mul_(2)  # in place: its version changes
-    torch.testing.assert_close(product(layer.weight, None, states), states @ layer.weight.T)
-    layer.weight.data = torch.randn(24, 16)  # new storage
-    torch.testing.assert_close(product(layer.weight, None, states), states @ layer.weight.T)
-    layer.weight.data.add_(1.0)  # through `.data`: neither version nor storage changes; each generation call checks
-    assert target_dflash.drop_changed_packed_weights() >= 1
-    torch.testing.assert_close(product(layer.weight, None, states), states @ layer.weight.T)
-    assert target_dflash.drop_changed_packed_weights() == 0
-    with torch.inference_mode():
-        frozen = torch.randn(24, 16)  # no version counter: never packed
-    torch.testing.assert_close(product(frozen, None, states), states @ frozen.T)
-    assert frozen not in target_dflash._ONEDNN_PACKED
+    product = kernels_dflash.FEW_ROW_KERNELS["onednn"]
+    with cpu_kernels() as packed:
+        torch.testing.assert_close(product(layer.weight, None, states), states @ layer.weight.T)
+        assert packed.holds(layer.weight)
+        with torch.no_grad():
+            layer.weight.mul_(2)  # in place: its version changes
+        torch.testing.assert_close(product(layer.weight, None, states), states @ layer.weight.T)
+        layer.weight.data = torch.randn(24, 16)  # new storage
+        torch.testing.assert_close(product(layer.weight, None, states), states @ layer.weight.T)
+        with torch.inference_mode():
+            frozen = torch.randn(24, 16)  # no version counter: never packed
+        torch.testing.assert_close(product(frozen, None, states), states @ frozen.T)
+        assert not packed.holds(frozen)
+    layer.weight.data.add_(1.0)  # through `.data`, between calls: neither version nor storage changes
+    with cpu_kernels() as packed:  # a new call packs from the values as they are now
+        assert not packed.holds(layer.weight)
+        torch.testing.assert_close(product(layer.weight, None, states), states @ layer.weight.T)
+    torch.testing.assert_close(product(layer.weight, None, states), states @ layer.weight.T)  # no call: F.linear
 
 
-@pytest.mark.skipif(not target_dflash._HAS_ONEDNN_LINEAR, reason="this torch build has no oneDNN linear kernel")
+@needs_onednn
 def test_a_weight_changed_through_data_between_calls_is_verified_with_its_new_values(forced_kernel):
     forced_kernel("onednn")
     target = make_target("qwen3", seed=3)
@@ -132,28 +142,64 @@ def test_a_weight_changed_through_data_between_calls_is_verified_with_its_new_va
     assert torch.equal(draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=12), expected)
 
 
-@pytest.mark.skipif(not target_dflash._HAS_ONEDNN_LINEAR, reason="this torch build has no oneDNN linear kernel")
+@needs_onednn
 def test_no_packed_copy_is_kept_for_a_weight_whose_product_it_does_not_speed_up(monkeypatch):
-    monkeypatch.setattr(target_dflash, "FEW_ROW_KERNEL_CHOICE", {})
+    monkeypatch.setattr(kernels_dflash, "FEW_ROW_KERNEL_CHOICE", {})
     weight, states = torch.randn(24, 16), torch.randn(3, 16)
-    onednn = target_dflash._onednn
+    onednn = kernels_dflash.FEW_ROW_KERNELS["onednn"]
 
     def slow_onednn(*args):
         time.sleep(0.01)
         return onednn(*args)
 
-    monkeypatch.setattr(target_dflash, "_onednn", slow_onednn)
-    assert target_dflash.fastest_kernel(weight, None, states) in ("linear", "transposed")
-    assert weight not in target_dflash._ONEDNN_PACKED
-    monkeypatch.setattr(target_dflash, "_onednn", onednn)
-    target_dflash.onednn_packed_weight(weight)
-    assert weight in target_dflash._ONEDNN_PACKED
+    monkeypatch.setitem(kernels_dflash.FEW_ROW_KERNELS, "onednn", slow_onednn)
+    with cpu_kernels() as packed:
+        assert kernels_dflash.fastest_kernel(weight, None, states) in ("linear", "transposed")
+        assert not packed.holds(weight)
+        monkeypatch.setitem(kernels_dflash.FEW_ROW_KERNELS, "onednn", onednn)
+        packed.packed(weight)
+        assert packed.holds(weight)
+
+
+def test_a_torch_without_onednn_falls_back_to_the_other_kernels(monkeypatch):
+    """The private oneDNN operators may be missing or refuse a call in another torch: the choice skips them."""
+    monkeypatch.setattr(kernels_dflash, "FEW_ROW_KERNEL_CHOICE", {})
+
+    def missing(*args):
+        raise AttributeError("torch.ops.mkldnn has no _linear_pointwise")
+
+    monkeypatch.setitem(kernels_dflash.FEW_ROW_KERNELS, "onednn", missing)
+    monkeypatch.setattr(kernels_dflash, "HAS_ONEDNN_LINEAR", True)  # as if it claimed to have them
+    target, draft = make_target("qwen3", seed=4), make_draft(4, block_size=4)
+    input_ids = torch.randint(0, VOCAB_SIZE - 1, (1, 6), generator=torch.Generator().manual_seed(4))
+    expected = plain_greedy(target, input_ids, max_new_tokens=16)
+    assert torch.equal(draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=16), expected)
+    assert kernels_dflash.FEW_ROW_KERNEL_CHOICE  # products were routed ...
+    assert "onednn" not in set(kernels_dflash.FEW_ROW_KERNEL_CHOICE.values())  # ... never to the broken kernel
+    monkeypatch.setattr(kernels_dflash, "HAS_ONEDNN_LINEAR", False)
+    monkeypatch.setattr(kernels_dflash, "FEW_ROW_KERNEL_CHOICE", {})
+    assert torch.equal(draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=16), expected)
+
+
+def test_cpu_kernels_off_and_on_give_the_same_output_and_off_routes_nothing(forced_kernel):
+    routed = forced_kernel("transposed")
+    target, draft = make_target("llama", seed=5), make_draft(5, block_size=8)
+    prompts = prompts_of([3, 14], seed=5)
+    input_ids, attention_mask = left_pad_prompts(prompts)
+    off = draft.spec_generate(target=target, input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=24,
+                              block_size=4, cpu_kernels=False)
+    assert routed == []  # nothing rerouted: every product as the models compute it
+    on = draft.spec_generate(target=target, input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=24,
+                             block_size=4, cpu_kernels=True)
+    assert routed and torch.equal(off, on)
 
 
 def test_a_model_dispatched_by_accelerate_keeps_its_own_kernels():
     target = make_target("qwen3", seed=0)
     with few_row_kernels(target) as rerouted:
+        assert not rerouted  # outside a generation call
+    with cpu_kernels(), few_row_kernels(target) as rerouted:
         assert rerouted
     target.hf_device_map = {"": "cpu"}
-    with few_row_kernels(target) as rerouted:
+    with cpu_kernels(), few_row_kernels(target) as rerouted:
         assert not rerouted

@@ -18,12 +18,27 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, LogitsProcessorList, Qwen3Config, Qwen3ForCausalLM,
-                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from helpers import (
+    VOCAB_SIZE,
+    ReferenceProposer,
+    assert_equal_up_to_near_tie,
+    chi_square_p_value,
+    make_draft,
+    make_target,
+    make_tokenizer,
+    plain_greedy,
+)
+from transformers import (
+    AutoModelForCausalLM,
+    LogitsProcessorList,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from dflash_hf import left_pad, speculative_decode
-from helpers import (ReferenceProposer, VOCAB_SIZE, assert_equal_up_to_near_tie, chi_square_p_value, make_draft, make_target,
-                     make_tokenizer, plain_greedy)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -63,7 +78,7 @@ def check_batch_rows(target: torch.nn.Module, draft: torch.nn.Module, dtype: tor
         assert_lossless(target, output, expected, dtype)
 
 
-# --- Greedy, single rows and batches (Qwen3 and Llama shapes) -----------------------------------------------------------
+# --- Greedy, single rows and batches (Qwen3 and Llama shapes) ---------------------------------------------------------
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -127,7 +142,8 @@ def test_cuda_target_attention_implementations(tmp_path, arch, implementation, d
     check_batch_rows(target, draft, dtype, seed=4, lengths=[3, 17, 9])  # padded columns and holes under this kernel
 
 
-@pytest.mark.skipif(not HAS_FLASH_ATTN, reason="flash_attn is not installed here; the flash_attention_2 draft is not tested")
+@pytest.mark.skipif(not HAS_FLASH_ATTN,
+                    reason="flash_attn is not installed here; the flash_attention_2 draft is not tested")
 def test_cuda_flash_attention_2_draft_single_row():
     target = make_target("qwen3", seed=5).to(DEVICE, torch.bfloat16)
     draft = make_draft(5).to(DEVICE, torch.bfloat16)
@@ -139,7 +155,7 @@ def test_cuda_flash_attention_2_draft_single_row():
         assert_equal_up_to_near_tie(target, output, expected)
 
 
-# --- Loading with device_map="auto" ---------------------------------------------------------------------------------------
+# --- Loading with device_map="auto" -----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -191,7 +207,8 @@ def test_cuda_sampling_follows_the_target_distribution(acceptance, temperature, 
     counts: Counter = Counter()
     accepted_drafts = 0
     for _ in range(4):
-        result = draft.spec_generate(target=target, input_ids=prompt.repeat(SAMPLES // 4, 1), max_new_tokens=SAMPLED_TOKENS,
+        result = draft.spec_generate(target=target, input_ids=prompt.repeat(SAMPLES // 4, 1),
+                                     max_new_tokens=SAMPLED_TOKENS,
                                      block_size=4, temperature=temperature, top_k=top_k, top_p=top_p,
                                      acceptance=acceptance, generator=generator, return_stats=True)
         counts.update(tuple(row) for row in result.new_token_ids.tolist())
@@ -221,7 +238,7 @@ def test_cuda_sampling_generators_and_seeds():
                             generator=torch.Generator().manual_seed(5))
 
 
-# --- Training in bf16 mixed precision -------------------------------------------------------------------------------------
+# --- Training in bf16 mixed precision ---------------------------------------------------------------------------------
 
 
 def train_argv(tmp_path: Path, output: str, *extra: str) -> list[str]:
@@ -263,7 +280,7 @@ def test_cuda_train_bf16_mixed_precision(tmp_path):
     assert full["losses"][0] == pytest.approx(log["losses"][0], rel=0.05)
 
 
-# --- Peak memory against the target's depth ------------------------------------------------------------------------------
+# --- Peak memory against the target's depth ---------------------------------------------------------------------------
 
 MEMORY_PROMPT = 1024
 MEMORY_NEW_TOKENS = 32
@@ -289,7 +306,8 @@ def generation_peak(num_layers: int) -> int:
                        max_position_embeddings=2048,
                        dflash_config={"mask_token_id": VOCAB_SIZE - 1, "target_layer_ids": [1, 3]}).to(DEVICE)
     input_ids = random_prompt(MEMORY_PROMPT, seed=21)
-    run = lambda: draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=MEMORY_NEW_TOKENS, block_size=8)
+    run = lambda: draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=MEMORY_NEW_TOKENS,
+                                      block_size=8)
     run()  # warm-up: kernels, cuBLAS workspaces, the head probe
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -297,8 +315,6 @@ def generation_peak(num_layers: int) -> int:
     run()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
-    del target, draft
-    torch.cuda.empty_cache()
     return peak
 
 
@@ -324,7 +340,7 @@ def test_cuda_peak_memory_keeps_only_the_draft_layers_hidden_states():
         "hidden state, not only the draft's target_layer_ids")
 
 
-# --- Host syncs per step ------------------------------------------------------------------------------------------------
+# --- Host syncs per step ----------------------------------------------------------------------------------------------
 
 
 def count_sync_warnings(call) -> tuple[object, Counter]:

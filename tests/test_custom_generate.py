@@ -1,4 +1,5 @@
-"""`target.generate(custom_generate=DRAFT_FOLDER, trust_remote_code=True)` runs DFlash where dflash_hf cannot be imported."""
+"""`target.generate(custom_generate=DRAFT_FOLDER, trust_remote_code=True)` runs DFlash where dflash_hf cannot be
+imported."""
 
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ RUN_WITHOUT_PACKAGE = textwrap.dedent("""
         def end(self):
             pass
 
+    no_mask = target.generate(custom_generate=draft_dir, trust_remote_code=True, input_ids=input_ids, max_new_tokens=20,
+                              do_sample=False, pad_token_id=0)  # generate infers the mask from the pads
+    stop = torch.tensor([int(plain[1][0, 6 + 5])])
+    stop_common = dict(input_ids=input_ids[1:], max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=stop)
+    stopped_plain = target.generate(**stop_common)
+    stopped = target.generate(custom_generate=draft_dir, trust_remote_code=True, **stop_common)
     streamer = Collect()
     prompt = input_ids[1:]
     streamed = target.generate(custom_generate=draft_dir, trust_remote_code=True, input_ids=prompt,
@@ -50,9 +57,11 @@ RUN_WITHOUT_PACKAGE = textwrap.dedent("""
         refusal = str(error)
     print(json.dumps({
         "plain": [row[0].tolist() for row in plain],
-        "batched": batched.tolist(), "as_output": as_output.sequences.tolist(), "output_class": type(as_output).__name__,
+        "batched": batched.tolist(), "as_output": as_output.sequences.tolist(),
+        "output_class": type(as_output).__name__,
         "streamed": streamed[0].tolist(), "stream": streamer.tokens, "with_assistant": with_assistant.tolist(),
         "refusal": refusal,
+        "no_mask": no_mask.tolist(), "stopped": stopped.tolist(), "stopped_plain": stopped_plain.tolist(),
     }))
 """)
 
@@ -65,7 +74,8 @@ def test_generate_with_custom_generate_runs_our_loop_without_the_package(tmp_pat
     (tmp_path / "run.py").write_text(RUN_WITHOUT_PACKAGE)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    completed = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "draft"), str(tmp_path / "target")],
+    completed = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "draft"),
+                                str(tmp_path / "target")],
                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads(completed.stdout.strip().splitlines()[-1])
@@ -77,3 +87,5 @@ def test_generate_with_custom_generate_runs_our_loop_without_the_package(tmp_pat
     assert result["streamed"] == result["plain"][1][:6 + 12]
     assert result["stream"][-12:] == result["streamed"][6:]  # the streamer saw every new token, in order
     assert "num_beams=2" in result["refusal"]
+    assert result["no_mask"] == result["batched"]  # a left-padded batch without a mask: pads are not prompt tokens
+    assert result["stopped"] == result["stopped_plain"] and len(result["stopped"][0]) < 6 + 20  # a tensor EOS stops

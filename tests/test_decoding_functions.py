@@ -43,7 +43,8 @@ def test_left_pad():
     assert attention_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.7, 5, None), (1.3, None, 0.9), (0.9, 20, 0.5)])
+@pytest.mark.parametrize("temperature,top_k,top_p",
+                         [(1.0, None, None), (0.7, 5, None), (1.3, None, 0.9), (0.9, 20, 0.5)])
 def test_process_logits_matches_transformers_warpers(temperature, top_k, top_p):
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3
     chain = [TemperatureLogitsWarper(temperature)]
@@ -58,10 +59,11 @@ def test_process_logits_matches_transformers_warpers(temperature, top_k, top_p):
 def test_pick_block_greedy_is_argmax_and_sampling_respects_top_k():
     from dataclasses import replace
 
-    from dflash_hf.generation_dflash import GenerationSettings, pick_block
+    from dflash_hf.generation_dflash import pick_block
+    from dflash_hf.settings_dflash import DecodingSettings
 
     logits = torch.randn(4, 3, 30, generator=torch.Generator().manual_seed(1))  # [n, b, V]
-    greedy = GenerationSettings(max_new_tokens=4, block_size=3, generators=(None,) * 4)
+    greedy = DecodingSettings(max_new_tokens=4, block_size=3, generators=(None,) * 4)
     assert torch.equal(pick_block(logits, [0, 1, 2, 3], greedy), logits.argmax(-1))
     sampled = replace(greedy, temperature=2.0, top_k=3, generators=(torch.Generator().manual_seed(2),) * 4)
     allowed = logits.topk(3, dim=-1).indices

@@ -15,16 +15,24 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import (
+    DRAFT_VARIANTS,
+    HIDDEN_SIZE,
+    VOCAB_SIZE,
+    make_target,
+    make_variant_draft,
+    plain_greedy,
+    random_prompt,
+)
 from safetensors.torch import load_file
+from test_draft_forward import rms, rope
+from test_sampling import NUM_SAMPLES, VOCAB, chi_square_p_value, exact_joint, setup  # noqa: F401 (fixture)
 
 from dflash_hf import DFlashDraftModel, DraftStep, left_pad, speculative_decode
 from dflash_hf.modeling_dflash import DFlash2DraftModel, layer_attention_mask
 from dflash_hf.proposer_dflash import DFlashProposer
 from dflash_hf.target_dflash import select_features
 from dflash_hf.training.objective import build_blocks, dflash_loss
-from helpers import DRAFT_VARIANTS, HIDDEN_SIZE, VOCAB_SIZE, make_target, make_variant_draft, plain_greedy
-from test_draft_forward import rms, rope
-from test_sampling import NUM_SAMPLES, VOCAB, chi_square_p_value, exact_joint, setup  # noqa: F401 (fixture)
 
 ARCHS = ["qwen3", "llama"]
 VARIANTS = list(DRAFT_VARIANTS)
@@ -130,7 +138,7 @@ def literal_forward(draft, block_embeddings, features, block_positions, context_
     context = rms(features @ state["fc.weight"].T, state["hidden_norm.weight"])
     h = block_embeddings
     for i in range(config.num_hidden_layers):
-        p = lambda name: state[f"layers.{i}.{name}"]  # noqa: E731
+        p = lambda name, i=i: state[f"layers.{i}.{name}"]
         sliding = config.layer_types[i] == "sliding_attention"
         causal = sliding if config.is_causal is None else config.is_causal
         mask = literal_mask(len(context), len(h), causal, config.sliding_window if sliding else None)
@@ -145,7 +153,8 @@ def literal_forward(draft, block_embeddings, features, block_positions, context_
         values = (rows @ p("self_attn.v_proj.weight").T).view(-1, kv_heads, head_dim).transpose(0, 1)
         keys, values = keys.repeat_interleave(heads // kv_heads, 0), values.repeat_interleave(heads // kv_heads, 0)
         scores = (q @ keys.transpose(1, 2) * head_dim ** -0.5).masked_fill(~mask, float("-inf"))
-        attended = (torch.softmax(scores, -1) @ values).transpose(0, 1).reshape(len(h), -1) @ p("self_attn.o_proj.weight").T
+        attended = ((torch.softmax(scores, -1) @ values).transpose(0, 1).reshape(len(h), -1)
+                    @ p("self_attn.o_proj.weight").T)
         h = h + (literal_convolution(attended, kernel, base, g) if dflash2 else attended)
         y = rms(h, p("post_attention_layernorm.weight"))
         if dflash2:
@@ -194,7 +203,7 @@ def test_incremental_context_cache_equals_one_full_pass(variant):
 
 def test_block_embeddings_are_the_raw_lookup_times_the_scale():
     """Gemma's embedding module multiplies by sqrt(hidden) itself: the draft must use the weight, not the module."""
-    from transformers import Gemma3TextConfig, Gemma3ForCausalLM
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
     gemma = Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, intermediate_size=96,
@@ -221,9 +230,6 @@ def test_logits_are_multiplied_then_soft_capped():
 # --- Decoding: identical to the target's own greedy decode ---------------------------------------------------------
 
 
-def prompt(seed: int, length: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB_SIZE - 1, (1, length), generator=torch.Generator().manual_seed(500 + seed))
-
 
 @pytest.fixture(scope="module")
 def targets():
@@ -236,7 +242,7 @@ def test_greedy_output_equals_plain_greedy(targets, arch, variant):
     target = targets[arch]
     for seed, prompt_length in ((0, 1), (1, 9), (2, 23)):
         draft = make_variant_draft(variant, seed=seed)
-        input_ids = prompt(seed, prompt_length)
+        input_ids = random_prompt(500 + seed, prompt_length)
         expected = plain_greedy(target, input_ids, max_new_tokens=30)
         for block_size in (2, 4, 8):
             result = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=30, block_size=block_size,
@@ -248,7 +254,7 @@ def test_greedy_output_equals_plain_greedy(targets, arch, variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_stop_tokens_and_batches_equal_plain_greedy(targets, variant):
     target, draft = targets["qwen3"], make_variant_draft(variant, seed=4)
-    input_ids = prompt(4, 6)
+    input_ids = random_prompt(500 + 4, 6)
     generated = plain_greedy(target, input_ids, max_new_tokens=30)[0, 6:].tolist()
     for stop_index in (2, 9):
         stop_token = generated[stop_index]
@@ -256,7 +262,7 @@ def test_stop_tokens_and_batches_equal_plain_greedy(targets, variant):
         actual = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=30, block_size=8,
                                      stop_token_ids=[stop_token])
         assert actual[0].tolist() == expected[0].tolist()
-    prompts = [prompt(5, 1), prompt(6, 9), prompt(7, 23)]
+    prompts = [random_prompt(500 + 5, 1), random_prompt(500 + 6, 9), random_prompt(500 + 7, 23)]
     batch, attention_mask = left_pad([row[0].tolist() for row in prompts], pad_token_id=0)
     result = draft.spec_generate(target=target, input_ids=batch, attention_mask=attention_mask, max_new_tokens=25,
                                  block_size=6, return_stats=True)
@@ -299,7 +305,7 @@ def literal_selector_path(selector, logits, hidden, anchor):
 
 def test_dflash2_greedy_proposals_are_the_selectors_path(targets):
     target, draft = targets["llama"], make_variant_draft("dflash2", seed=5)
-    sequence = prompt(8, 12)[0].tolist()
+    sequence = random_prompt(500 + 8, 12)[0].tolist()
     with torch.no_grad():
         for codebook in (draft.candidate_selector.predecessor_codebook, draft.candidate_selector.successor_codebook):
             codebook.mul_(10.0)  # pair scores comparable to the logits' gaps, so the path differs from the argmax
@@ -320,7 +326,7 @@ def test_dflash2_greedy_proposals_are_the_selectors_path(targets):
 
 def test_dflash2_sampled_proposals_come_from_the_candidates(targets):
     target, draft = targets["qwen3"], make_variant_draft("dflash2", seed=6)
-    sequence = prompt(9, 10)[0].tolist()
+    sequence = random_prompt(500 + 9, 10)[0].tolist()
     with torch.no_grad():
         features = select_features(target(torch.tensor([sequence]), output_hidden_states=True).hidden_states,
                                    draft.target_layer_ids)
@@ -367,7 +373,8 @@ def test_training_blocks_in_one_pass_equal_one_block_at_a_time(targets, variant)
     blocks = build_blocks(input_ids, torch.ones(24), anchors, 4, VOCAB_SIZE - 1)
     weight = target.get_input_embeddings().weight
     with torch.no_grad():
-        features = select_features(target(input_ids[None], output_hidden_states=True).hidden_states, draft.target_layer_ids)
+        features = select_features(target(input_ids[None], output_hidden_states=True).hidden_states,
+                                   draft.target_layer_ids)
         embeddings = draft.embed_block(blocks.block_ids, weight)[None]
         together = draft(embeddings, features, blocks.block_position_ids[None], torch.arange(24)[None],
                          attention_mask=blocks.attention_mask[None, None], block_length=4)
@@ -403,7 +410,7 @@ RUN_WITHOUT_PACKAGE = textwrap.dedent("""
 
 
 def test_every_variant_runs_from_exported_remote_code(tmp_path, targets):
-    target, sequence = targets["llama"], prompt(10, 7)[0].tolist()
+    target, sequence = targets["llama"], random_prompt(500 + 10, 7)[0].tolist()
     folders, expected = {}, {}
     for variant in VARIANTS:
         draft = make_variant_draft(variant, seed=8)
@@ -416,7 +423,8 @@ def test_every_variant_runs_from_exported_remote_code(tmp_path, targets):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
     completed = subprocess.run([sys.executable, str(tmp_path / "run.py"), json.dumps(folders), str(tmp_path / "target"),
-                                json.dumps(sequence)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                                json.dumps(sequence)],
+                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     results = json.loads(completed.stdout.strip().splitlines()[-1])
     for variant in VARIANTS:

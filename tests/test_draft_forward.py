@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import HIDDEN_SIZE, draft_config, make_draft, make_target
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from dflash_hf import DFlashDraftModel
 from dflash_hf.modeling_dflash import DFlashRotaryEmbedding
-from helpers import HIDDEN_SIZE, draft_config, make_draft, make_target
 
 
 def rms(x, weight, eps=1e-6):
@@ -32,7 +32,7 @@ def reference_forward(state, block_embeddings, features, block_positions, contex
     context = rms(features @ state["fc.weight"].T, state["hidden_norm.weight"])  # [C, H]
     h = block_embeddings
     for i in range(num_layers):
-        p = lambda name: state[f"layers.{i}.{name}"]
+        p = lambda name, i=i: state[f"layers.{i}.{name}"]
         x = rms(h, p("input_layernorm.weight"))
         q = (x @ p("self_attn.q_proj.weight").T).view(-1, heads, head_dim)
         q = rope(rms(q, p("self_attn.q_norm.weight")).transpose(0, 1), block_positions)  # [heads, T, D]
@@ -45,7 +45,8 @@ def reference_forward(state, block_embeddings, features, block_positions, contex
         attention = torch.softmax(q @ k.transpose(1, 2) * head_dim ** -0.5, -1) @ v  # non-causal
         h = h + attention.transpose(0, 1).reshape(len(h), -1) @ p("self_attn.o_proj.weight").T
         y = rms(h, p("post_attention_layernorm.weight"))
-        h = h + (F.silu(y @ p("mlp.gate_proj.weight").T) * (y @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
+        h = h + (F.silu(y @ p("mlp.gate_proj.weight").T)
+                 * (y @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
     return rms(h, state["norm.weight"])
 
 
@@ -63,7 +64,8 @@ def test_draft_forward_matches_the_design_doc(implementation):
     block, features, block_positions, context_positions = random_inputs()
     with torch.no_grad():
         actual = draft(block, features, block_positions, context_positions)[0]
-        expected = reference_forward(draft.state_dict(), block[0], features[0], block_positions[0], context_positions[0])
+        expected = reference_forward(draft.state_dict(), block[0], features[0], block_positions[0],
+                                     context_positions[0])
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -118,7 +120,8 @@ def test_hidden_states_index_is_the_layer_output(arch):
     """Feature of layer l is hidden_states[l + 1], the output of decoder layer l (design doc section 2)."""
     target = make_target(arch, seed=5)
     captured = {}
-    hooks = [layer.register_forward_hook(lambda m, i, o, idx=idx: captured.__setitem__(idx, o[0] if isinstance(o, tuple) else o))
+    hooks = [layer.register_forward_hook(lambda m, i, o, idx=idx:
+                                         captured.__setitem__(idx, o[0] if isinstance(o, tuple) else o))
              for idx, layer in enumerate(target.model.layers)]
     with torch.no_grad():
         hidden_states = target(torch.tensor([[1, 2, 3, 4]]), output_hidden_states=True).hidden_states

@@ -4,31 +4,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import (
+    VOCAB_SIZE,
+    RecordingProposer,
+    draft_config,
+    make_draft,
+    make_target,
+    make_variant_draft,
+    plain_greedy,
+    random_prompt,
+)
 from scipy.stats import chisquare
 
 from dflash_hf import DFlashDraftModel
-from dflash_hf.proposer_dflash import DFlashProposer
 from dflash_hf.training.recipe import frequent_token_ids
-from helpers import VOCAB_SIZE, draft_config, make_draft, make_target, make_variant_draft, plain_greedy
 
 VOCAB = list(range(1, VOCAB_SIZE - 1, 3))  # 42 of the 128 ids
 
-
-def prompt(seed: int, length: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB_SIZE - 1, (1, length), generator=torch.Generator().manual_seed(seed))
-
-
-class RecordingProposer(DFlashProposer):
-    """A DFlash proposer that keeps every proposal it makes."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.proposed = []
-
-    def propose(self, step):
-        proposal = super().propose(step)
-        self.proposed.append(getattr(proposal, "tokens", proposal))
-        return proposal
 
 
 @pytest.mark.parametrize("variant", ["dflash", "dflash2"])
@@ -36,7 +28,7 @@ class RecordingProposer(DFlashProposer):
 def test_greedy_with_a_draft_vocabulary_equals_plain_greedy(variant, seed, length, block_size):
     target = make_target("qwen3", seed=seed)
     draft = make_draft(seed) if variant == "dflash" else make_variant_draft("dflash2", seed=seed)
-    input_ids = prompt(seed, length)
+    input_ids = random_prompt(seed, length)
     output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=30, block_size=block_size,
                                  draft_vocab=VOCAB)
     assert torch.equal(output, plain_greedy(target, input_ids, 30))
@@ -48,21 +40,21 @@ def test_proposals_come_from_the_draft_vocabulary_only(temperature):
 
     target, draft = make_target("llama", seed=3), make_draft(3)
     proposer = RecordingProposer(draft, target, VOCAB_SIZE - 1, draft_vocab=torch.tensor(VOCAB))
-    speculative_decode(target, proposer, prompt(3, 7), 40, 8, temperature=temperature,
+    speculative_decode(target, proposer, random_prompt(3, 7), 40, 8, temperature=temperature,
                        generator=torch.Generator().manual_seed(3))
-    proposed = torch.cat([tokens.flatten() for tokens in proposer.proposed])
+    proposed = torch.cat([tokens.flatten() for tokens in proposer.steps])
     assert len(proposed) > 20 and set(proposed.tolist()) <= set(VOCAB)
     full = RecordingProposer(draft, target, VOCAB_SIZE - 1)  # power: without it the draft proposes other ids
-    speculative_decode(target, full, prompt(3, 7), 40, 8, temperature=temperature,
+    speculative_decode(target, full, random_prompt(3, 7), 40, 8, temperature=temperature,
                        generator=torch.Generator().manual_seed(3))
-    assert not set(torch.cat([tokens.flatten() for tokens in full.proposed]).tolist()) <= set(VOCAB)
+    assert not set(torch.cat([tokens.flatten() for tokens in full.steps]).tolist()) <= set(VOCAB)
 
 
 def test_sampling_with_a_draft_vocabulary_keeps_the_target_distribution():
     """q is zero outside the draft's vocabulary, so tokens there come from the residual: the token after the first
     (accepted proposal or residual sample) follows p given the first, over 1500 rows (chi-square)."""
     target, draft = make_target("qwen3", seed=4, init_std=0.02), make_draft(4)
-    input_ids, num_samples = prompt(4, 5), 1500
+    input_ids, num_samples = random_prompt(4, 5), 1500
     output = draft.spec_generate(target=target, input_ids=input_ids.repeat(num_samples, 1), max_new_tokens=3,
                                  temperature=1.0, top_k=0, draft_vocab=VOCAB, seed=4, return_stats=True)
     firsts, seconds = output.new_token_ids[:, 0], output.new_token_ids[:, 1]  # the second: the verify's token
@@ -90,7 +82,7 @@ def test_the_config_carries_the_vocabulary_and_refuses_a_bad_one(tmp_path):
 def test_the_call_chooses_the_vocabulary():
     target = make_target("qwen3", seed=5)
     draft = DFlashDraftModel(draft_config(dflash_config={"mask_token_id": VOCAB_SIZE - 1, "draft_vocab": VOCAB})).eval()
-    input_ids = prompt(5, 6)
+    input_ids = random_prompt(5, 6)
     expected = plain_greedy(target, input_ids, 20)
     for choice in (None, True, False, VOCAB[:10], torch.tensor(VOCAB[5:])):
         assert torch.equal(draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=20,
@@ -109,8 +101,9 @@ def test_frequent_token_ids_rank_by_count_then_fill_with_low_ids():
 
 
 def test_step_costs_time_the_draft_with_its_vocabulary(monkeypatch):
-    """The bench's cost model and `--block-size auto` time the proposer spec_generate runs, not a full-vocabulary one."""
-    from dflash_hf.evaluation import measure_step_costs
+    """The bench's cost model and `--block-size auto` time the proposer spec_generate runs, not a full-vocabulary
+    one."""
+    from dflash_hf.cost_model import measure_step_costs
     from dflash_hf.proposer_dflash import DraftVocabulary
 
     target = make_target("qwen3", seed=6)
@@ -119,28 +112,32 @@ def test_step_costs_time_the_draft_with_its_vocabulary(monkeypatch):
     original = DraftVocabulary.logits
     monkeypatch.setattr(DraftVocabulary, "logits",
                         lambda self, states: rows_scored.append(original(self, states).shape) or original(self, states))
-    measure_step_costs(draft, target, prompt(6, 12), block_size=4, mask_token_id=VOCAB_SIZE - 1, repeats=2)
+    measure_step_costs(draft, target, random_prompt(6, 12), block_size=4, mask_token_id=VOCAB_SIZE - 1, repeats=2)
     assert rows_scored and set(rows_scored) == {torch.Size([3, len(VOCAB)])}
 
 
 def test_warm_up_primes_the_few_row_kernels_so_timed_runs_do_not_choose_them(monkeypatch):
-    import dflash_hf.target_dflash as target_dflash
-    from dflash_hf.evaluation import BenchSettings, measure_prompts, prime_few_row_kernels, warm_up
+    import dflash_hf.kernels_dflash as kernels_dflash
+    from dflash_hf.cost_model import prime_few_row_kernels
+    from dflash_hf.evaluation import BenchSettings, measure_prompts, warm_up
+    from dflash_hf.settings_dflash import GenerationTokens
 
     target = make_target("qwen3", seed=7)
     draft = DFlashDraftModel(draft_config(dflash_config={"mask_token_id": VOCAB_SIZE - 1, "draft_vocab": VOCAB})).eval()
-    monkeypatch.setattr(target_dflash, "FEW_ROW_KERNEL_CHOICE", {})
+    monkeypatch.setattr(kernels_dflash, "FEW_ROW_KERNEL_CHOICE", {})
     rows_of = {(VOCAB_SIZE, target.config.hidden_size): 5, (len(VOCAB), target.config.hidden_size): 5}  # the heads
     for module in [*target.model.modules(), *draft.modules()]:  # every other Linear: up to MAX_FEW_ROWS rows
         if type(module) is torch.nn.Linear:
-            rows_of[tuple(module.weight.shape)] = target_dflash.MAX_FEW_ROWS  # a layer shaped like a head too
+            rows_of[tuple(module.weight.shape)] = kernels_dflash.MAX_FEW_ROWS  # a layer shaped like a head too
     assert prime_few_row_kernels(draft, target, max_rows=5) == sum(rows_of.values())
-    primed = {(shape, rows) for _, shape, rows, _ in target_dflash.FEW_ROW_KERNEL_CHOICE}
+    primed = {(shape, rows) for _, shape, rows, _ in kernels_dflash.FEW_ROW_KERNEL_CHOICE}
     assert primed == {(shape, rows) for shape, most in rows_of.items() for rows in range(1, most + 1)}
     # after the warm-up, a measured run times no kernel (it would be timed with the run), on other prompts too
     settings = BenchSettings(max_new_tokens=24, block_size=4, prompt_lookup_tokens=None, batch_size=2)
-    warm_up(draft, target, [prompt(7, 12)[0].tolist(), prompt(8, 5)[0].tolist()], settings,
-            stop_token_ids=[VOCAB_SIZE - 2], mask_token_id=VOCAB_SIZE - 1)
-    monkeypatch.setattr(target_dflash, "fastest_kernel", lambda *args: pytest.fail(f"kernel timed in a measured run"))
-    measure_prompts(draft, target, [prompt(9, 17)[0].tolist(), prompt(10, 3)[0].tolist()], settings,
-                    stop_token_ids=[VOCAB_SIZE - 2], mask_token_id=VOCAB_SIZE - 1)
+    tokens = GenerationTokens(stop_token_ids=[VOCAB_SIZE - 2], pad_token_id=VOCAB_SIZE - 2,
+                              mask_token_id=VOCAB_SIZE - 1)
+    warm_up(draft, target, [random_prompt(7, 12)[0].tolist(), random_prompt(8, 5)[0].tolist()], settings,
+            tokens)
+    monkeypatch.setattr(kernels_dflash, "fastest_kernel", lambda *args: pytest.fail("kernel timed in a measured run"))
+    measure_prompts(draft, target, [random_prompt(9, 17)[0].tolist(), random_prompt(10, 3)[0].tolist()], settings,
+                    tokens)

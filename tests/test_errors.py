@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3Model
-
 from helpers import make_draft, make_target, plain_greedy
+from transformers import Qwen3Config, Qwen3Model
 
 PROMPT = torch.tensor([[3, 1, 4, 1, 5]])
 
@@ -57,6 +56,14 @@ def test_draft_target_mismatch(target, draft_kwargs, message):
     ({"num_beams": 4}, ValueError, "num_beams=4, which DFlash"),
     ({"repetition_penalty": 1.2}, ValueError, "repetition_penalty"),
     ({"max_new_tokenz": 4}, TypeError, "unexpected keyword argument\\(s\\) max_new_tokenz"),
+    ({"input_ids": torch.tensor([[3, 1, 400]])}, ValueError, "token id 400, outside the target's vocabulary"),
+    ({"input_ids": torch.tensor([[3, -1, 4]])}, ValueError, "token id -1, outside the target's vocabulary"),
+    ({"temperature": 1.0, "top_k": 5.5}, TypeError, "top_k must be an integer"),
+    ({"temperature": "0.5"}, TypeError, "temperature must be a number, got '0.5'"),
+    ({"temperature": 1.0, "generator": 42}, TypeError, "pass seed=42 instead"),
+    ({"target": None}, TypeError, "target must be a Transformers causal LM"),
+    ({"attention_mask": [[1, 1, 1, 1, 1]]}, TypeError, "attention_mask must be a torch.Tensor"),
+    ({"attention_mask": torch.tensor([[0.5, 1, 1, 1, 1]])}, ValueError, "only 0"),
 ])
 def test_bad_generation_arguments(target, draft, kwargs, error, message):
     arguments = {"target": target, "input_ids": PROMPT, "max_new_tokens": 4, **kwargs}

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import make_draft, make_target
 from transformers import GenerationConfig
 
-from dflash_hf.target_dflash import DEFAULT_MAX_NEW_TOKENS, resolve_generation_choices
-from helpers import make_draft, make_target
+from dflash_hf.settings_dflash import DEFAULT_MAX_NEW_TOKENS, resolve_generation_choices
 
 PROMPT = torch.tensor([[5, 9, 2, 44, 7, 3]])
 
@@ -44,7 +44,8 @@ def test_explicit_arguments_override_the_config(target):
     assert resolve_generation_choices(target, 6, top_k=0, top_p=1.0).top_k is None  # generate's "no filter"
     passed = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=4, pad_token_id=9)
     choices = resolve_generation_choices(target, 6, passed)
-    assert (choices.max_new_tokens, choices.temperature, choices.stop_token_ids, choices.pad_token_id) == (12, 0.0, [4], 9)
+    assert (choices.max_new_tokens, choices.temperature, choices.stop_token_ids,
+            choices.pad_token_id) == (12, 0.0, [4], 9)
 
 
 def test_greedy_override_of_a_sampling_config_stays_lossless(target):

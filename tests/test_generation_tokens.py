@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import make_draft, make_target, make_tokenizer
 from transformers import LlamaForCausalLM
 
 import dflash_hf.demo as demo
@@ -13,7 +14,6 @@ from dflash_hf import generation_tokens
 from dflash_hf.benchmark import run_benchmark
 from dflash_hf.cli import main
 from dflash_hf.evaluation import BenchSettings
-from helpers import make_draft, make_target, make_tokenizer
 
 EOS_IDS = [1, 5, 9]  # the tokenizer's EOS is 1 ("w1"); the generation config adds two more, as LLaMA-3.1's does
 

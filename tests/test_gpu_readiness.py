@@ -7,15 +7,15 @@ import warnings
 
 import pytest
 import torch
+from device_costs import HostSyncCounter, peak_cpu_bytes
+from helpers import HIDDEN_SIZE, VOCAB_SIZE, make_draft, make_target, make_variant_draft, plain_greedy
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_hf import modeling_dflash, speculative_decode
 from dflash_hf.cache_dflash import left_pad
-from dflash_hf.generation_dflash import GenerationSettings, prefill
+from dflash_hf.generation_dflash import prefill
 from dflash_hf.proposer_dflash import DFlashProposer
-from dflash_hf.target_dflash import check_draft_target
-from device_costs import HostSyncCounter, peak_cpu_bytes
-from helpers import HIDDEN_SIZE, VOCAB_SIZE, make_draft, make_target, make_variant_draft, plain_greedy
+from dflash_hf.settings_dflash import DecodingSettings, check_draft_target
 
 MASK = VOCAB_SIZE - 1
 
@@ -181,7 +181,8 @@ def test_a_draft_of_another_dtype_than_the_target_is_named():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_draft_target(make_draft(7), target, None, 20)  # same dtype: silent
-    with pytest.warns(UserWarning, match="draft is torch.bfloat16 but the target is torch.float32.*dtype=torch.float32"):
+    with pytest.warns(UserWarning,
+                      match="draft is torch.bfloat16 but the target is torch.float32.*dtype=torch.float32"):
         check_draft_target(make_draft(7).to(torch.bfloat16), target, None, 20)
 
 
@@ -206,14 +207,14 @@ def test_prefill_memory_does_not_grow_with_the_number_of_target_layers():
     for num_layers in (4, 12):
         target = deep_target(num_layers)
         layer_ids = [1, num_layers - 2]
-        settings = GenerationSettings(max_new_tokens=8, block_size=8, generators=(None,))
+        settings = DecodingSettings(max_new_tokens=8, block_size=8, generators=(None,))
         states = []
         with torch.no_grad():
             prefill(target, input_ids, None, layer_ids, settings)  # one-time work (lazy buffers, kernel timing) first
-            peak = peak_cpu_bytes(lambda: states.append(prefill(target, input_ids, None, layer_ids, settings)))
+            peak = peak_cpu_bytes(lambda: states.append(prefill(target, input_ids, None, layer_ids, settings)))  # noqa: B023
             cache_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in states[0].cache.layers)
             beyond_cache[num_layers] = peak - cache_bytes
-            every_state[num_layers] = peak_cpu_bytes(lambda: target(input_ids, output_hidden_states=True)) 
+            every_state[num_layers] = peak_cpu_bytes(lambda: target(input_ids, output_hidden_states=True))  # noqa: B023
         assert states[0].context.hidden.shape == (1, length, 2 * HIDDEN_SIZE)
     assert abs(beyond_cache[12] - beyond_cache[4]) < hidden_state_bytes
     assert every_state[12] - every_state[4] > 6 * hidden_state_bytes  # power: the same target keeping every state

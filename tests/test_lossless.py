@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import (
+    VOCAB_SIZE,
+    ReferenceProposer,
+    assert_equal_up_to_near_tie,
+    make_draft,
+    make_target,
+    plain_greedy,
+    random_prompt,
+)
 
 from dflash_hf import speculative_decode
-from helpers import ReferenceProposer, VOCAB_SIZE, assert_equal_up_to_near_tie, make_draft, make_target, plain_greedy
 
 ARCHS = ["qwen3", "llama"]
 
-
-def prompt(seed: int, length: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB_SIZE - 1, (1, length), generator=torch.Generator().manual_seed(100 + seed))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -21,7 +26,7 @@ def prompt(seed: int, length: int) -> torch.Tensor:
 def test_random_draft_matches_plain_greedy(arch, seed, prompt_length):
     target = make_target(arch, seed)
     draft = make_draft(seed, block_size=8)
-    input_ids = prompt(seed, prompt_length)
+    input_ids = random_prompt(100 + seed, prompt_length)
     expected = plain_greedy(target, input_ids, max_new_tokens=30)
     for block_size in (1, 2, 4, 8):
         result = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=30,
@@ -36,7 +41,7 @@ def test_random_draft_matches_plain_greedy(arch, seed, prompt_length):
 @pytest.mark.parametrize("block_size", [2, 4, 8])
 def test_perfect_proposer_is_always_accepted(arch, block_size):
     target = make_target(arch, seed=3)
-    input_ids = prompt(3, 9)
+    input_ids = random_prompt(100 + 3, 9)
     expected = plain_greedy(target, input_ids, max_new_tokens=40)
     proposer = ReferenceProposer(expected, target=target)
     result = speculative_decode(target, proposer, input_ids, max_new_tokens=40, block_size=block_size)
@@ -50,7 +55,7 @@ def test_perfect_proposer_is_always_accepted(arch, block_size):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_partially_correct_proposer_matches_plain_greedy(arch, seed):
     target = make_target(arch, seed)
-    input_ids = prompt(seed, 12)
+    input_ids = random_prompt(100 + seed, 12)
     expected = plain_greedy(target, input_ids, max_new_tokens=50)
     proposer = ReferenceProposer(expected, target=target, corrupt_seed=seed)
     result = speculative_decode(target, proposer, input_ids, max_new_tokens=50, block_size=8)
@@ -61,7 +66,7 @@ def test_partially_correct_proposer_matches_plain_greedy(arch, seed):
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 7])
 def test_max_new_tokens_smaller_than_a_block(max_new_tokens):
     target = make_target("qwen3", seed=4)
-    input_ids = prompt(4, 5)
+    input_ids = random_prompt(100 + 4, 5)
     expected = plain_greedy(target, input_ids, max_new_tokens=max_new_tokens)
     perfect = ReferenceProposer(plain_greedy(target, input_ids, max_new_tokens=20))
     result = speculative_decode(target, perfect, input_ids, max_new_tokens=max_new_tokens, block_size=8)
@@ -74,7 +79,7 @@ def test_max_new_tokens_smaller_than_a_block(max_new_tokens):
 @pytest.mark.parametrize("stop_index", [0, 3, 5, 12])
 def test_stop_token_hit_mid_block(arch, stop_index):
     target = make_target(arch, seed=5)
-    input_ids = prompt(5, 4)
+    input_ids = random_prompt(100 + 5, 4)
     continuation = plain_greedy(target, input_ids, max_new_tokens=40)
     generated = continuation[0, 4:].tolist()
     stop_token = generated[stop_index]
@@ -93,7 +98,7 @@ def test_stop_token_hit_mid_block(arch, stop_index):
 
 def test_stop_token_in_the_prompt_is_ignored():
     target = make_target("llama", seed=6)
-    input_ids = prompt(6, 8)
+    input_ids = random_prompt(100 + 6, 8)
     stop_token = int(input_ids[0, 3])
     expected = plain_greedy(target, input_ids, max_new_tokens=15, stop_token_ids=[stop_token])
     out = make_draft(6).spec_generate(target=target, input_ids=input_ids, max_new_tokens=15,
@@ -104,7 +109,7 @@ def test_stop_token_in_the_prompt_is_ignored():
 
 def test_generated_mask_token_is_a_normal_token():
     target = make_target("qwen3", seed=7)
-    input_ids = prompt(7, 6)
+    input_ids = random_prompt(100 + 7, 6)
     expected = plain_greedy(target, input_ids, max_new_tokens=30)
     frequent = int(torch.mode(expected[0, 6:]).values)  # a token the target generates
     draft = make_draft(7, block_size=8, mask_token_id=frequent)
@@ -115,7 +120,7 @@ def test_generated_mask_token_is_a_normal_token():
 
 def test_perfect_dflash_run_reports_consistent_stats():
     target = make_target("qwen3", seed=8)
-    input_ids = prompt(8, 6)
+    input_ids = random_prompt(100 + 8, 6)
     result = make_draft(8).spec_generate(target=target, input_ids=input_ids, max_new_tokens=17,
                                          block_size=4, return_stats=True)
     assert result.num_output_tokens == 17 == result.new_token_ids.shape[1]
@@ -131,7 +136,7 @@ def test_other_decoder_only_targets_work():
     torch.manual_seed(9)
     target = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB_SIZE, n_embd=64, n_layer=4, n_head=4, n_positions=256,
                                         initializer_range=0.1, bos_token_id=0, eos_token_id=0)).eval()
-    input_ids = prompt(9, 7)
+    input_ids = random_prompt(100 + 9, 7)
     expected = plain_greedy(target, input_ids, max_new_tokens=25)
     draft = make_draft(9)
     for block_size in (1, 4, 8):
@@ -144,7 +149,7 @@ def test_other_decoder_only_targets_work():
 def test_half_precision_on_cpu_is_equal_up_to_near_ties(arch, dtype):
     target = make_target(arch, seed=10).to(dtype)
     draft = make_draft(10).to(dtype)
-    input_ids = prompt(10, 8)
+    input_ids = random_prompt(100 + 10, 8)
     expected = plain_greedy(target, input_ids, max_new_tokens=30)
     for block_size in (1, 4, 8):
         output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=30, block_size=block_size)
@@ -157,7 +162,7 @@ def test_verify_forward_gives_the_targets_own_logits_and_states(arch):
     from dflash_hf.target_dflash import verify_forward
 
     target = make_target(arch, seed=11)
-    input_ids = prompt(11, 9)
+    input_ids = random_prompt(100 + 11, 9)
     with torch.no_grad():
         expected = target(input_ids=input_ids, output_hidden_states=True)
         logits, outputs = verify_forward(target, input_ids=input_ids, output_hidden_states=True)

@@ -43,8 +43,10 @@ def test_card_command_renders_bench_results(tmp_path):
                     target_layer_ids=[2], training={"command": "`dflash-hf train ...`"})
     write_model_card(tmp_path, info)
     assert read_card_info(tmp_path) == info
-    bench = {"settings": {"device": "cpu", "dtype": "torch.float32", "threads": 2, "max_new_tokens": 256, "temperature": 0.0},
-             "results": [{"dataset": "gsm8k", "num_prompts": 3, "block_size": 4, "tau": 2.5, "acceptance_histogram": [1, 1, 1, 1],
+    bench = {"settings": {"device": "cpu", "dtype": "torch.float32", "threads": 2, "max_new_tokens": 256,
+                          "temperature": 0.0},
+             "results": [{"dataset": "gsm8k", "num_prompts": 3, "block_size": 4, "tau": 2.5,
+                          "acceptance_histogram": [1, 1, 1, 1],
                           "tokens_per_s": {"plain": 10.0, "dflash": 15.0, "prompt_lookup": 11.0,
                                            "transformers_dflash": 12.0}, "speedup": 1.5,
                           "speedup_prompt_lookup": 1.1, "bound": 1.7, "lossless": True}]}
@@ -63,15 +65,18 @@ def test_push_dry_run_and_upload_calls(tmp_path, monkeypatch):
         (plain / name).unlink(missing_ok=True)
     with pytest.raises(ValueError, match="missing README.md"):
         push_to_hub(plain, "me/draft", dry_run=True)
-    write_model_card(plain, CardInfo(repo_id="me/draft", base_model="org/target", title="T", description="D", block_size=4,
-                                     num_layers=2, target_layer_ids=draft.target_layer_ids))
+    write_model_card(plain, CardInfo(repo_id="me/draft", base_model="org/target", title="T", description="D",
+                                     block_size=4, num_layers=2, target_layer_ids=draft.target_layer_ids))
     files = push_to_hub(plain, "me/draft", dry_run=True)
     assert {"config.json", "model.safetensors", "README.md", *REMOTE_CODE_FILES} <= set(files)
 
     calls = []
-    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create", repo_id, kw)))
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")  # a token is required before anything goes to the network
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo",
+                        lambda self, repo_id, **kw: calls.append(("create", repo_id, kw)))
     monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder",
-                        lambda self, folder_path, repo_id, **kw: calls.append(("upload", repo_id, sorted(p.name for p in Path(folder_path).iterdir()))))
+                        lambda self, folder_path, repo_id, **kw: calls.append(
+                            ("upload", repo_id, sorted(p.name for p in Path(folder_path).iterdir()))))
     main(["push", str(plain), "--repo-id", "me/draft", "--private"])
     assert calls[0] == ("create", "me/draft", {"repo_type": "model", "private": True, "exist_ok": True})
     assert calls[1][0] == "upload" and "modeling_dflash.py" in calls[1][2] and "README.md" in calls[1][2]

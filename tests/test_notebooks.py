@@ -37,7 +37,8 @@ def test_notebook_executes(path, monkeypatch):
 
     monkeypatch.setenv("DFLASH_NB_QUICK", "1")
     notebook = nbformat.read(path, as_version=4)
-    NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    NotebookClient(notebook, timeout=900, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
     errors = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs
               if output.get("output_type") == "error"]
     assert not errors

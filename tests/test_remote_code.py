@@ -9,7 +9,6 @@ import sys
 import textwrap
 
 import torch
-
 from helpers import make_draft, make_target
 
 LOAD_WITHOUT_PACKAGE = textwrap.dedent("""

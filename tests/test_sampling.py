@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import chi_square_p_value, make_draft, make_target
 from scipy.stats import chisquare
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from dflash_hf import DraftStep, speculative_decode
-from dflash_hf.generation_dflash import StepCosts
 from dflash_hf.proposer_dflash import DFlashProposer, Proposal
 from dflash_hf.sampling_dflash import speculative_sample
-from helpers import chi_square_p_value, make_draft, make_target
+from dflash_hf.settings_dflash import StepCosts
 
 VOCAB = 6
 NUM_NEW = 3
@@ -52,8 +52,9 @@ def exact_joint(target, input_ids, temperature, top_k, top_p) -> dict[tuple[int,
     probabilities = {(): 1.0}
     for _ in range(NUM_NEW):
         prefixes = list(probabilities)
-        batch = torch.cat((input_ids.repeat(len(prefixes), 1), torch.tensor([list(p) for p in prefixes],
-                                                                              dtype=torch.long).reshape(len(prefixes), -1)), dim=1)
+        batch = torch.cat((input_ids.repeat(len(prefixes), 1),
+                           torch.tensor([list(p) for p in prefixes], dtype=torch.long).reshape(len(prefixes), -1)),
+                          dim=1)
         logits = target(batch).logits[:, -1].float()
         next_probabilities = process(batch, logits).softmax(-1)
         probabilities = {prefix + (token,): probabilities[prefix] * float(next_probabilities[row, token])
@@ -170,7 +171,8 @@ def test_batched_sampling_follows_each_rows_distribution(setup, per_row_generato
                 if per_row_generators else shared
             proposer = DFlashProposer(draft, target, VOCAB - 1, sample_proposals=sample_proposals)
             result = speculative_decode(target, proposer, input_ids, max_new_tokens=NUM_NEW,
-                                        block_size=4, temperature=1.0, generator=generator, attention_mask=attention_mask)
+                                        block_size=4, temperature=1.0, generator=generator,
+                                        attention_mask=attention_mask)
             for row, which in enumerate((0, 1, 0)):
                 cell = tuple(result.new_tokens(row))
                 counts[which][cell] = counts[which].get(cell, 0) + 1

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import TextIteratorStreamer
-
 from helpers import make_draft, make_target, make_tokenizer, plain_greedy
+from transformers import TextIteratorStreamer
 
 
 class RecordingStreamer:

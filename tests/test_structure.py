@@ -35,7 +35,8 @@ def imported_modules(module: str, module_level_only: bool = False) -> set[str]:
             candidates = [prefix] + [f"{prefix}.{alias.name}" for alias in node.names]
             found.update(name for name in candidates if name in MODULES)
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dflash_hf"):
-            found.update(name for name in [node.module] + [f"{node.module}.{a.name}" for a in node.names] if name in MODULES)
+            found.update(name for name in [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                         if name in MODULES)
         if not (module_level_only and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))):
             pending.extend(ast.iter_child_nodes(node))
     return found - {module}
@@ -55,7 +56,8 @@ def test_no_function_is_longer_than_60_lines():
 def test_the_loop_reads_in_one_screen():
     tree = ast.parse(MODULES["dflash_hf.generation_dflash"].read_text())
     loop = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "speculative_decode")
-    body_start = loop.body[1].lineno if isinstance(loop.body[0], ast.Expr) else loop.body[0].lineno  # after the docstring
+    # after the docstring
+    body_start = loop.body[1].lineno if isinstance(loop.body[0], ast.Expr) else loop.body[0].lineno
     assert loop.end_lineno - body_start + 1 <= 40
 
 
@@ -63,7 +65,8 @@ def test_no_two_modules_import_each_other():
     graph = {module: imported_modules(module) for module in MODULES}
 
     def reaches(start: str, goal: str, seen: set[str]) -> bool:
-        return any(child == goal or (child not in seen and reaches(child, goal, seen | {child})) for child in graph[start])
+        return any(child == goal or (child not in seen and reaches(child, goal, seen | {child}))
+                   for child in graph[start])
 
     cycles = [module for module in MODULES if reaches(module, module, {module})]
     assert not cycles

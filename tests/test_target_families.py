@@ -10,11 +10,20 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from helpers import (
+    HIDDEN_SIZE,
+    TARGET_LAYERS,
+    VOCAB_SIZE,
+    ReferenceProposer,
+    make_draft,
+    make_target,
+    plain_greedy,
+    random_prompt,
+)
 
 from dflash_hf import generation_dflash, left_pad, speculative_decode
 from dflash_hf.cache_dflash import cache_keyword, returned_cache
 from dflash_hf.target_dflash import plain_head_parts, verify_forward
-from helpers import HIDDEN_SIZE, TARGET_LAYERS, VOCAB_SIZE, ReferenceProposer, make_draft, make_target, plain_greedy
 
 WINDOW = 8  # sliding window of the windowed families: prompts and generations below cross it
 NEW_TOKENS = 24
@@ -82,9 +91,6 @@ def target_of(targets: dict[str, torch.nn.Module], family: str) -> torch.nn.Modu
     return targets[family]
 
 
-def prompt(seed: int, length: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB_SIZE - 1, (1, length), generator=torch.Generator().manual_seed(500 + seed))
-
 
 # --- Lossless: every family equals its own greedy decode -------------------------------------------------------------
 
@@ -95,7 +101,7 @@ def test_spec_generate_equals_plain_greedy(targets, family):
     target = target_of(targets, family)
     for seed, length in ((0, 5), (1, 3 * WINDOW - 3)):
         draft = make_draft(seed, block_size=8)
-        input_ids = prompt(seed, length)
+        input_ids = random_prompt(500 + seed, length)
         expected = plain_greedy(target, input_ids, max_new_tokens=NEW_TOKENS)
         for block_size in (4, 8):
             output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=NEW_TOKENS,
@@ -106,7 +112,7 @@ def test_spec_generate_equals_plain_greedy(targets, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_left_padded_batch_equals_each_row_alone(targets, family):
     target = target_of(targets, family)
-    prompts = [prompt(2, 4), prompt(3, 2 * WINDOW + 3)]
+    prompts = [random_prompt(500 + 2, 4), random_prompt(500 + 3, 2 * WINDOW + 3)]
     input_ids, attention_mask = left_pad([ids[0].tolist() for ids in prompts], pad_token_id=0)
     result = make_draft(2, block_size=8).spec_generate(
         target=target, input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=NEW_TOKENS, block_size=4,
@@ -121,7 +127,7 @@ def test_rows_accepting_different_lengths_keep_the_window_exact(targets, family,
     """One row accepts every proposal, the other only a random prefix: the rejected columns of the second row must not
     shrink its attention window (the window counts cache columns), so its cache is compacted before each verify."""
     target = target_of(targets, family)
-    prompts = [prompt(4, 2 * WINDOW + 1), prompt(5, 3)]
+    prompts = [random_prompt(500 + 4, 2 * WINDOW + 1), random_prompt(500 + 5, 3)]
     references = [plain_greedy(target, ids, max_new_tokens=NEW_TOKENS) for ids in prompts]
     input_ids, attention_mask = left_pad([ids[0].tolist() for ids in prompts], pad_token_id=0)
     compactions = []
@@ -145,7 +151,7 @@ def test_verify_logits_are_the_targets_own_soft_capped_logits(targets, family):
     """Greedy output alone would not show a missing soft-cap (tanh keeps the argmax): compare the logits that
     sampling uses, for a verify block on top of a cached prefix as in the loop."""
     target = target_of(targets, family)
-    sequence = prompt(7, 2 * WINDOW + 6)
+    sequence = random_prompt(500 + 7, 2 * WINDOW + 6)
     prefix, block = sequence[:, :-6], sequence[:, -6:]
     keyword = cache_keyword(target)
 
@@ -201,7 +207,7 @@ def test_recurrent_state_targets_are_refused_before_any_forward(name):
     draft = make_draft(0, block_size=8)  # the draft itself is fine
     message = f"has layers of type {layer_type}.*recurrent state cannot be rolled back to the accepted prefix"
     with pytest.raises(ValueError, match=message):
-        draft.spec_generate(target=target, input_ids=prompt(8, 6), max_new_tokens=8)
+        draft.spec_generate(target=target, input_ids=random_prompt(500 + 8, 6), max_new_tokens=8)
     with pytest.raises(ValueError, match=message):  # the loop itself refuses too, whatever the proposer
-        speculative_decode(target, None, prompt(8, 6), max_new_tokens=8, block_size=1)
+        speculative_decode(target, None, random_prompt(500 + 8, 6), max_new_tokens=8, block_size=1)
     assert forwards == []

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import VOCAB_SIZE, make_draft, make_target
 from safetensors.torch import load_file
 from transformers import get_cosine_schedule_with_warmup
 
@@ -28,7 +29,6 @@ from dflash_hf.training.trainer import (
     split_optimizer_state,
     train_draft,
 )
-from helpers import VOCAB_SIZE, make_draft, make_target
 
 SETTINGS = TrainingSettings(epochs=2, learning_rate=2e-3, num_anchors=8, checkpoint_every=2)  # 4 rows: 8 steps
 
@@ -162,13 +162,15 @@ def test_optimizer_state_splits_into_tensors_and_json_and_joins_back_exactly():
     for param, values in state_dict["state"].items():
         assert joined["state"][param].keys() == values.keys()
         for name, value in values.items():
-            assert torch.equal(joined["state"][param][name], value) and joined["state"][param][name].dtype == value.dtype
+            assert (torch.equal(joined["state"][param][name], value)
+                    and joined["state"][param][name].dtype == value.dtype)
 
 
 def test_the_package_never_calls_torch_load_or_pickle():
     package = Path(dflash_hf.__file__).parent
     offenders = [str(path.relative_to(package)) for path in sorted(package.rglob("*.py"))
-                 if re.search(r"torch\.load\(|import pickle|weights_only\s*=\s*False", path.read_text(encoding="utf-8"))]
+                 if re.search(r"torch\.load\(|import pickle|weights_only\s*=\s*False",
+                              path.read_text(encoding="utf-8"))]
     assert offenders == []
 
 

@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
+from helpers import make_draft, make_target, make_tokenizer, plain_greedy
 
 from dflash_hf.prompts import chat_prompt_ids
 from dflash_hf.smollm2 import publish_folder
 from dflash_hf.training.data import generate_responses, read_prompts, read_rows
-from helpers import make_draft, make_target, make_tokenizer, plain_greedy
 
 
 def test_prompts_are_tokenized_once_with_the_chat_template():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from device_costs import peak_cpu_bytes
+from helpers import TARGET_LAYERS, VOCAB_SIZE, make_draft, make_target
 
 from dflash_hf.target_dflash import select_features
 from dflash_hf.training.objective import (
@@ -19,8 +21,6 @@ from dflash_hf.training.objective import (
     teacher_rows,
 )
 from dflash_hf.training.trainer import TrainingSettings, on_host, train_draft
-from device_costs import peak_cpu_bytes
-from helpers import TARGET_LAYERS, VOCAB_SIZE, make_draft, make_target
 
 MASK = VOCAB_SIZE - 1
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import VOCAB_SIZE, make_draft, make_target, plain_greedy
 
 from dflash_hf.target_dflash import select_features
 from dflash_hf.training import build_blocks, dflash_loss, position_weights, sample_anchors
-from helpers import VOCAB_SIZE, make_draft, make_target, plain_greedy
 
 MASK = VOCAB_SIZE - 1
 
@@ -57,7 +57,8 @@ def test_all_blocks_in_one_pass_equal_one_block_at_a_time():
     anchors = torch.tensor([2, 9, 20])
     blocks = build_blocks(input_ids, torch.ones(24), anchors, 4, MASK)
     with torch.no_grad():
-        features = select_features(target(input_ids[None], output_hidden_states=True).hidden_states, draft.target_layer_ids)
+        features = select_features(target(input_ids[None], output_hidden_states=True).hidden_states,
+                                   draft.target_layer_ids)
         embeddings = target.get_input_embeddings()(blocks.block_ids)[None]
         together = draft(embeddings, features, blocks.block_position_ids[None], torch.arange(24)[None],
                          attention_mask=blocks.attention_mask[None, None])
@@ -179,7 +180,8 @@ def test_training_blocks_predict_what_the_decoding_loop_accepts(arch):
         accepted = [length - 1 for length in lengths[:full_blocks]]
         anchors = prompt.shape[1] + committed_before[:full_blocks] - 1  # [S]: position of each step's pending token
         blocks = build_blocks(sequence, torch.ones_like(sequence), anchors, 6, vocab - 1)
-        features = select_features(target(sequence[None], output_hidden_states=True).hidden_states, draft.target_layer_ids)
+        features = select_features(target(sequence[None], output_hidden_states=True).hidden_states,
+                                   draft.target_layer_ids)
         hidden = draft(target.get_input_embeddings()(blocks.block_ids)[None], features, blocks.block_position_ids[None],
                        torch.arange(len(sequence))[None], attention_mask=blocks.attention_mask[None, None])
         predictions = target.get_output_embeddings()(hidden.view(len(anchors), 6, -1)[:, 1:]).argmax(-1)  # [S, 5]

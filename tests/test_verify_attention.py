@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import make_draft, make_target, plain_greedy, random_prompt
 
 from dflash_hf.cache_dflash import cache_keyword, crop_cache, returned_cache
-from dflash_hf.target_dflash import GROUPED_QUERY_SDPA, grouped_query_attention
-from helpers import VOCAB_SIZE, make_draft, make_target, plain_greedy
-
-
-def prompt(seed: int, length: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB_SIZE - 1, (1, length), generator=torch.Generator().manual_seed(seed))
+from dflash_hf.kernels_dflash import GROUPED_QUERY_SDPA, grouped_query_attention
 
 
 @pytest.mark.parametrize("arch, context, width", [("qwen3", 7, 3), ("llama", 40, 8), ("qwen3", 100, 2)])
@@ -21,8 +17,8 @@ def test_a_verify_gives_the_same_logits_with_and_without_the_switch(arch, contex
     assert target.config._attn_implementation == "sdpa"
     keyword = cache_keyword(target)
     with torch.no_grad():
-        cache = returned_cache(target(input_ids=prompt(1, context), use_cache=True))
-        block = prompt(2, width)
+        cache = returned_cache(target(input_ids=random_prompt(1, context), use_cache=True))
+        block = random_prompt(2, width)
         expected = target(input_ids=block, use_cache=True, **{keyword: cache}).logits
         crop_cache(cache, context)
         with grouped_query_attention(target) as switched:
@@ -33,18 +29,18 @@ def test_a_verify_gives_the_same_logits_with_and_without_the_switch(arch, contex
 
 
 def test_generation_runs_the_grouped_path_and_sets_the_attention_back(monkeypatch):
-    import dflash_hf.target_dflash as target_dflash
+    import dflash_hf.kernels_dflash as kernels_dflash
 
     target, draft = make_target("llama", seed=3), make_draft(3)
     widths = []  # query width of each target attention call while generating
-    grouped = target_dflash.grouped_query_sdpa
+    grouped = kernels_dflash.grouped_query_sdpa
 
     def recording(module, query, *args, **kwargs):
         widths.append(query.shape[2])
         return grouped(module, query, *args, **kwargs)
 
-    monkeypatch.setattr(target_dflash, "grouped_query_sdpa", recording)
-    input_ids = prompt(3, 9)
+    monkeypatch.setattr(kernels_dflash, "grouped_query_sdpa", recording)
+    input_ids = random_prompt(3, 9)
     output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=20, block_size=4)
     assert torch.equal(output, plain_greedy(target, input_ids, 20))
     layers = target.config.num_hidden_layers
@@ -65,7 +61,7 @@ def test_the_attention_is_set_back_when_generation_fails():
     from dflash_hf import speculative_decode
 
     with pytest.raises(RuntimeError, match="proposer failed"):
-        speculative_decode(target, Failing(), prompt(4, 5), 10, 4)
+        speculative_decode(target, Failing(), random_prompt(4, 5), 10, 4)
     assert target.config._attn_implementation == "sdpa"
 
 

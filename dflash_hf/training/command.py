@@ -1,4 +1,5 @@
-"""`dflash-hf train`: generate the data (resumable), train (resumable), measure, save a Hub-ready draft with its card."""
+"""`dflash-hf train`: generate the data (resumable), train (resumable), measure, save a Hub-ready draft with
+its card."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ from typing import Any
 
 import torch
 
+from ..devices_dflash import target_device
 from ..evaluation import evaluate_draft
 from ..loading import DTYPES, SHIPPED_DRAFT, SMOLLM2, SMOLLM2_HUB_ID, device_description, load_target
 from ..model_card import card_info_for_config, write_model_card
 from ..modeling_dflash import DFlashDraftModel
 from ..prompts import default_data_dir, user_prompt_ids
+from ..settings_dflash import check_draft_target, generation_tokens
 from ..smollm2 import SMOLLM2_MASK_TOKEN
-from ..target_dflash import check_draft_target, generation_tokens, target_device
 from .data import generate_responses, read_prompts
 from .recipe import draft_config_for, frequent_token_ids, initialize_from_target
 from .trainer import TrainingLog, TrainingSettings, train_draft
@@ -39,18 +41,39 @@ def training_target_dtype(choice: str, device: torch.device) -> torch.dtype:
     return AUTO_TARGET_DTYPE.get(device.type, torch.float32) if choice == "auto" else DTYPES[choice]
 
 
+def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> None:
+    """Exit naming the first `train` argument that cannot be run (before anything is read, loaded or trained)."""
+    if len(args.num_prompts) not in (1, len(prompt_files)):
+        raise SystemExit(f"--num-prompts {' '.join(map(str, args.num_prompts))}: give one count in all or one per "
+                         f"--prompts file ({len(prompt_files)})")
+    if not 0 <= args.first_prompt < sum(args.num_prompts):
+        raise SystemExit(f"--first-prompt {args.first_prompt}: expected 0 <= it < "
+                         f"--num-prompts {sum(args.num_prompts)}")
+    if any(count < 1 for count in args.num_prompts) or args.num_eval < 0:
+        raise SystemExit(f"--num-prompts must be >= 1 and --num-eval >= 0 (0: no evaluation), got "
+                         f"{' '.join(map(str, args.num_prompts))} and {args.num_eval}")
+    missing = [path for path in args.responses if not Path(path).is_file()]
+    if missing:
+        raise SystemExit(f"--responses {missing[0]}: no such file")
+
+
 def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     """Generate data, train, measure tau and speed the way `bench` does, save `OUTPUT/draft` with its card."""
     started = time.perf_counter()
     output = Path(args.output)
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     prompt_files = args.prompts or [str(data_dir / "gsm8k_train.jsonl")]
-    if len(args.num_prompts) not in (1, len(prompt_files)):
-        raise SystemExit(f"--num-prompts {' '.join(map(str, args.num_prompts))}: give one count in all or one per "
-                         f"--prompts file ({len(prompt_files)})")
-    if not 0 <= args.first_prompt < sum(args.num_prompts):
-        raise SystemExit(f"--first-prompt {args.first_prompt}: expected 0 <= it < --num-prompts {sum(args.num_prompts)}")
-    prompts = training_prompts(prompt_files, args.num_prompts)
+    check_train_arguments(args, prompt_files)
+    try:  # every prompt file is read (and its errors reported) before any model is loaded
+        prompts = training_prompts(prompt_files, args.num_prompts)
+        eval_file = args.eval_prompts or str(data_dir / "gsm8k_test.jsonl")
+        eval_texts = read_prompts([eval_file], args.num_eval) if args.num_eval else []
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(f"dflash-hf train: {error}") from error
+    if not prompts:
+        raise SystemExit(f"dflash-hf train: {', '.join(prompt_files)} hold no prompts")
+    if args.num_eval and not eval_texts:
+        raise SystemExit(f"dflash-hf train: {eval_file} holds no prompts to evaluate on (or pass --num-eval 0)")
     output.mkdir(parents=True, exist_ok=True)
     device = training_device()
     target, tokenizer = load_target(args.target, DTYPES[args.gen_dtype])
@@ -75,17 +98,22 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     log = train_draft(draft, target, training_rows, settings, output, max_steps=args.max_steps)
     if args.draft_vocab_size:  # the draft proposes from the target's most frequent tokens in its own responses
         draft.config.dflash_config["draft_vocab"] = frequent_token_ids(
-            [row["response_ids"] for row in rows], args.draft_vocab_size, target.get_output_embeddings().weight.shape[0])
+            [row["response_ids"] for row in rows], args.draft_vocab_size,
+            target.get_output_embeddings().weight.shape[0])
 
     target = target.to(DTYPES[args.eval_dtype])
     draft = draft.to(DTYPES[args.eval_dtype]).eval()
-    eval_file = args.eval_prompts or str(data_dir / "gsm8k_test.jsonl")
-    eval_prompts = [user_prompt_ids(tokenizer, prompt) for prompt in read_prompts([eval_file], args.num_eval)]
-    evaluation = evaluate_draft(draft, target, eval_prompts, args.eval_max_new_tokens,
-                                stop_token_ids=generation_tokens(target, tokenizer).stop_token_ids)
-    training = training_facts(args, argv, prompt_files, len(training_rows), mask_token, draft.mask_token_id, settings, log,
-                              time.perf_counter() - started)
+    evaluation = None
+    if eval_texts:
+        eval_prompts = [user_prompt_ids(tokenizer, prompt) for prompt in eval_texts]
+        evaluation = evaluate_draft(draft, target, eval_prompts, args.eval_max_new_tokens,
+                                    tokens=generation_tokens(target, tokenizer))
+    training = training_facts(args, argv, prompt_files, len(training_rows), mask_token, draft.mask_token_id, settings,
+                              log, time.perf_counter() - started)
     save_trained_draft(args, draft, target, evaluation, eval_file, training, output / "draft")
+    if evaluation is None:
+        print(f"draft written to {output / 'draft'} (not evaluated: --num-eval 0)")
+        return {}
     (output / "evaluation.json").write_text(json.dumps(evaluation, indent=2))
     print(json.dumps(evaluation, indent=2))
     return evaluation
@@ -117,7 +145,8 @@ def build_draft(args: argparse.Namespace, target: torch.nn.Module, tokenizer: An
     """(the draft to train, its mask token): a new draft shaped like the target, or the `--init-from` one."""
     if args.init_from is not None:
         draft = start_from_trained_draft(args, target)
-        mask_token = draft.config.dflash_config.get("mask_token") or tokenizer.convert_ids_to_tokens(draft.mask_token_id)
+        mask_token = (draft.config.dflash_config.get("mask_token")
+                      or tokenizer.convert_ids_to_tokens(draft.mask_token_id))
         return draft, mask_token
     mask_token = args.mask_token or (SMOLLM2_MASK_TOKEN if args.target == SMOLLM2 else None)
     if mask_token is None:
@@ -125,8 +154,8 @@ def build_draft(args: argparse.Namespace, target: torch.nn.Module, tokenizer: An
     mask_token_id = tokenizer.convert_tokens_to_ids(mask_token)
     if mask_token_id is None or mask_token_id == tokenizer.unk_token_id:
         raise SystemExit(f"mask token {mask_token!r} is not in the target's vocabulary")
-    config = draft_config_for(target, args.draft_layers or 2, args.block_size or 8, mask_token_id, args.target_layer_ids,
-                              layer_attention_settings(args))
+    config = draft_config_for(target, args.draft_layers or 2, args.block_size or 8, mask_token_id,
+                              args.target_layer_ids, layer_attention_settings(args))
     config.dflash_config["mask_token"] = mask_token
     return DFlashDraftModel(config), mask_token
 
@@ -148,7 +177,8 @@ def start_from_trained_draft(args: argparse.Namespace, target: torch.nn.Module) 
     if args.init_from_target:
         raise SystemExit("--init-from and --init-from-target both say where the weights start; pass one")
     draft = DFlashDraftModel.from_pretrained(args.init_from, dtype=torch.float32).to(target_device(target))
-    asked = {"--block-size": (args.block_size, draft.block_size), "--draft-layers": (args.draft_layers, len(draft.layers)),
+    asked = {"--block-size": (args.block_size, draft.block_size),
+             "--draft-layers": (args.draft_layers, len(draft.layers)),
              "--target-layer-ids": (args.target_layer_ids, draft.target_layer_ids),
              "--mask-token": (args.mask_token, draft.config.dflash_config.get("mask_token")),
              "--layer-types": (args.layer_types, draft.config.layer_types),
@@ -157,7 +187,8 @@ def start_from_trained_draft(args: argparse.Namespace, target: torch.nn.Module) 
     conflicts = [f"{flag} {wanted} (the draft has {has})" for flag, (wanted, has) in asked.items()
                  if wanted is not None and wanted != has]
     if conflicts:
-        raise SystemExit(f"--init-from {args.init_from} fixes the architecture; drop or change: " + ", ".join(conflicts))
+        raise SystemExit(f"--init-from {args.init_from} fixes the architecture; "
+                         "drop or change: " + ", ".join(conflicts))
     try:
         check_draft_target(draft, target, None, total_length=1)
     except ValueError as error:
@@ -192,10 +223,19 @@ def prompt_files_text(prompt_files: list[str], counts: list[int]) -> str:
 
 
 def save_trained_draft(args: argparse.Namespace, draft: DFlashDraftModel, target: torch.nn.Module,
-                       evaluation: dict[str, Any], eval_file: str, training: dict[str, str], folder: Path) -> None:
-    """Save the draft (float32 weights, remote code) and its model card with the measured results."""
+                       evaluation: dict[str, Any] | None, eval_file: str, training: dict[str, str],
+                       folder: Path) -> None:
+    """Save the draft (float32 weights, remote code) and its model card with the measured results (if any)."""
     draft.to(torch.float32).save_pretrained(folder)
     base_model = SMOLLM2_HUB_ID if args.target == SMOLLM2 else args.target
+    if evaluation is None:
+        info = card_info_for_config(
+            draft.config, repo_id=str(folder), base_model=base_model, title=f"DFlash draft for {base_model}",
+            description=f"A DFlash draft for `{base_model}` trained with `dflash-hf train`.",
+            results_source="Not measured: trained with `--num-eval 0`; measure it with `dflash-hf bench --draft "
+                           f"{folder}`.", results_table="", training=training)
+        write_model_card(folder, info)
+        return
     rates = evaluation["tokens_per_s"]
     info = card_info_for_config(
         draft.config, repo_id=str(folder), base_model=base_model, title=f"DFlash draft for {base_model}",
@@ -203,10 +243,12 @@ def save_trained_draft(args: argparse.Namespace, draft: DFlashDraftModel, target
         results_source=f"Measured at the end of training: {args.num_eval} prompts of {Path(eval_file).name}, greedy, "
                        f"{args.eval_max_new_tokens} new tokens, {args.eval_dtype}, {device_description(target)}, "
                        "against `target.generate` in the same process, stopping on every EOS id of the target.",
-        results_table="| prompts | block | tau | target.generate tok/s | DFlash tok/s | speedup | identical to generate |\n"
+        results_table="| prompts | block | tau | target.generate tok/s | DFlash tok/s | speedup | "
+                      "identical to generate |\n"
                       "|---:|---:|---:|---:|---:|---:|---|\n"
                       f"| {evaluation['num_prompts']} | {evaluation['block_size']} | {evaluation['tau']:.2f} | "
-                      f"{rates['plain']:.1f} | {rates['dflash']:.1f} | {evaluation['speedup']:.2f}x | {evaluation['lossless']} |",
+                      f"{rates['plain']:.1f} | {rates['dflash']:.1f} | {evaluation['speedup']:.2f}x | "
+                      f"{evaluation['lossless']} |",
         training=training,
     )
     write_model_card(folder, info)

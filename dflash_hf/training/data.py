@@ -14,9 +14,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..cache_dflash import left_pad
+from ..devices_dflash import target_device
 from ..prompts import read_conversations, user_prompt_ids
 from ..sampling_dflash import cut_after_stop
-from ..target_dflash import generation_tokens, target_device
+from ..settings_dflash import generation_tokens
 
 
 def read_prompts(paths: Iterable[str | Path], limit: int | None = None) -> list[str]:
@@ -69,10 +70,12 @@ def generate_responses(
     """
     rows = {row["index"]: row for row in read_rows(output_path)}
     prompt_ids = [user_prompt_ids(tokenizer, prompt) for prompt in prompts]  # rendered once, used below three times
-    other = next((i for i, row in sorted(rows.items()) if i < len(prompts) and row["prompt_ids"] != prompt_ids[i]), None)
+    other = next((i for i, row in sorted(rows.items()) if i < len(prompts) and row["prompt_ids"] != prompt_ids[i]),
+                 None)
     if other is not None:
         raise ValueError(f"row {other} of {output_path} answers another prompt than prompt {other} of these prompt "
-                         "files (other --prompts, or another tokenizer); pass the matching prompts, or use a new --output")
+                         "files (other --prompts, or another tokenizer); "
+                         "pass the matching prompts, or use a new --output")
     seeded = _seed_rows(prompt_ids, rows, seed_paths)
     rows.update((row["index"], row) for row in seeded)
     with open(output_path, "a", encoding="utf-8") as handle:  # checked: now they are this run's rows

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ..configuration_dflash import DFlashConfig, default_target_layer_ids, read_rope_parameters
-from ..target_dflash import target_text_config
+from ..devices_dflash import target_text_config
 from ..modeling_dflash import DFlashDraftModel
 
 
@@ -62,7 +62,8 @@ def source_layer_ids(target: torch.nn.Module, draft: DFlashDraftModel) -> list[i
 
 
 @torch.no_grad()
-def initialize_from_target(draft: DFlashDraftModel, target: torch.nn.Module, calibration_ids: torch.Tensor) -> list[int]:
+def initialize_from_target(draft: DFlashDraftModel, target: torch.nn.Module,
+                           calibration_ids: torch.Tensor) -> list[int]:
     """Start the draft as the target's top layers reading its deepest feature; returns the copied layer ids.
 
     Each draft layer takes the weights of one target layer (same shapes, as `draft_config_for` builds them),
@@ -97,7 +98,8 @@ def initialize_from_target(draft: DFlashDraftModel, target: torch.nn.Module, cal
                 projection = "q_proj" if name.endswith("q_norm.weight") else "k_proj"
                 tensor.fill_(float(torch.stack(query_key_rms[(draft_index, projection)]).mean()))
             else:
-                raise ValueError(f"Target layer {layer_id} has no weight matching draft weight {name!r} {tuple(tensor.shape)}.")
+                raise ValueError(f"Target layer {layer_id} has no weight matching draft weight "
+                                 f"{name!r} {tuple(tensor.shape)}.")
     draft.norm.weight.copy_(decoder.norm.weight)
     draft.hidden_norm.weight.copy_(target_layers[layer_ids[0]].input_layernorm.weight)
     hidden_size = draft.config.hidden_size

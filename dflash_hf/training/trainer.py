@@ -245,8 +245,7 @@ def train_draft(
 ) -> TrainingLog:
     """Train `draft` on the target's regenerated rows; resumes from `output_dir/checkpoint/` if present.
 
-    `max_steps` stops early (the schedule still spans all epochs), e.g. to interrupt a run on purpose.
-    """
+    `max_steps` stops early (the schedule still spans all epochs), e.g. to interrupt a run on purpose."""
     from accelerate import Accelerator
     from tqdm.auto import tqdm
 
@@ -271,7 +270,8 @@ def train_draft(
     # on the host: the device holds one sequence's signals at a time
     cached = [on_host(signals_of(input_ids, loss_mask)) for input_ids, loss_mask in tqdm(
         shard, desc="target features", disable=not progress)] if settings.cache_target and log.steps < last else None
-    bar = tqdm(total=total_steps, initial=log.steps, disable=not (progress and accelerator.is_main_process), desc="training")
+    bar = tqdm(total=total_steps, initial=log.steps, disable=not (progress and accelerator.is_main_process),
+               desc="training")
     order_epoch, order, accuracy = -1, [], _EpochAccuracy(unwrapped.block_size)
     while log.steps < last:
         epoch, index = divmod(log.steps, steps_per_epoch)

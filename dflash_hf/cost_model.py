@@ -1,0 +1,224 @@
+"""The cost model: what one step of the loop costs on this machine, and the block size (or adaptive verify width)
+worth running. It times the loop's own stages through `generation_dflash.DecodeSession`, the loop's step API.
+
+speedup <= tau * t(target, 1 token) / (t(target, B-token verify) + t(draft pass)); docs/architecture.md, "The cost
+model". `bench`, `demo` and `train` choose "auto" and "adaptive" block sizes through `resolve_block_choice`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .devices_dflash import target_device
+from .generation_dflash import DecodeSession, dflash_proposer, synchronize
+from .kernels_dflash import MAX_FEW_ROWS, cpu_kernels, few_row_product, is_plain_linear
+from .modeling_dflash import DFlashDraftModel
+from .proposer_dflash import DraftVocabulary, Proposal, draft_vocab_ids
+from .settings_dflash import StepCosts, neutral_overrides, resolve_settings
+from .target_dflash import last_logits_only
+
+BLOCK_SIZE_CANDIDATES = (2, 3, 4, 6, 8, 12, 16)  # what "auto" chooses among (and the draft's trained size)
+BLOCK_CHOICES = ("auto", "adaptive")
+
+
+def prime_few_row_kernels(draft: DFlashDraftModel, target: torch.nn.Module, max_rows: int) -> int:
+    """Time the few-row products (`kernels_dflash.few_row_product`) now, so that no timed run pays for choosing a
+    kernel: the LM heads (the target's, the draft vocabulary's) for 1 .. `max_rows` rows, every other Linear shape of
+    target and draft for 1 .. `MAX_FEW_ROWS` (a short prompt's first draft pass); how many products were primed."""
+    heads = [target.get_output_embeddings()]
+    head_weights = [(head.weight, head.bias) for head in heads if is_plain_linear(head)]
+    vocabulary_ids = draft_vocab_ids(draft, None, heads[0].weight.shape[0])
+    if vocabulary_ids is not None:
+        vocabulary = DraftVocabulary(heads[0], vocabulary_ids.to(heads[0].weight.device))
+        if vocabulary.lm_head is None:
+            head_weights.append((vocabulary.weight, vocabulary.bias))
+    layer_weights = [(module.weight, module.bias) for model in (target, draft) for module in model.modules()
+                     if is_plain_linear(module) and module not in heads]
+    shapes: dict[Any, tuple[torch.Tensor, torch.Tensor | None, int]] = {}  # the kernel choice is made per shape
+    for weights, rows in ((head_weights, max_rows), (layer_weights, MAX_FEW_ROWS)):
+        for weight, bias in weights:
+            key = (tuple(weight.shape), weight.dtype, weight.device)
+            shapes[key] = (weight, bias, max(rows, shapes.get(key, (None, None, 0))[2]))
+    with torch.no_grad(), cpu_kernels(True):
+        for weight, bias, rows in shapes.values():
+            for count in range(1, rows + 1):
+                few_row_product(weight, bias, weight.new_zeros(count, weight.shape[1]))
+    return sum(rows for _, _, rows in shapes.values())
+
+
+@torch.no_grad()
+def time_step_stages(
+    draft: DFlashDraftModel,
+    target: torch.nn.Module,
+    context_ids: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+    verify_widths: list[int],
+    repeats: int = 5,
+    batch_size: int = 1,
+) -> dict[str, Any]:
+    """Median seconds after a context [1, T] copied to `batch_size` rows: "target_1" (one token of plain decoding per
+    row), "draft" (a draft pass over a `block_size` block) and "verify" {w: a w-token verify per row}.
+
+    The verify and the draft pass are the loop's own stages (`DecodeSession`); the stages take turns, so that a slow
+    spell of the machine spreads over all of them. After each, the session discards what it added.
+    """
+    input_ids = context_ids.repeat(batch_size, 1)
+    settings = resolve_settings(target, input_ids, draft, block_size=block_size, max_new_tokens=block_size + 1,
+                                mask_token_id=mask_token_id, temperature=0.0, stop_token_ids=[],
+                                **neutral_overrides(getattr(target, "generation_config", None)))
+    session = DecodeSession(target, dflash_proposer(draft, target, settings), settings)
+    last_only = last_logits_only(target)
+    with session.running():
+        session.prefill(input_ids)
+        block, single = session.plan(), session.plan(1)
+        proposal = session.propose(block)  # the draft reads the whole context once
+
+        def plain_step() -> Any:  # one token of `generate`: the target's own forward, its full LM head over that token
+            return target(input_ids=single.pending, position_ids=single.positions, use_cache=True, **last_only,
+                          **{session.cache_argument: session.cache})
+
+        def verify_pass(width: int) -> Callable[[], Any]:
+            step = session.plan(width)
+            shortened = Proposal(proposal.tokens[:, : width - 1])
+            return lambda: session.verify(step, shortened)
+
+        def seconds(run: Callable[[], Any]) -> float:
+            synchronize(input_ids.device)
+            started = time.perf_counter()
+            run()  # its outputs are not kept: freed here
+            synchronize(input_ids.device)
+            elapsed = time.perf_counter() - started
+            session.discard_verify()  # a verify's (or the plain step's) columns leave the cache again
+            return elapsed
+
+        stages: dict[Any, Callable[[], Any]] = {"target_1": plain_step,
+                                                **{width: verify_pass(width) for width in verify_widths}}
+        if block_size > 1:  # a block of 1 drafts nothing
+            stages["draft"] = lambda: session.propose(block)  # over the cached context and the block
+        for run in stages.values():
+            seconds(run)  # warm-up
+        samples: dict[Any, list[float]] = {name: [] for name in stages}
+        for _ in range(repeats):
+            for name, run in stages.items():
+                samples[name].append(seconds(run))
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    return {"target_1": medians["target_1"], "draft": medians.get("draft", 0.0),
+            "verify": {width: medians[width] for width in verify_widths}}
+
+
+def measure_step_costs(draft: DFlashDraftModel, target: torch.nn.Module, context_ids: torch.Tensor, block_size: int,
+                       mask_token_id: int, repeats: int = 5, batch_size: int = 1) -> dict[str, float]:
+    """The cost model's terms (median seconds, `time_step_stages`): "target_1", "target_block" (a `block_size`-token
+    verify per row) and "draft"."""
+    timings = time_step_stages(draft, target, context_ids, block_size, mask_token_id, [block_size], repeats, batch_size)
+    return {"target_1": timings["target_1"], "target_block": timings["verify"][block_size], "draft": timings["draft"]}
+
+
+def measure_verify_costs(draft: DFlashDraftModel, target: torch.nn.Module, context_ids: torch.Tensor,
+                         mask_token_id: int, block_size: int | None = None, repeats: int = 5,
+                         batch_size: int = 1) -> StepCosts:
+    """This machine's `StepCosts` for `spec_generate(step_costs=...)`: a draft pass over a block (default: the
+    draft's trained size) and a verify of every width 1 .. block (made non-decreasing), after a context [1, T]."""
+    block_size = block_size or draft.block_size
+    timings = time_step_stages(draft, target, context_ids, block_size, mask_token_id, list(range(1, block_size + 1)),
+                               repeats, batch_size)
+    verify = nondecreasing([timings["verify"][width] for width in range(1, block_size + 1)])
+    return StepCosts(timings["draft"], tuple(verify))
+
+
+def nondecreasing(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence in squared error (pool adjacent violators): verify times measured on a busy
+    machine, where a wider verify sometimes times faster than a narrower one by chance."""
+    pools: list[list[float]] = []  # [mean, count] per pool of adjacent values
+    for value in values:
+        pools.append([value, 1])
+        while len(pools) > 1 and pools[-2][0] > pools[-1][0]:
+            mean, count = pools.pop()
+            pools[-1] = [(pools[-1][0] * pools[-1][1] + mean * count) / (pools[-1][1] + count), pools[-1][1] + count]
+    return [mean for mean, count in pools for _ in range(int(count))]
+
+
+def cost_model_bound(tau: float, step_costs: dict[str, float]) -> float:
+    """Speedup the cost model allows: tau * t(1 token) / (t(B-token verify) + t(draft))."""
+    return tau * step_costs["target_1"] / (step_costs["target_block"] + step_costs["draft"])
+
+
+def acceptance_histogram(acceptance_lengths: list[int], block_size: int) -> list[int]:
+    """Steps per acceptance length: entry k-1 counts the steps that committed k tokens (k = 1..B)."""
+    histogram = [0] * block_size
+    for length in acceptance_lengths:
+        if not 1 <= length <= block_size:
+            raise ValueError(f"acceptance length {length} is outside 1..{block_size}")
+        histogram[length - 1] += 1
+    return histogram
+
+
+def truncated_tau(acceptance_histogram: list[int], block_size: int) -> float:
+    """tau at a smaller block, from a histogram measured at the full block: the sum over k <= B of P(length >= k)."""
+    total = sum(acceptance_histogram)
+    if total == 0:
+        raise ValueError("the acceptance histogram is empty: no draft/verify step was measured")
+    return sum(sum(acceptance_histogram[k - 1 :]) for k in range(1, block_size + 1)) / total
+
+
+@torch.no_grad()
+def choose_block_size(draft: DFlashDraftModel, target: torch.nn.Module, context_ids: torch.Tensor,
+                      acceptance_histogram: list[int], batch_size: int, mask_token_id: int
+                      ) -> tuple[int, dict[int, float]]:
+    """The block size with the best predicted speedup for `batch_size` rows on this machine, and every prediction.
+
+    Prediction for B: truncated_tau(B) * t(1 token) / (t(B-token verify) + t(draft)), timed here at N rows;
+    B = 1 is plain decoding by the same loop (1.0). Drafting shorter blocks is assumed to keep the acceptance
+    of the positions it keeps.
+    """
+    candidates = sorted({b for b in BLOCK_SIZE_CANDIDATES if b <= draft.block_size} | {draft.block_size})
+    predictions = {1: 1.0}
+    for block_size in candidates:
+        costs = measure_step_costs(draft, target, context_ids, block_size, mask_token_id, batch_size=batch_size)
+        predictions[block_size] = cost_model_bound(truncated_tau(acceptance_histogram, block_size), costs)
+    return max(predictions, key=predictions.get), predictions
+
+
+def typical_context(prompt: list[int], answer: list[int], device: torch.device) -> torch.Tensor:
+    """Where the cost model is timed: the prompt and half of an answer, [1, T]."""
+    return torch.tensor([prompt + answer[: max(len(answer) // 2, 1)]], device=device)
+
+
+@dataclass(frozen=True)
+class BlockChoice:
+    """A resolved `--block-size`: the block to draft, and (adaptive) the step costs to verify a prefix of it by."""
+
+    block_size: int
+    step_costs: StepCosts | None = None  # "adaptive": each step verifies the prefix worth its cost
+    predictions: dict[int, float] | None = None  # "auto": the predicted speedup of every candidate block size
+
+
+@torch.no_grad()
+def resolve_block_choice(choice: int | str | None, draft: DFlashDraftModel, target: torch.nn.Module,
+                         prompt: list[int], max_new_tokens: int, batch_size: int, stop_token_ids: list[int],
+                         mask_token_id: int) -> BlockChoice:
+    """A block size as `bench` and `demo` take it: an integer (None: the draft's trained size), "auto" (the best
+    predicted for `batch_size` rows here) or "adaptive" (the trained block, verified by this machine's step costs).
+
+    "auto" and "adaptive" are calibrated on one greedy run of `prompt` at the trained block: its acceptance histogram,
+    and step costs timed after its typical context."""
+    if choice not in BLOCK_CHOICES:
+        return BlockChoice(draft.block_size if choice is None else int(choice))
+    device = target_device(target)
+    calibration = draft.spec_generate(target=target, input_ids=torch.tensor([prompt], device=device),
+                                      max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop_token_ids,
+                                      mask_token_id=mask_token_id, return_stats=True,
+                                      **neutral_overrides(getattr(target, "generation_config", None)))
+    context = typical_context(prompt, calibration.new_tokens(0), device)
+    if choice == "adaptive":
+        costs = measure_verify_costs(draft, target, context, mask_token_id, batch_size=batch_size)
+        return BlockChoice(draft.block_size, step_costs=costs)
+    histogram = acceptance_histogram(calibration.acceptance_lengths[0], draft.block_size)
+    block_size, predictions = choose_block_size(draft, target, context, histogram, batch_size, mask_token_id)
+    return BlockChoice(block_size, predictions=predictions)

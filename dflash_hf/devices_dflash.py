@@ -1,0 +1,46 @@
+"""Where a Transformers model computes and what its decoder config is: the few facts every other module reads of a
+target (possibly dispatched or offloaded by Accelerate, possibly a multimodal wrapper around a decoder).
+
+Hub remote code: imports only torch (and Accelerate, only for offloaded models).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+
+def target_text_config(target: torch.nn.Module) -> Any:
+    """The decoder config of a target (the text config of multimodal wrappers)."""
+    config = target.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def execution_device(module: torch.nn.Module) -> torch.device:
+    """Where `module` computes: its Accelerate hook's execution device (dispatched or offloaded), else its weights'."""
+    hook = getattr(module, "_hf_hook", None)
+    for item in getattr(hook, "hooks", None) or ([] if hook is None else [hook]):  # a SequentialHook holds several
+        device = getattr(item, "execution_device", None)
+        if device is not None:
+            return torch.device(device)
+    parameter = next((p for p in module.parameters() if p.device.type != "meta"), None)
+    return torch.device("cpu") if parameter is None else parameter.device
+
+
+def target_device(target: torch.nn.Module) -> torch.device:
+    """The loop's device: where the target's input embedding computes (its input ids go there)."""
+    return execution_device(target.get_input_embeddings())
+
+
+@contextmanager
+def materialized_weight(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """The module's weight, on its execution device for the `with` block (an offloaded weight is loaded meanwhile)."""
+    if module.weight.device.type != "meta":
+        yield module.weight
+        return
+    from accelerate.utils import align_module_device  # only offloaded (Accelerate-hooked) models get here
+
+    with align_module_device(module, execution_device(module)):
+        yield module.weight
