@@ -10,7 +10,8 @@ from .settings_dflash import DecodingSettings, GenerationTokens, generation_toke
 __version__ = DFLASH_HF_VERSION
 
 __all__ = ["DFlashConfig", "DFlashDraftModel", "DecodingSettings", "DraftStep", "GenerationTokens",
-           "SpecGenerateOutput", "generation_tokens", "left_pad", "load_demo", "resolve_settings", "speculative_decode"]
+           "SpecGenerateOutput", "generation_tokens", "left_pad", "load_demo", "resolve_settings",
+           "speculative_decode"]
 
 
 def load_demo(*args, **kwargs):  # noqa: ANN002, ANN003 - the demo's own signature

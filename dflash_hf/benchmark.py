@@ -38,8 +38,8 @@ DATASETS = {
     "gsm8k": DatasetSource("gsm8k_test.jsonl", "question", ("openai/gsm8k", "main", "test"), "question"),
     "math500": DatasetSource("math500.jsonl", "problem", ("HuggingFaceH4/MATH-500", None, "test"), "problem"),
     "humaneval": DatasetSource("humaneval.jsonl", "prompt", ("openai/openai_humaneval", None, "test"), "prompt"),
-    "mbpp": DatasetSource("mbpp_sanitized_test.jsonl", "prompt", ("google-research-datasets/mbpp", "sanitized", "test"),
-                          "prompt"),
+    "mbpp": DatasetSource("mbpp_sanitized_test.jsonl", "prompt",
+                          ("google-research-datasets/mbpp", "sanitized", "test"), "prompt"),
     "mt-bench": DatasetSource("mt_bench.jsonl", "turns", ("HuggingFaceH4/mt_bench_prompts", None, "train"), "prompt"),
 }
 
@@ -125,7 +125,7 @@ def run_benchmark(
     process = process_context()
     tokens = generation_tokens(target, tokenizer, draft)
     native_draft = transformers_dflash_peer(draft, settings, progress and process.is_main)
-    first_prompt = user_prompt_ids(tokenizer, next(iter(datasets.values()))[0][0])
+    first_prompt = user_prompt_ids(tokenizer, next(iter(datasets.values()))[0][0], settings.thinking)
     warm_up(draft, target, [first_prompt] * settings.batch_size,
             dataclasses.replace(settings, block_size=resolve_block_size(None, draft.block_size)
                                 if settings.block_size in ("auto", "adaptive") else settings.block_size),
@@ -136,12 +136,13 @@ def run_benchmark(
     results = []
     for name, conversations in datasets.items():
         choice = resolve_block_choice(settings.block_size, draft, target,
-                                      user_prompt_ids(tokenizer, conversations[0][0]),
+                                      user_prompt_ids(tokenizer, conversations[0][0], settings.thinking),
                                       settings.max_new_tokens, settings.batch_size, tokens.stop_token_ids,
                                       tokens.mask_token_id)
         dataset_settings = dataclasses.replace(settings, block_size=choice.block_size, step_costs=choice.step_costs)
         records, step_costs = measure_dataset(draft, target, tokenizer, shards[name], dataset_settings, tokens,
-                                              on_turns=lambda records, rows, name=name: _show(bar, name, records, rows),
+                                              on_turns=lambda records, rows, name=name: _show(bar, name,
+                                                                                              records, rows),
                                               native_draft=native_draft)
         results.append(summarize(name, process.gather(records), len(conversations), choice.block_size,
                                  process.gather([step_costs])[0], settings.temperature == 0, settings.batch_size,
@@ -152,7 +153,8 @@ def run_benchmark(
     return results
 
 
-def transformers_dflash_peer(draft: DFlashDraftModel, settings: BenchSettings, verbose: bool) -> torch.nn.Module | None:
+def transformers_dflash_peer(draft: DFlashDraftModel, settings: BenchSettings,
+                             verbose: bool) -> torch.nn.Module | None:
     """The draft's weights as Transformers' native DFlash draft, timed as a peer on single prompts; None where the
     installed Transformers has no native DFlash, the draft cannot be expressed there, or batches are measured."""
     from .conversion import to_native
@@ -200,7 +202,7 @@ def measure_dataset(
             rows = [row for row, turns in enumerate(group) if turn_index < len(turns)]
             for row in rows:
                 histories[row].append({"role": "user", "content": group[row][turn_index]})
-            prompts = [chat_prompt_ids(tokenizer, histories[row]) for row in rows]
+            prompts = [chat_prompt_ids(tokenizer, histories[row], settings.thinking) for row in rows]
             turn_records = measure_prompts(draft, target, prompts, settings, tokens, native_draft, turn=turn)
             turn += 1
             records.extend(turn_records)
@@ -231,8 +233,8 @@ def plot_results(results: list[dict[str, Any]], path: str | Path) -> None:
     names = [result["dataset"] for result in results]
     positions = range(len(names))
     figure, (speed_axis, tau_axis) = plt.subplots(1, 2, figsize=(4 + 2 * len(names), 4))
-    bars = [("DFlash (measured)", "speedup"), ("cost-model bound", "bound"), ("prompt lookup", "speedup_prompt_lookup"),
-            ("Transformers' DFlash", "speedup_transformers_dflash")]
+    bars = [("DFlash (measured)", "speedup"), ("cost-model bound", "bound"),
+            ("prompt lookup", "speedup_prompt_lookup"), ("Transformers' DFlash", "speedup_transformers_dflash")]
     width = 0.8 / len(bars)
     for index, (label, key) in enumerate(bars):
         offset = (index - (len(bars) - 1) / 2) * width

@@ -34,7 +34,8 @@ def left_pad(
 
 
 def host_to_device(values: Sequence[Any], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """Python numbers (or nested lists) as a tensor on `device`, copied without waiting for the device's queued work."""
+    """Python numbers (or nested lists) as a tensor on `device`, copied without waiting for the device's
+    queued work."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
@@ -214,13 +215,15 @@ def full_history_cache(target: torch.nn.Module, config: Any) -> Any:
 def check_cache(cache: Any, target: torch.nn.Module, num_rows: int) -> None:
     """Raise a ValueError unless the target's cache can be cropped (and, for a batch, have rows selected)."""
     if cache is None or not hasattr(cache, "crop"):
-        raise ValueError(f"Target {type(target).__name__} returned no croppable KV cache; DFlash needs a DynamicCache.")
+        raise ValueError(f"Target {type(target).__name__} returned no croppable KV cache; "
+                         "DFlash needs a DynamicCache.")
     layers = [type(layer).__name__ for layer in getattr(cache, "layers", ()) if _is_windowed(layer)
               or getattr(layer, "is_croppable", True) is False]
     if layers:
         raise ValueError(f"Target {type(target).__name__} returned a cache with {', '.join(sorted(set(layers)))} "
                          "layers, which cannot be cut back to the accepted prefix.")
-    indexed = sorted({type(layer).__name__ for layer in getattr(cache, "layers", ()) if hasattr(layer, "indexer_keys")})
+    indexed = sorted({type(layer).__name__ for layer in getattr(cache, "layers", ())
+                      if hasattr(layer, "indexer_keys")})
     if num_rows > 1 and indexed:  # compaction moves keys and values, not an indexer's own keys
         raise ValueError(f"Target {type(target).__name__} keeps an attention indexer cache ({', '.join(indexed)}); "
                          "dflash-hf runs it one prompt at a time: pass one row.")

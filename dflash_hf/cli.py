@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from .configuration_dflash import DFLASH_HF_VERSION
 from .loading import DTYPES, PUBLISHED_CONFIGS, SMOLLM2, load_target
 
 
@@ -63,9 +64,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dtype of the frozen target while training (it only gives features and teacher "
                              "logits); auto: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--init-from-target", action="store_true",
-                        help="start the draft layers as copies of the target's top layers (see initialize_from_target)")
+                        help="start the draft layers as copies of the target's top layers "
+                             "(see initialize_from_target)")
     parser.add_argument("--init-from", default=None,
-                        help="start from a trained draft (folder or Hub id): its architecture, new schedule, your data")
+                        help="start from a trained draft (folder or Hub id): its architecture, new schedule, "
+                             "your data")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resumable)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-prompts", default=None, help="default: gsm8k_test.jsonl in the data folder")
@@ -103,6 +106,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--acceptance", choices=["rejection", "equality"], default="rejection",
                         help="at temperature > 0: speculative (rejection) sampling of the draft's q, "
                              "or the equality rule")
+    parser.add_argument("--thinking", action="store_true",
+                        help="render prompts with the chat template's thinking switch on (Qwen3); default off, as "
+                             "the paper measures")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                         help="auto: float32 on CPU (few-row bfloat16 matmuls are slow without native bf16), "
                              "bfloat16 on GPU")
@@ -203,7 +209,8 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
         for block_size in args.block_size:
             settings = BenchSettings(args.max_new_tokens, block_size, args.temperature,
                                      args.prompt_lookup_tokens or None, args.seed, batch_size,
-                                     acceptance=args.acceptance, cpu_kernels=cpu_kernels_choice(args.cpu_kernels))
+                                     acceptance=args.acceptance, cpu_kernels=cpu_kernels_choice(args.cpu_kernels),
+                                     thinking=args.thinking)
             results += run_benchmark(draft, target, tokenizer, datasets, settings, progress=process.is_main)
     if not process.is_main:  # under `accelerate launch` every process holds the gathered results; one reports
         return results
@@ -275,7 +282,8 @@ def run_push(args: argparse.Namespace) -> None:
                             keep_remote_code=args.keep_remote_code)
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(f"dflash-hf push: {error}") from error
-    print(("would upload" if args.dry_run else f"uploaded to https://huggingface.co/{args.repo_id}:"), ", ".join(files))
+    print(("would upload" if args.dry_run else f"uploaded to https://huggingface.co/{args.repo_id}:"),
+          ", ".join(files))
 
 
 def run_convert(args: argparse.Namespace) -> None:
@@ -297,6 +305,7 @@ def run_convert(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The `dflash-hf` argument parser with its subcommands."""
     parser = argparse.ArgumentParser(prog="dflash-hf", description="DFlash speculative decoding for Transformers")
+    parser.add_argument("--version", action="version", version=f"dflash-hf {DFLASH_HF_VERSION}")
     commands = parser.add_subparsers(dest="command", required=True)
     add_train_arguments(commands.add_parser("train", help="train a draft for a target"))
     demo = commands.add_parser("demo", help="SmolLM2-135M-Instruct with the shipped draft: answers, tau, speedup")

@@ -81,8 +81,8 @@ def _native_rope(native: dict[str, Any]) -> dict[str, Any]:
     `rope_theta` / `rope_scaling`, else the class default."""
     parameters = native.get("rope_parameters")
     if parameters and "rope_theta" not in parameters:  # also a rope per layer type: {"full_attention": {...}, ...}
-        raise ValueError(f"Native draft config rope {parameters} is not one rope with a `rope_theta`; dflash-hf drafts "
-                         "have one rope for every layer.")
+        raise ValueError(f"Native draft config rope {parameters} is not one rope with a `rope_theta`; dflash-hf "
+                         "drafts have one rope for every layer.")
     default_theta = NATIVE_DEFAULTS["rope_parameters"]["rope_theta"]
     return read_rope_parameters({**native, "rope_theta": native.get("rope_theta") or default_theta})
 
@@ -158,7 +158,8 @@ class DFlashConfig(Qwen3Config):
         return output
 
     def to_diff_dict(self) -> dict[str, Any]:
-        """What `save_pretrained` writes: the fields that differ from the defaults, plus every DFlash and rope field."""
+        """What `save_pretrained` writes: the fields that differ from the defaults, plus every DFlash and
+        rope field."""
         output = super().to_diff_dict()
         full = self.to_dict()
         output.update({key: full[key] for key in ALWAYS_SAVED})
@@ -251,12 +252,15 @@ def _normalize_layer_attention(config: Qwen3Config, dflash_config: dict[str, Any
         dflash_config.pop(name, None)
     config.layer_types = layer_types
     config.sliding_window = None if window is None else int(window)
+    # Servers build a Qwen3 config from the file, which keeps `sliding_window` only with this flag (docs/serving.md)
+    config.use_sliding_window = "sliding_attention" in layer_types
     config.is_causal = None if is_causal is None else bool(is_causal)
 
 
 def _check_draft_vocab(config: Qwen3Config, dflash_config: dict[str, Any]) -> None:
-    """`dflash_config.draft_vocab` (optional, dflash-hf's): distinct token ids of the target's vocabulary, most frequent
-    first, that the draft proposes from (its LM head over those rows only); loaders that do not know it ignore it."""
+    """`dflash_config.draft_vocab` (optional, dflash-hf's): distinct token ids of the target's vocabulary, most
+    frequent first, that the draft proposes from (its LM head over those rows only); loaders that do not know it
+    ignore it."""
     draft_vocab = dflash_config.get("draft_vocab")
     if draft_vocab is None:
         return

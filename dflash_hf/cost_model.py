@@ -116,7 +116,8 @@ def measure_step_costs(draft: DFlashDraftModel, target: torch.nn.Module, context
                        mask_token_id: int, repeats: int = 5, batch_size: int = 1) -> dict[str, float]:
     """The cost model's terms (median seconds, `time_step_stages`): "target_1", "target_block" (a `block_size`-token
     verify per row) and "draft"."""
-    timings = time_step_stages(draft, target, context_ids, block_size, mask_token_id, [block_size], repeats, batch_size)
+    timings = time_step_stages(draft, target, context_ids, block_size, mask_token_id, [block_size], repeats,
+                               batch_size)
     return {"target_1": timings["target_1"], "target_block": timings["verify"][block_size], "draft": timings["draft"]}
 
 

@@ -64,6 +64,7 @@ class BenchSettings:
     acceptance: str = "rejection"  # sampling: speculative (rejection) sampling, or the equality rule
     step_costs: StepCosts | None = None  # spec_generate's step_costs (adaptive verify)
     cpu_kernels: bool | None = None  # spec_generate's cpu_kernels (None: on for a CPU target)
+    thinking: bool = False  # chat templates with a thinking switch (Qwen3) render it on; off as the paper measures
 
 
 def near_tie_tolerance(logit: float, dtype: torch.dtype, ulps: float = NEAR_TIE_ULPS) -> float:
@@ -169,7 +170,8 @@ def measure_prompts(
             stop_token_ids=stop_token_ids, block_size=settings.block_size,
             seed=settings.seed if settings.temperature > 0 else None, mask_token_id=tokens.mask_token_id,
             return_stats=True,
-            acceptance=settings.acceptance, step_costs=settings.step_costs, cpu_kernels=settings.cpu_kernels, **neutral,
+            acceptance=settings.acceptance, step_costs=settings.step_costs, cpu_kernels=settings.cpu_kernels,
+            **neutral,
         ))
         return [results[-1].new_tokens(row) for row in range(len(prompts))]
 
@@ -191,7 +193,8 @@ def measure_prompts(
 
 
 def turn_records(target: torch.nn.Module, prompts: list[list[int]],
-                 timed: dict[str, tuple[list[list[int]], float]], dflash_result: Any, greedy: bool) -> list[TurnRecord]:
+                 timed: dict[str, tuple[list[list[int]], float]], dflash_result: Any,
+                 greedy: bool) -> list[TurnRecord]:
     """One record per prompt from each method's (rows, seconds): 1/N of the wall time each, the DFlash row's
     acceptance lengths, and (greedy) each method's verdict against "plain"."""
     share = 1.0 / len(prompts)

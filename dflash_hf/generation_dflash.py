@@ -312,7 +312,8 @@ def shorten_step(step: StepPlan, proposal: Proposal, settings: DecodingSettings)
         return step, proposal
     probabilities = proposal.draft_probabilities
     return (StepPlan(width, [min(width, count) for count in step.counts], step.positions[:, :width], step.pending),
-            Proposal(proposal.tokens[:, : width - 1], None if probabilities is None else probabilities[:, : width - 1]))
+            Proposal(proposal.tokens[:, : width - 1],
+                     None if probabilities is None else probabilities[:, : width - 1]))
 
 
 def verify(target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal: Proposal,
@@ -378,7 +379,8 @@ def commit(state: DecodeState, step: StepPlan, proposal: Proposal, tokens_of_tar
 
 
 def keep_context(state: DecodeState, step: StepPlan, accepted_counts: list[int]) -> None:
-    """Keep the verify columns of each row's pending token and accepted proposals: in the cache, and as new features."""
+    """Keep the verify columns of each row's pending token and accepted proposals: in the cache,
+    and as new features."""
     kept_width = max(accepted_counts) + 1
     accepted = host_to_device(accepted_counts, state.device)
     kept = torch.arange(kept_width, device=state.device)[None, :] <= accepted[:, None]  # [n, kept_width]
@@ -413,7 +415,7 @@ def finish(state: DecodeState, settings: DecodingSettings) -> SpecGenerateOutput
     )
 
 
-# --- The loop ---------------------------------------------------------------------------------------------------------
+# --- The loop --------------------------------------------------------------------------------------------------------
 
 _CALL_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> the lock its calls hold
 _CALL_LOCKS_GUARD = threading.Lock()
@@ -535,7 +537,7 @@ def speculative_decode(
     return session.finish()
 
 
-# --- spec_generate: the loop with a DFlash draft ----------------------------------------------------------------------
+# --- spec_generate: the loop with a DFlash draft ---------------------------------------------------------------------
 
 
 def dflash_proposer(draft: DFlashDraft, target: torch.nn.Module, settings: DecodingSettings) -> DFlashProposer:
@@ -574,14 +576,16 @@ def spec_generate(
 
     Settings not passed come from `generation_config` (default: `target.generation_config`) as in `generate`: length,
     sampling, every EOS id as a stop token, padding. Each row equals the target's own greedy decode of its prompt
-    (greedy) or follows its sampling distribution. Batches are left-padded (`attention_mask`); see `SpecGenerateOutput`.
+    (greedy) or follows its sampling distribution. Batches are left-padded (`attention_mask`); see
+    `SpecGenerateOutput`.
     When sampling, `acceptance="rejection"` samples the draft's proposals and keeps them by speculative sampling;
     `"equality"` proposes the draft's argmax and keeps a proposal when the target samples the same token.
     `draft_vocab`: the token ids the draft proposes from (None: its config's `draft_vocab` if any; False: every token);
     verification is unchanged, so the output stays the target's own. `step_costs` (this machine's, from
-    `dflash_hf.cost_model.measure_verify_costs`): each step verifies only the prefix of the drafted block whose expected
-    tokens pay for its verify time; the output is the same, only the verified lengths change. `cpu_kernels` (default:
-    on for a CPU target): few-row products by the fastest kernel timed on this machine; the output is the same.
+    `dflash_hf.cost_model.measure_verify_costs`): each step verifies only the prefix of the drafted block whose
+    expected tokens pay for its verify time; the output is the same, only the verified lengths change.
+    `cpu_kernels` (default: on for a CPU target): few-row products by the fastest kernel timed on this machine;
+    the output is the same.
     """
     settings = resolve_settings(
         target, input_ids, draft, attention_mask=attention_mask, generation_config=generation_config,

@@ -102,7 +102,8 @@ class DFlashRotaryEmbedding(nn.Module):
         self.rope_init = known[self.rope_type]
         inv_freq, self.attention_scaling = self.rope_init(config, None)  # (config, device): both versions take it
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)  # Transformers 5 re-inits from it
+        self.register_buffer("original_inv_freq", inv_freq.clone(),
+                             persistent=False)  # Transformers 5 re-inits from it
 
     @staticmethod
     def compute_default_rope_parameters(config: DFlashConfig, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, float]:
@@ -500,10 +501,10 @@ class DFlashDraftModel(PreTrainedModel, DFlashGenerationMixin):
         """Final normalised hidden states [B, T, H] of the block rows.
 
         block_embeddings [B, T, H]: `embed_block` of [t0, MASK, ...]; target_hidden [B, C, L*H]: concatenated target
-        layer outputs of the (new) context positions; position ids are absolute. attention_mask (optional, broadcastable
-        to [B, 1, T, cached C + C + T], bool or additive) hides padding, rejected columns, or (training) other blocks;
-        each layer adds its causal / sliding-window restriction by position. block_length: rows per block when T holds
-        several blocks (training; DFlash2's convolutions stay inside each block), else T.
+        layer outputs of the (new) context positions; position ids are absolute. attention_mask (optional,
+        broadcastable to [B, 1, T, cached C + C + T], bool or additive) hides padding, rejected columns, or (training)
+        other blocks; each layer adds its causal / sliding-window restriction by position. block_length: rows per block
+        when T holds several blocks (training; DFlash2's convolutions stay inside each block), else T.
         """
         context = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))  # [B, C, H]
         hidden_states = block_embeddings.to(self.fc.weight.dtype)
@@ -551,7 +552,8 @@ class DFlashDraftModel(PreTrainedModel, DFlashGenerationMixin):
         except RuntimeError as error:  # Transformers refuses weights of other shapes with a RuntimeError
             if "size" not in str(error):
                 raise
-            raise ValueError(f"The checkpoint's weights do not match a DFlash draft of this config: {error}") from error
+            raise ValueError("The checkpoint's weights do not match a DFlash draft of this config: "
+                             f"{error}") from error
         except Exception as error:
             if type(error).__name__ != "SafetensorError":
                 raise
@@ -573,8 +575,8 @@ class DFlashDraftModel(PreTrainedModel, DFlashGenerationMixin):
         if self.config.dflash_config.get("vocab_size_unknown"):
             raise ValueError("This draft came from a native folder that does not record the target's vocabulary size; "
                              "set draft.config.vocab_size = <the target's vocabulary size> and delete "
-                             "draft.config.dflash_config['vocab_size_unknown'] before saving (or use dflash-hf convert "
-                             "--vocab-size), so that other readers see the right size.")
+                             "draft.config.dflash_config['vocab_size_unknown'] before saving (or use "
+                             "dflash-hf convert --vocab-size), so that other readers see the right size.")
         self.config.dflash_hf_version = DFLASH_HF_VERSION
         if "save_original_format" in inspect.signature(PreTrainedModel.save_pretrained).parameters:  # Transformers 5
             kwargs.setdefault("save_original_format", False)  # not the names it was loaded under (key_mapping)

@@ -56,12 +56,14 @@ def read_conversations(paths: str | Path | Iterable[str | Path], field: str | No
     return conversations
 
 
-def chat_prompt_ids(tokenizer: Any, turns: list[dict[str, str]]) -> list[int]:
-    """Token ids of a chat rendered with the generation prompt, tokenized once (a single BOS)."""
-    ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=False)
+def chat_prompt_ids(tokenizer: Any, turns: list[dict[str, str]], thinking: bool = False) -> list[int]:
+    """Token ids of a chat rendered with the generation prompt, tokenized once (a single BOS). `thinking` is the
+    `enable_thinking` switch of templates that have one (Qwen3): off by default, as the paper measures."""
+    ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                        enable_thinking=thinking)
     return list(ids)
 
 
-def user_prompt_ids(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of one user message rendered as a chat with the generation prompt."""
-    return chat_prompt_ids(tokenizer, [{"role": "user", "content": text}])
+def user_prompt_ids(tokenizer: Any, text: str, thinking: bool = False) -> list[int]:
+    """Token ids of one user message rendered as a chat with the generation prompt (see `chat_prompt_ids`)."""
+    return chat_prompt_ids(tokenizer, [{"role": "user", "content": text}], thinking)

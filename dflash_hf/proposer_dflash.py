@@ -198,7 +198,8 @@ class DFlashProposer:
         sample = step.temperature > 0.0 and self.sample_proposals
         selector = self.draft.candidate_selector
         shape = (len(step.row_ids), block_size - 1)
-        if self.vocab is not None and not sample and selector is None:  # greedy: the argmax over the draft's vocabulary
+        if self.vocab is not None and not sample and selector is None:
+            # greedy: the argmax over the draft's vocabulary
             logits = self.draft.scale_logits(self.vocab.logits(proposal_states))  # [N * (B-1), K]
             tokens = self.vocab.ids[logits.argmax(dim=-1).to(device)].view(shape)
             return (Proposal(tokens, confidences=greedy_confidences(logits).view(shape)) if step.score_proposals

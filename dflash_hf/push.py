@@ -83,8 +83,8 @@ def push_to_hub(folder: str | Path, repo_id: str, private: bool = False, dry_run
 
         token = get_token()
         if token is None:
-            raise ValueError("No Hugging Face token: run `huggingface-cli login` (or `hf auth login`) or set HF_TOKEN, "
-                             "then push again; `dflash-hf push --dry-run` checks the folder without one.")
+            raise ValueError("No Hugging Face token: run `huggingface-cli login` (or `hf auth login`) or set "
+                             "HF_TOKEN, then push again; `dflash-hf push --dry-run` checks the folder without one.")
     with tempfile.TemporaryDirectory() as temporary:
         ready = hub_ready_folder(folder, staging or Path(temporary) / "draft")
         files = check_hub_folder(ready, keep_remote_code, shown_as=folder)

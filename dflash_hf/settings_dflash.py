@@ -19,7 +19,8 @@ import torch
 from .devices_dflash import execution_device, target_device, target_text_config
 from .proposer_dflash import DFlashDraft, draft_vocab_ids
 
-DEFAULT_MAX_NEW_TOKENS = 256  # where neither the call nor the generation config sets a length (generate: max_length 20)
+# where neither the call nor the generation config sets a length (generate: max_length 20)
+DEFAULT_MAX_NEW_TOKENS = 256
 GENERATE_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}  # generate's, for unset fields
 ACCEPTANCE_RULES = ("rejection", "equality")
 # Generation settings the loop cannot honour, with the values at which they change nothing.
@@ -55,7 +56,8 @@ class StepCosts:
 
 @dataclass(frozen=True)
 class DecodingSettings:
-    """What one call of the loop does, resolved once (`resolve_settings`); per-row generators and streamers expanded."""
+    """What one call of the loop does, resolved once (`resolve_settings`);
+    per-row generators and streamers expanded."""
 
     max_new_tokens: int
     block_size: int  # tokens verified per step: the pending token and block_size - 1 proposals
@@ -78,7 +80,7 @@ class DecodingSettings:
         return self.temperature == 0.0
 
 
-# --- Token ids --------------------------------------------------------------------------------------------------------
+# --- Token ids -------------------------------------------------------------------------------------------------------
 
 
 def token_id_list(value: Any, name: str) -> list[int]:
@@ -127,7 +129,8 @@ def stop_token_ids_of(target: torch.nn.Module, tokenizer: Any = None) -> list[in
 
 
 def default_pad_token_id(target: torch.nn.Module, stop_token_ids: list[int] | None, tokenizer: Any = None) -> int:
-    """Padding for rows that end early: the target's pad id, else the tokenizer's, else the first stop token, else 0."""
+    """Padding for rows that end early: the target's pad id, else the tokenizer's,
+    else the first stop token, else 0."""
     for source in (getattr(target, "generation_config", None), tokenizer):
         configured = token_id_list(getattr(source, "pad_token_id", None), "pad_token_id")
         if configured:
@@ -199,8 +202,9 @@ def resolve_generation_choices(target: torch.nn.Module, prompt_length: int, gene
                                **arguments: Any) -> GenerationChoices:
     """Merge a call's arguments over `generation_config` (default: the target's), the way `generate` does.
 
-    `arguments`: max_new_tokens (or max_length), do_sample, temperature, top_k, top_p, stop_token_ids (or eos_token_id),
-    pad_token_id (None: not given), and settings the loop cannot honour, accepted only at their neutral values.
+    `arguments`: max_new_tokens (or max_length), do_sample, temperature, top_k, top_p,
+    stop_token_ids (or eos_token_id), pad_token_id (None: not given), and settings the loop cannot honour,
+    accepted only at their neutral values.
     """
     config = generation_config if generation_config is not None else getattr(target, "generation_config", None)
     unknown = sorted(key for key in arguments if key not in CALL_SETTINGS and key not in NEUTRAL_GENERATION_SETTINGS)
@@ -252,7 +256,8 @@ def resolve_generation_choices(target: torch.nn.Module, prompt_length: int, gene
 
 
 def check_left_padding(attention_mask: Any, shape: torch.Size) -> None:
-    """Raise a TypeError / ValueError unless attention_mask is a 0/1 tensor of `shape` padding rows on the left only."""
+    """Raise a TypeError / ValueError unless attention_mask is a 0/1 tensor of `shape` padding rows
+    on the left only."""
     if not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"attention_mask must be a torch.Tensor of shape [batch, prompt_length], got "
                         f"{type(attention_mask).__name__}; e.g. torch.tensor(mask) "
@@ -401,7 +406,7 @@ def check_draft_shapes(draft: DFlashDraft, target: torch.nn.Module) -> None:
         raise ValueError(f"target_layer_ids {bad_layers} are outside the target's {num_layers} layers.")
 
 
-# --- Per-row inputs ---------------------------------------------------------------------------------------------------
+# --- Per-row inputs --------------------------------------------------------------------------------------------------
 
 
 def row_streamers(streamer: Any, num_rows: int) -> tuple[Any, ...] | None:

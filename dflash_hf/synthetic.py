@@ -60,12 +60,13 @@ class SyntheticSpec:
 
 
 def synthetic_spec(model: str, draft_config: str | Path | None = None) -> SyntheticSpec:
-    """The pair `model` names (a key of SYNTHETIC_PAIRS), or a target config.json with the draft config.json to pair."""
+    """The pair `model` names (a key of SYNTHETIC_PAIRS), or a target config.json with the draft
+    config.json to pair."""
     if model in SYNTHETIC_PAIRS:
         pair = SYNTHETIC_PAIRS[model]
         if draft_config:  # another draft for this target: the paper's tau is not its tau
-            return SyntheticSpec(model, _read_json(TARGET_CONFIGS / pair.target_config), _read_json(Path(draft_config)),
-                                 None, "")
+            return SyntheticSpec(model, _read_json(TARGET_CONFIGS / pair.target_config),
+                                 _read_json(Path(draft_config)), None, "")
         return SyntheticSpec(model, _read_json(TARGET_CONFIGS / pair.target_config),
                              _read_json(PUBLISHED_CONFIGS / pair.draft_config), pair.paper_tau, pair.tau_source)
     path = Path(model)
@@ -143,7 +144,8 @@ def build_synthetic_pair(target_config: dict[str, Any], draft_config: dict[str, 
     values = {key: value for key, value in target_config.items() if key not in saved_dtype}
     config = AutoConfig.for_model(values.pop("model_type"), **values)
     config._attn_implementation = "sdpa"
-    draft_values = DFlashConfig.from_dict({key: value for key, value in draft_config.items() if key not in saved_dtype})
+    draft_values = DFlashConfig.from_dict({key: value for key, value in draft_config.items()
+                                           if key not in saved_dtype})
     draft_values._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     with torch.device(device), default_dtype(dtype):
@@ -204,7 +206,8 @@ def synthetic_table(result: dict[str, Any]) -> str:
                      f"{row['verify_over_one_token']:.2f} | {_times(row['projected_speedup'])} |")
     widths = "" if result["shrink"] == 1 else f", widths / {result['shrink']}"
     source = f" ({result['tau_source']})" if result["tau_source"] else ""
-    lines.append(f"\n{result['model']} with random weights{widths}: target {result['parameters']['target'] / 1e9:.3f}B "
+    lines.append(f"\n{result['model']} with random weights{widths}: "
+                 f"target {result['parameters']['target'] / 1e9:.3f}B "
                  f"and draft {result['parameters']['draft'] / 1e9:.3f}B parameters, {result['dtype']} on "
                  f"{result['device']}, context {result['context_length']} tokens; projected = tau * t(1) / "
                  f"(t(verify) + t(draft)) at tau {result['tau']}{source}, capped at the block size"

@@ -52,7 +52,7 @@ def make_draft(seed: int = 0, **config_kwargs) -> DFlashDraftModel:
     return DFlashDraftModel(draft_config(**config_kwargs)).eval()
 
 
-# Tiny drafts of every format in dflash-formats.md (config overrides on `draft_config`, two layers).
+# Tiny drafts of every format in docs/formats.md (config overrides on `draft_config`, two layers).
 DRAFT_VARIANTS = {
     "sliding_mixed": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5),
     "all_causal": dict(is_causal=True),

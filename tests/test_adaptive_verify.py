@@ -52,10 +52,9 @@ def test_a_batch_chooses_one_width_for_the_sum_of_its_rows():
     assert worthwhile_width(torch.tensor([sure, unsure]), [3, 3], costs) == 3  # 4 tokens / 1.8 > 2 / 1.0
 
 
-def test_step_costs_are_checked():
+def test_step_costs_are_checked(target, draft):
     with pytest.raises(ValueError, match="positive verify seconds"):
         StepCosts(draft=0.001, verify=(0.01, 0.0))
-    target, draft = make_target("qwen3", seed=0), make_draft(0)
     with pytest.raises(ValueError, match="verify widths 1 .. 4 but block_size is 8.*measure_verify_costs"):
         draft.spec_generate(target=target, input_ids=random_prompt(0, 5), max_new_tokens=10,
                             step_costs=StepCosts(0.001, (0.01,) * 4))

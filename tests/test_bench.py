@@ -72,7 +72,8 @@ def test_prompt_files_and_datasets(tmp_path):
         load_conversations("squad", tmp_path)
     (tmp_path / "mt_bench.jsonl").write_text('{"question_id": 81, "turns": ["a", "b"]}\n'
                                              '{"question_id": 82, "turns": ["c", "d"]}\n')
-    (tmp_path / "gsm8k_test.jsonl").write_text('{"question": "q1", "answer": "x"}\n{"question": "q2", "answer": "y"}\n')
+    (tmp_path / "gsm8k_test.jsonl").write_text('{"question": "q1", "answer": "x"}\n'
+                                               '{"question": "q2", "answer": "y"}\n')
     assert load_conversations("mt-bench", tmp_path, limit=1) == [["a", "b"]]
     assert load_conversations("gsm8k", tmp_path) == [["q1"], ["q2"]]
 
@@ -416,3 +417,20 @@ def test_step_costs_keep_no_logits_or_hidden_states_between_repetitions(tiny_mod
     plain_steps = [kwargs for name, kwargs in calls if name == "target" and kwargs["input_ids"].shape[1] == 1]
     assert len(plain_steps) == 4 and all(kwargs.get("logits_to_keep") == 1 for kwargs in plain_steps)  # warm-up + 3
     assert sum(name == "target" and kwargs["input_ids"].shape[1] == 4 for name, kwargs in calls) == 4  # the verifies
+
+
+def test_prompts_render_with_thinking_off_unless_asked():
+    """Qwen3's template adds an empty think block when `enable_thinking` is false (as the paper measures); bench
+    renders that way by default and `--thinking` turns it on."""
+    from helpers import make_tokenizer
+
+    from dflash_hf.cli import build_parser
+    from dflash_hf.prompts import user_prompt_ids
+
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}w3 {{ m['content'] }} w1 {% endfor %}w4 "
+                               "{% if enable_thinking is defined and enable_thinking is false %}w5 w6{% endif %}")
+    assert user_prompt_ids(tokenizer, "w9") == [3, 9, 1, 4, 5, 6]
+    assert user_prompt_ids(tokenizer, "w9", thinking=True) == [3, 9, 1, 4]
+    assert build_parser().parse_args(["bench", "--thinking"]).thinking is True
+    assert build_parser().parse_args(["bench"]).thinking is False

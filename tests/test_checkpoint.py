@@ -1,4 +1,4 @@
-"""The published checkpoint layout (design doc section 1) loads unchanged and round-trips."""
+"""The published checkpoint layout (docs/formats.md) loads unchanged and round-trips."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "dflash_hf" / "published_configs
 
 
 def draft_field(config: dict, name: str, default=None):
-    """A DFlash field as dflash-formats.md reads it: `dflash_config[name]`, then the top level, then `default`."""
+    """A DFlash field as docs/formats.md reads it: `dflash_config[name]`, then the top level, then `default`."""
     value = (config.get("dflash_config") or {}).get(name)
     if value is None:
         value = config.get(name)
@@ -32,7 +32,7 @@ def draft_field(config: dict, name: str, default=None):
 
 
 def published_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Parameter names and shapes exactly as the design doc (and, for DFlash2, dflash-formats.md) lists them."""
+    """Parameter names and shapes exactly as docs/formats.md lists them."""
     hidden, head_dim = config["hidden_size"], config["head_dim"]
     heads, kv_heads, inter = config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"]
     num_features = len(config["dflash_config"]["target_layer_ids"])
@@ -64,7 +64,7 @@ def published_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 
 
 def dflash2_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """DFlash2's extra parameters (dflash-formats.md); none for a DFlash config or one lacking the DFlash2 sizes."""
+    """DFlash2's extra parameters (docs/formats.md); none for a DFlash config or one lacking the DFlash2 sizes."""
     sizes = [draft_field(config, name) for name in ("conv_kernel_size", "conv_group_size", "selector_rank")]
     hidden = config["hidden_size"]
     if "DFlash2DraftModel" not in (config.get("architectures") or []) or None in sizes or hidden % sizes[1]:
@@ -90,7 +90,7 @@ def build_on_meta(config: DFlashConfig) -> DFlashDraftModel:
 
 
 def expected_attention(config_dict: dict) -> list[tuple[bool, int | None]]:
-    """(causal, window) per layer as dflash-formats.md defines it from the published fields."""
+    """(causal, window) per layer as docs/formats.md defines it from the published fields."""
     layer_types = draft_field(config_dict, "layer_types", ["full_attention"] * config_dict["num_hidden_layers"])
     window, is_causal = draft_field(config_dict, "sliding_window"), draft_field(config_dict, "is_causal")
     kinds = []
@@ -100,7 +100,7 @@ def expected_attention(config_dict: dict) -> list[tuple[bool, int | None]]:
     return kinds
 
 
-PUBLISHED_FIELDS = {  # the newer fields of dflash-formats.md and what a config without them means
+PUBLISHED_FIELDS = {  # the newer fields of docs/formats.md and what a config without them means
     "layer_types": None, "sliding_window": None, "is_causal": None,
     "input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None,
 }
@@ -284,7 +284,7 @@ def test_unsupported_drafts_are_refused(tmp_path, change, message):
 
 
 def test_a_config_without_block_size_takes_the_documented_default(tmp_path):
-    """dflash-formats.md: `block_size` is read from dflash_config, then the top level, then defaults to 16."""
+    """docs/formats.md: `block_size` is read from dflash_config, then the top level, then defaults to 16."""
     config = {k: v for k, v in TINY.items() if k != "block_size"}
     write_published_folder(tmp_path / "draft", config)
     assert DFlashDraftModel.from_pretrained(str(tmp_path / "draft")).block_size == 16

@@ -31,7 +31,8 @@ def test_train_command_writes_a_hub_ready_draft(tmp_path):
             "--num-prompts", "4", "--gen-batch-size", "2", "--gen-max-new-tokens", "12", "--block-size", "4",
             "--draft-layers", "1", "--mask-token", "w127", "--epochs", "2", "--num-anchors", "6", "--distill",
             "--init-from-target", "--mixed-precision", "bf16", "--draft-vocab-size", "40",
-            "--eval-prompts", str(prompts), "--num-eval", "2", "--eval-max-new-tokens", "10", "--eval-dtype", "float32"]
+            "--eval-prompts", str(prompts), "--num-eval", "2", "--eval-max-new-tokens", "10",
+            "--eval-dtype", "float32"]
     main(argv)
     assert len((run / "responses.jsonl").read_text().splitlines()) == 4
     evaluation = json.loads((run / "evaluation.json").read_text())
@@ -43,7 +44,8 @@ def test_train_command_writes_a_hub_ready_draft(tmp_path):
     assert config["dflash_config"]["target_layer_ids"] == [2]  # one draft layer: [N // 2]
     responses = [json.loads(line)["response_ids"] for line in (run / "responses.jsonl").read_text().splitlines()]
     vocab = config["dflash_config"]["draft_vocab"]  # the responses' tokens first, most frequent first
-    assert len(vocab) == 40 and set(vocab[:len({t for r in responses for t in r})]) == {t for r in responses for t in r}
+    assert len(vocab) == 40 and (set(vocab[:len({t for r in responses for t in r})])
+                                 == {t for r in responses for t in r})
     draft = AutoModel.from_pretrained(run / "draft", trust_remote_code=True)
     assert type(draft).__name__ == "DFlashDraftModel" and draft.draft_vocab == vocab
     assert {tensor.dtype for tensor in load_file(run / "draft" / "model.safetensors").values()} == {torch.float32}
@@ -92,7 +94,8 @@ def test_train_init_from_starts_at_a_trained_draft_and_keeps_its_architecture(tm
           "--num-prompts", "3", "2", "--first-prompt", "2", "--responses", str(tmp_path / "first" / "responses.jsonl"),
           *two_files])
     mixed = [json.loads(line) for line in (tmp_path / "mixed" / "responses.jsonl").read_text().splitlines()]
-    assert mixed[:3] == [json.loads(line) for line in (tmp_path / "first" / "responses.jsonl").read_text().splitlines()]
+    assert mixed[:3] == [json.loads(line)
+                         for line in (tmp_path / "first" / "responses.jsonl").read_text().splitlines()]
     assert sorted(row["index"] for row in mixed) == [0, 1, 2, 3, 4]
     assert json.loads((tmp_path / "mixed" / "training_log.json").read_text())["steps"] == 3  # prompts 2..4
     card = " ".join((tmp_path / "mixed" / "draft" / "README.md").read_text().split())
@@ -151,3 +154,11 @@ def test_train_generate_only_writes_the_rows_a_draft_regenerates_and_stops(tmp_p
     seeded = sorted((json.loads(line) for line in (tmp_path / "seeded" / "responses.jsonl").read_text().splitlines()),
                     key=lambda row: row["index"])
     assert seeded == sorted(rows, key=lambda row: row["index"])
+
+
+def test_version(capsys):
+    from dflash_hf.configuration_dflash import DFLASH_HF_VERSION
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"dflash-hf {DFLASH_HF_VERSION}"

@@ -1,4 +1,5 @@
-"""Conversion to and from Transformers' native DFlash draft (MuseGlimmerAssistantModel), weight-exact, same decoding."""
+"""Conversion to and from Transformers' native DFlash draft (MuseGlimmerAssistantModel), weight-exact,
+same decoding."""
 
 from __future__ import annotations
 

@@ -78,7 +78,7 @@ def check_batch_rows(target: torch.nn.Module, draft: torch.nn.Module, dtype: tor
         assert_lossless(target, output, expected, dtype)
 
 
-# --- Greedy, single rows and batches (Qwen3 and Llama shapes) ---------------------------------------------------------
+# --- Greedy, single rows and batches (Qwen3 and Llama shapes) --------------------------------------------------------
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -155,7 +155,7 @@ def test_cuda_flash_attention_2_draft_single_row():
         assert_equal_up_to_near_tie(target, output, expected)
 
 
-# --- Loading with device_map="auto" -----------------------------------------------------------------------------------
+# --- Loading with device_map="auto" ----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -171,7 +171,7 @@ def test_cuda_device_map_auto_target(tmp_path, dtype):
     check_batch_rows(target, draft, dtype, seed=6, lengths=[4, 12])
 
 
-# --- Sampling with a CUDA generator -----------------------------------------------------------------------------------
+# --- Sampling with a CUDA generator ----------------------------------------------------------------------------------
 
 SAMPLING_VOCAB = 6
 SAMPLED_TOKENS = 3
@@ -238,7 +238,7 @@ def test_cuda_sampling_generators_and_seeds():
                             generator=torch.Generator().manual_seed(5))
 
 
-# --- Training in bf16 mixed precision ---------------------------------------------------------------------------------
+# --- Training in bf16 mixed precision --------------------------------------------------------------------------------
 
 
 def train_argv(tmp_path: Path, output: str, *extra: str) -> list[str]:
@@ -280,7 +280,7 @@ def test_cuda_train_bf16_mixed_precision(tmp_path):
     assert full["losses"][0] == pytest.approx(log["losses"][0], rel=0.05)
 
 
-# --- Peak memory against the target's depth ---------------------------------------------------------------------------
+# --- Peak memory against the target's depth --------------------------------------------------------------------------
 
 MEMORY_PROMPT = 1024
 MEMORY_NEW_TOKENS = 32
@@ -340,7 +340,7 @@ def test_cuda_peak_memory_keeps_only_the_draft_layers_hidden_states():
         "hidden state, not only the draft's target_layer_ids")
 
 
-# --- Host syncs per step ----------------------------------------------------------------------------------------------
+# --- Host syncs per step ---------------------------------------------------------------------------------------------
 
 
 def count_sync_warnings(call) -> tuple[object, Counter]:

@@ -38,8 +38,9 @@ RUN_WITHOUT_PACKAGE = textwrap.dedent("""
         def end(self):
             pass
 
-    no_mask = target.generate(custom_generate=draft_dir, trust_remote_code=True, input_ids=input_ids, max_new_tokens=20,
-                              do_sample=False, pad_token_id=0)  # generate infers the mask from the pads
+    no_mask = target.generate(custom_generate=draft_dir, trust_remote_code=True, input_ids=input_ids,
+                              max_new_tokens=20, do_sample=False,
+                              pad_token_id=0)  # generate infers the mask from the pads
     stop = torch.tensor([int(plain[1][0, 6 + 5])])
     stop_common = dict(input_ids=input_ids[1:], max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=stop)
     stopped_plain = target.generate(**stop_common)
@@ -49,7 +50,8 @@ RUN_WITHOUT_PACKAGE = textwrap.dedent("""
     streamed = target.generate(custom_generate=draft_dir, trust_remote_code=True, input_ids=prompt,
                                max_new_tokens=12, do_sample=False, pad_token_id=0, streamer=streamer)
     draft = AutoModel.from_pretrained(draft_dir, trust_remote_code=True)
-    with_assistant = target.generate(custom_generate=draft_dir, trust_remote_code=True, assistant_model=draft, **common)
+    with_assistant = target.generate(custom_generate=draft_dir, trust_remote_code=True, assistant_model=draft,
+                                     **common)
     try:
         target.generate(custom_generate=draft_dir, trust_remote_code=True, num_beams=2, **common)
         refusal = None

@@ -1,4 +1,4 @@
-"""Every draft format of dflash-formats.md: sliding / causal layers, scaled embeddings and logits, DFlash2.
+"""Every draft format of docs/formats.md: sliding / causal layers, scaled embeddings and logits, DFlash2.
 
 Masks are checked cell by cell against the doc's rules written out literally; the forward against a literal
 single-row implementation; decoding against the target's own greedy decode (and sampling against its distribution).
@@ -42,7 +42,7 @@ VARIANTS = list(DRAFT_VARIANTS)
 
 
 def literal_mask(context_length: int, block_length: int, causal: bool, window: int | None) -> torch.Tensor:
-    """dflash-formats.md: keys are [context ; block] slots, queries the block slots at the tail of that axis."""
+    """docs/formats.md: keys are [context ; block] slots, queries the block slots at the tail of that axis."""
     mask = torch.zeros(block_length, context_length + block_length, dtype=torch.bool)
     for i in range(block_length):
         qpos = context_length + i
@@ -110,7 +110,7 @@ def test_layer_kinds_follow_layer_types_and_is_causal():
 
 
 def literal_convolution(x, dynamic, base, group_size):
-    """dflash-formats.md `conv`: x [T, H], dynamic [T, k, H/g], base [k, H]; causal within x."""
+    """docs/formats.md `conv`: x [T, H], dynamic [T, k, H/g], base [k, H]; causal within x."""
     length, hidden = x.shape
     groups = hidden // group_size
     rows = x.view(length, groups, group_size)
@@ -130,7 +130,8 @@ def literal_prepare(state, prefix, x, kernel_size, group_size):
 
 
 def literal_forward(draft, block_embeddings, features, block_positions, context_positions):
-    """One row: design doc section 2 plus the per-layer masks and DFlash2 convolutions of dflash-formats.md."""
+    """One row: docs/architecture.md's draft forward plus the per-layer masks and DFlash2 convolutions
+    of docs/formats.md."""
     config, state = draft.config, draft.state_dict()
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     k, g = getattr(config, "conv_kernel_size", None), getattr(config, "conv_group_size", None)
@@ -290,7 +291,7 @@ def test_dflash2_saves_and_loads_the_published_key_names(tmp_path):
 
 
 def literal_selector_path(selector, logits, hidden, anchor):
-    """dflash-formats.md's walk for one row: logits [P, V], hidden [P, H]."""
+    """docs/formats.md's walk for one row: logits [P, V], hidden [P, H]."""
     state = {name: value for name, value in selector.state_dict().items()}
     unary, candidates = logits.topk(selector.top_k, dim=-1)
     projected = hidden @ state["hidden_projection.weight"].T
@@ -422,8 +423,8 @@ def test_every_variant_runs_from_exported_remote_code(tmp_path, targets):
     (tmp_path / "run.py").write_text(RUN_WITHOUT_PACKAGE)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    completed = subprocess.run([sys.executable, str(tmp_path / "run.py"), json.dumps(folders), str(tmp_path / "target"),
-                                json.dumps(sequence)],
+    completed = subprocess.run([sys.executable, str(tmp_path / "run.py"), json.dumps(folders),
+                                str(tmp_path / "target"), json.dumps(sequence)],
                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     results = json.loads(completed.stdout.strip().splitlines()[-1])

@@ -1,4 +1,5 @@
-"""The draft forward follows design doc section 2, on every attention backend, with and without cache."""
+"""The draft forward follows docs/architecture.md ("The draft forward"), on every attention backend,
+with and without cache."""
 
 from __future__ import annotations
 
@@ -117,7 +118,8 @@ def test_llama3_rope_matches_transformers():
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_hidden_states_index_is_the_layer_output(arch):
-    """Feature of layer l is hidden_states[l + 1], the output of decoder layer l (design doc section 2)."""
+    """Feature of layer l is hidden_states[l + 1], the output of decoder layer l
+    (docs/architecture.md, "The draft forward")."""
     target = make_target(arch, seed=5)
     captured = {}
     hooks = [layer.register_forward_hook(lambda m, i, o, idx=idx:

@@ -81,7 +81,8 @@ def test_the_config_carries_the_vocabulary_and_refuses_a_bad_one(tmp_path):
 
 def test_the_call_chooses_the_vocabulary():
     target = make_target("qwen3", seed=5)
-    draft = DFlashDraftModel(draft_config(dflash_config={"mask_token_id": VOCAB_SIZE - 1, "draft_vocab": VOCAB})).eval()
+    draft = DFlashDraftModel(draft_config(dflash_config={"mask_token_id": VOCAB_SIZE - 1,
+                                                         "draft_vocab": VOCAB})).eval()
     input_ids = random_prompt(5, 6)
     expected = plain_greedy(target, input_ids, 20)
     for choice in (None, True, False, VOCAB[:10], torch.tensor(VOCAB[5:])):
@@ -107,11 +108,13 @@ def test_step_costs_time_the_draft_with_its_vocabulary(monkeypatch):
     from dflash_hf.proposer_dflash import DraftVocabulary
 
     target = make_target("qwen3", seed=6)
-    draft = DFlashDraftModel(draft_config(dflash_config={"mask_token_id": VOCAB_SIZE - 1, "draft_vocab": VOCAB})).eval()
+    draft = DFlashDraftModel(draft_config(dflash_config={"mask_token_id": VOCAB_SIZE - 1,
+                                                         "draft_vocab": VOCAB})).eval()
     rows_scored = []
     original = DraftVocabulary.logits
     monkeypatch.setattr(DraftVocabulary, "logits",
-                        lambda self, states: rows_scored.append(original(self, states).shape) or original(self, states))
+                        lambda self, states: (rows_scored.append(original(self, states).shape)
+                                              or original(self, states)))
     measure_step_costs(draft, target, random_prompt(6, 12), block_size=4, mask_token_id=VOCAB_SIZE - 1, repeats=2)
     assert rows_scored and set(rows_scored) == {torch.Size([3, len(VOCAB)])}
 
@@ -123,7 +126,8 @@ def test_warm_up_primes_the_few_row_kernels_so_timed_runs_do_not_choose_them(mon
     from dflash_hf.settings_dflash import GenerationTokens
 
     target = make_target("qwen3", seed=7)
-    draft = DFlashDraftModel(draft_config(dflash_config={"mask_token_id": VOCAB_SIZE - 1, "draft_vocab": VOCAB})).eval()
+    draft = DFlashDraftModel(draft_config(dflash_config={"mask_token_id": VOCAB_SIZE - 1,
+                                                         "draft_vocab": VOCAB})).eval()
     monkeypatch.setattr(kernels_dflash, "FEW_ROW_KERNEL_CHOICE", {})
     rows_of = {(VOCAB_SIZE, target.config.hidden_size): 5, (len(VOCAB), target.config.hidden_size): 5}  # the heads
     for module in [*target.model.modules(), *draft.modules()]:  # every other Linear: up to MAX_FEW_ROWS rows

@@ -4,20 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_draft, make_target, plain_greedy
+from helpers import make_draft, plain_greedy
 from transformers import Qwen3Config, Qwen3Model
 
 PROMPT = torch.tensor([[3, 1, 4, 1, 5]])
-
-
-@pytest.fixture(scope="module")
-def target():
-    return make_target("qwen3", seed=0)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return make_draft(0, block_size=8)
 
 
 @pytest.mark.parametrize("draft_kwargs,message", [
@@ -91,7 +81,8 @@ def test_target_without_lm_head(draft):
 
 
 def test_full_attention_mask_is_accepted(target, draft):
-    out = draft.spec_generate(target=target, input_ids=PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=6)
+    out = draft.spec_generate(target=target, input_ids=PROMPT, attention_mask=torch.ones_like(PROMPT),
+                              max_new_tokens=6)
     assert torch.equal(out, plain_greedy(target, PROMPT, 6))
 
 

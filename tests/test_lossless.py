@@ -72,7 +72,8 @@ def test_max_new_tokens_smaller_than_a_block(max_new_tokens):
     result = speculative_decode(target, perfect, input_ids, max_new_tokens=max_new_tokens, block_size=8)
     assert torch.equal(result.output_ids, expected)
     draft = make_draft(4, block_size=8)
-    assert torch.equal(draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=max_new_tokens), expected)
+    assert torch.equal(draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=max_new_tokens),
+                       expected)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

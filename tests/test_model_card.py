@@ -28,7 +28,8 @@ def test_published_cards_are_rendered_from_the_template_and_up_to_date():
     for name, info in infos.items():
         text = render_model_card(info)
         committed = (ROOT / "checkpoints_card" / name / "README.md").read_text(encoding="utf-8")
-        assert committed == text, f"checkpoints_card/{name} is stale: run `dflash-hf card --published checkpoints_card`"
+        assert committed == text, (f"checkpoints_card/{name} is stale: run "
+                                   "`dflash-hf card --published checkpoints_card`")
         data = metadata(text)
         assert data["library_name"] == "transformers" and data["pipeline_tag"] == "text-generation"
         assert data["base_model"] == info.base_model and "dflash" in data["tags"]
@@ -39,8 +40,8 @@ def test_published_cards_are_rendered_from_the_template_and_up_to_date():
 
 
 def test_card_command_renders_bench_results(tmp_path):
-    info = CardInfo(repo_id="me/draft", base_model="org/target", title="T", description="D", block_size=4, num_layers=1,
-                    target_layer_ids=[2], training={"command": "`dflash-hf train ...`"})
+    info = CardInfo(repo_id="me/draft", base_model="org/target", title="T", description="D", block_size=4,
+                    num_layers=1, target_layer_ids=[2], training={"command": "`dflash-hf train ...`"})
     write_model_card(tmp_path, info)
     assert read_card_info(tmp_path) == info
     bench = {"settings": {"device": "cpu", "dtype": "torch.float32", "threads": 2, "max_new_tokens": 256,
@@ -51,7 +52,8 @@ def test_card_command_renders_bench_results(tmp_path):
                                            "transformers_dflash": 12.0}, "speedup": 1.5,
                           "speedup_prompt_lookup": 1.1, "bound": 1.7, "lossless": True}]}
     (tmp_path / "bench.json").write_text(json.dumps(bench))
-    main(["card", str(tmp_path), "--bench-json", str(tmp_path / "bench.json"), "--bench-command", "dflash-hf bench -x"])
+    main(["card", str(tmp_path), "--bench-json", str(tmp_path / "bench.json"),
+          "--bench-command", "dflash-hf bench -x"])
     text = (tmp_path / "README.md").read_text()
     assert "| gsm8k | 3 | 4 | 2.50 | 10.0 | 15.0 | 11.0 | 12.0 | 1.50x | 1.70x | yes |" in text
     assert "`dflash-hf bench -x`" in text and metadata(text)["base_model"] == "org/target"

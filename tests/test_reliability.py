@@ -49,7 +49,8 @@ def test_loading_that_would_drop_weights_fails_loudly(damage, tmp_path):
         weights["embed_tokens.weight"] = torch.zeros(4, 4)
     if damage == "target checkpoint":  # a plain Qwen3 checkpoint is no DFlash draft
         make_target("qwen3").save_pretrained(tmp_path / "target")
-        (tmp_path / "draft" / "model.safetensors").write_bytes((tmp_path / "target" / "model.safetensors").read_bytes())
+        (tmp_path / "draft" / "model.safetensors").write_bytes(
+            (tmp_path / "target" / "model.safetensors").read_bytes())
     else:
         save_file(weights, tmp_path / "draft" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="do not match a DFlash draft"):

@@ -98,7 +98,8 @@ def test_sampled_sequences_follow_the_target_distribution(setup, proposer_kind, 
     # the same statistic has power: it rejects a nearby wrong distribution
     wrong = exact_joint(target, input_ids, temperature * 1.5, top_k, top_p)
     p_value_wrong = chi_square_p_value(counts, wrong, NUM_SAMPLES)
-    print(proposer_kind, temperature, top_k, top_p, "accepted", accepted_drafts, "p", p_value, "p_wrong", p_value_wrong)
+    print(proposer_kind, temperature, top_k, top_p, "accepted", accepted_drafts, "p", p_value,
+          "p_wrong", p_value_wrong)
     assert p_value > 1e-3
     assert p_value_wrong < 1e-3
 
@@ -180,7 +181,8 @@ def test_batched_sampling_follows_each_rows_distribution(setup, per_row_generato
     assert accepted_drafts > num_calls // 10  # proposals were accepted in the batch
     for which, (row_prompt, num_samples) in enumerate(((prompt, 2 * num_calls), (other, num_calls))):
         p_value = chi_square_p_value(counts[which], exact_joint(target, row_prompt, 1.0, None, None), num_samples)
-        p_value_wrong = chi_square_p_value(counts[which], exact_joint(target, row_prompt, 1.5, None, None), num_samples)
+        p_value_wrong = chi_square_p_value(counts[which], exact_joint(target, row_prompt, 1.5, None, None),
+                                           num_samples)
         print("prompt", which, "p", p_value, "p_wrong", p_value_wrong)
         assert p_value > 1e-3
         assert p_value_wrong < 1e-3
@@ -214,8 +216,8 @@ def test_speculative_sample_keeps_the_target_distribution(broken):
     accepted, tokens = speculative_sample(proposals, q.expand(num_samples, -1, -1), p.expand(num_samples, -1, -1),
                                           uniforms)
     if broken:  # the wrong rule: resample from p after a rejection
-        tokens = torch.where(accepted == 0, torch.multinomial(p[0], num_samples, replacement=True, generator=generator),
-                             tokens)
+        tokens = torch.where(accepted == 0,
+                             torch.multinomial(p[0], num_samples, replacement=True, generator=generator), tokens)
     first_tokens = torch.where(accepted == 1, proposals[:, 0], tokens)
     counts = torch.bincount(first_tokens, minlength=4).tolist()
     first = p[0].double().tolist()

@@ -46,7 +46,8 @@ def test_shrinking_divides_widths_and_keeps_depths():
     assert draft["dflash_config"]["target_layer_ids"] == [1, 9, 17, 25, 33]
     assert "eos_token_id" not in target
     assert spec.target_config["hidden_size"] == 4096  # the spec itself is untouched
-    with pytest.raises(ValueError, match="target config has no top-level hidden_size, num_attention_heads, vocab_size"):
+    with pytest.raises(ValueError,
+                       match="target config has no top-level hidden_size, num_attention_heads, vocab_size"):
         shrink_configs({"model_type": "gemma4", "text_config": spec.target_config}, spec.draft_config, 1)
     with pytest.raises(ValueError, match="key/value heads"):
         shrink_configs({**spec.target_config, "num_key_value_heads": 12}, spec.draft_config, 2)

@@ -129,7 +129,8 @@ def test_peak_loss_memory_is_bounded_by_the_chunk_not_the_rows():
                     chunk_rows).loss.backward()
 
     def full():
-        reference_loss(draft, target, input_ids, loss_mask, 48, torch.Generator().manual_seed(0), signals)[0].backward()
+        reference_loss(draft, target, input_ids, loss_mask, 48, torch.Generator().manual_seed(0),
+                       signals)[0].backward()
 
     rows = int(build_blocks(input_ids, loss_mask, sample_anchors(loss_mask, 48, torch.Generator().manual_seed(0)),
                             4, vocab - 1).label_mask.sum())

@@ -175,15 +175,17 @@ def test_training_blocks_predict_what_the_decoding_loop_accepts(arch):
     with torch.no_grad():
         result = draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=60, return_stats=True)
         sequence, lengths = result.output_ids[0], result.acceptance_lengths[0]
-        committed_before = 1 + torch.tensor([0, *lengths[:-1]]).cumsum(0)  # [S]: the first token comes from the prefill
+        # [S]: the first token comes from the prefill
+        committed_before = 1 + torch.tensor([0, *lengths[:-1]]).cumsum(0)
         full_blocks = int((60 - committed_before >= 6).sum())  # the last steps shrink the block to what is left
         accepted = [length - 1 for length in lengths[:full_blocks]]
         anchors = prompt.shape[1] + committed_before[:full_blocks] - 1  # [S]: position of each step's pending token
         blocks = build_blocks(sequence, torch.ones_like(sequence), anchors, 6, vocab - 1)
         features = select_features(target(sequence[None], output_hidden_states=True).hidden_states,
                                    draft.target_layer_ids)
-        hidden = draft(target.get_input_embeddings()(blocks.block_ids)[None], features, blocks.block_position_ids[None],
-                       torch.arange(len(sequence))[None], attention_mask=blocks.attention_mask[None, None])
+        hidden = draft(target.get_input_embeddings()(blocks.block_ids)[None], features,
+                       blocks.block_position_ids[None], torch.arange(len(sequence))[None],
+                       attention_mask=blocks.attention_mask[None, None])
         predictions = target.get_output_embeddings()(hidden.view(len(anchors), 6, -1)[:, 1:]).argmax(-1)  # [S, 5]
     leading_correct = ((predictions == blocks.labels) & blocks.label_mask).long().cumprod(1).sum(1)
     assert leading_correct.tolist() == accepted
@@ -208,6 +210,7 @@ def test_a_flash_attention_draft_trains_like_sdpa(monkeypatch):
     for backend in ("sdpa", "flash_attention_2"):
         draft = make_draft(5, block_size=4)
         draft.config._attn_implementation = backend
-        losses[backend] = dflash_loss(draft, target, sequence, torch.ones(24), 4, torch.Generator().manual_seed(0)).loss
+        losses[backend] = dflash_loss(draft, target, sequence, torch.ones(24), 4,
+                                      torch.Generator().manual_seed(0)).loss
     assert received == []  # every training call is masked
     torch.testing.assert_close(losses["flash_attention_2"], losses["sdpa"], rtol=0, atol=0)

@@ -78,7 +78,8 @@ INTERVENTIONS = {
         target, "forward", lambda *a, _forward=target.forward, **k: favour_token(token)(target, a, _forward(*a, **k))),
     "class forward patched": lambda target, token, monkeypatch: monkeypatch.setattr(
         Qwen3ForCausalLM, "forward",
-        lambda self, *a, _forward=Qwen3ForCausalLM.forward, **k: favour_token(token)(self, a, _forward(self, *a, **k))),
+        lambda self, *a, _forward=Qwen3ForCausalLM.forward, **k: favour_token(token)(
+            self, a, _forward(self, *a, **k))),
 }
 
 
@@ -100,7 +101,7 @@ def test_a_hook_or_patch_added_after_a_first_call_shapes_every_verify(interventi
     assert torch.equal(spec(draft, target, prompt), before)  # and taken away again
 
 
-# --- Stop ids in every form generate takes ----------------------------------------------------------------------------
+# --- Stop ids in every form generate takes ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("form", ["tensor", "0-d tensor", "numpy scalar", "numpy array", "list of 0-d tensors",
@@ -138,7 +139,7 @@ def test_stop_ids_that_are_not_token_ids_are_refused_by_name(stop_token_ids, mes
         spec(draft, target, random_prompt(8, 6), stop_token_ids=stop_token_ids)
 
 
-# --- Temperatures at the edge -----------------------------------------------------------------------------------------
+# --- Temperatures at the edge ----------------------------------------------------------------------------------------
 
 
 def test_a_vanishing_temperature_samples_the_greedy_tokens(models):

@@ -44,7 +44,8 @@ def test_generation_runs_the_grouped_path_and_sets_the_attention_back(monkeypatc
     output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=20, block_size=4)
     assert torch.equal(output, plain_greedy(target, input_ids, 20))
     layers = target.config.num_hidden_layers
-    assert widths[:layers] == [9] * layers and set(widths[layers:]) <= {1, 2, 3, 4} and 4 in widths  # prefill, verifies
+    assert (widths[:layers] == [9] * layers and set(widths[layers:]) <= {1, 2, 3, 4}
+            and 4 in widths)  # prefill, verifies
     assert target.config._attn_implementation == "sdpa"
 
 

@@ -1,4 +1,4 @@
-"""Training DFlash drafts (design doc section 4)."""
+"""Training DFlash drafts (docs/training.md)."""
 
 from .objective import BlockBatch, StepResult, build_blocks, dflash_loss, position_weights, sample_anchors
 

@@ -64,9 +64,9 @@ def generate_responses(
     """Regenerate a response for every prompt with the target; returns all rows, in prompt order.
 
     Each row is {"index", "prompt_ids", "response_ids"}; rows already in `output_path` are kept. Rows of the
-    `seed_paths` files (`.jsonl` or `.jsonl.gz`) answer the prompts whose rendered ids they hold, wherever those prompts
-    sit in `prompts` (copied in, re-indexed). With a `draft`, the batches run through `spec_generate` (lossless, so the
-    rows are the target's own output), otherwise `generate`.
+    `seed_paths` files (`.jsonl` or `.jsonl.gz`) answer the prompts whose rendered ids they hold, wherever those
+    prompts sit in `prompts` (copied in, re-indexed). With a `draft`, the batches run through `spec_generate`
+    (lossless, so the rows are the target's own output), otherwise `generate`.
     """
     rows = {row["index"]: row for row in read_rows(output_path)}
     prompt_ids = [user_prompt_ids(tokenizer, prompt) for prompt in prompts]  # rendered once, used below three times
@@ -135,7 +135,8 @@ def _respond(target: torch.nn.Module, draft: torch.nn.Module | None, input_ids: 
     if draft is not None:
         output = draft.spec_generate(target=target, input_ids=input_ids, attention_mask=attention_mask,
                                      max_new_tokens=max_new_tokens, do_sample=temperature > 0, return_stats=True,
-                                     stop_token_ids=tokens.stop_token_ids, pad_token_id=tokens.pad_token_id, **sampling)
+                                     stop_token_ids=tokens.stop_token_ids, pad_token_id=tokens.pad_token_id,
+                                     **sampling)
         return [output.new_tokens(row) for row in range(input_ids.shape[0])]
     output = target.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                              pad_token_id=tokens.pad_token_id, eos_token_id=tokens.stop_token_ids,

@@ -1,4 +1,4 @@
-"""The DFlash training objective (design doc section 4): random anchors, sparse block mask, decayed loss.
+"""The DFlash training objective (docs/training.md): random anchors, sparse block mask, decayed loss.
 
 All blocks of a sequence train in one draft forward: the context rows (target features of every
 position) are computed once, and a boolean mask lets each block see only the context strictly

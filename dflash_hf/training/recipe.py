@@ -21,7 +21,7 @@ def draft_config_for(
 ) -> DFlashConfig:
     """A draft config shaped like the target's layers (hidden size, heads, MLP, rope), in the published layout.
 
-    layer_attention: optional `layer_types`, `sliding_window`, `is_causal` (dflash-formats.md).
+    layer_attention: optional `layer_types`, `sliding_window`, `is_causal` (docs/formats.md).
     """
     config = target_text_config(target)
     num_target_layers = config.num_hidden_layers

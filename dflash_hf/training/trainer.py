@@ -1,6 +1,6 @@
 """The training loop: AdamW, cosine schedule with warm-up, gradient clipping, resumable checkpoints.
 
-One sequence per optimiser step, many anchors per sequence (design doc section 4). Runs as is on
+One sequence per optimiser step, many anchors per sequence (docs/training.md). Runs as is on
 one CPU or GPU and data-parallel under `accelerate launch` (Accelerate is the distributed engine).
 Cached target signals live on the host (pinned when CUDA is available) and go to the device one step at a time.
 """
@@ -261,7 +261,8 @@ def train_draft(
     unwrapped = accelerator.unwrap_model(draft)
     checkpoint_dir = output_dir / CHECKPOINT_DIR
     log = load_checkpoint(checkpoint_dir, unwrapped, optimizer, scheduler) or TrainingLog()
-    started, last = time.perf_counter() - log.seconds, total_steps if max_steps is None else min(total_steps, max_steps)
+    started, last = (time.perf_counter() - log.seconds,
+                     total_steps if max_steps is None else min(total_steps, max_steps))
 
     def signals_of(input_ids: torch.Tensor, loss_mask: torch.Tensor) -> TargetSignals:
         return target_signals(target, input_ids.to(accelerator.device), unwrapped.target_layer_ids,
