@@ -26,10 +26,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first-prompt", type=int, default=0, metavar="I",
                         help="train on prompts I.. only (all are still generated or read; counted over the prompt "
                              "files in order), e.g. a later --init-from stage on rows the draft has not seen")
-    parser.add_argument("--gen-batch-size", type=int, default=16)
-    parser.add_argument("--gen-max-new-tokens", type=int, default=256)
-    parser.add_argument("--gen-temperature", type=float, default=0.0)
-    parser.add_argument("--gen-dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--gen-batch-size", type=int, default=16,
+                        help='prompts per batched generate call while regenerating responses')
+    parser.add_argument("--gen-max-new-tokens", type=int, default=256, help='length of each regenerated response')
+    parser.add_argument("--gen-temperature", type=float, default=0.0,
+                        help='temperature of the regenerated responses (0: greedy)')
+    parser.add_argument("--gen-dtype", choices=DTYPES, default="float32",
+                        help="the target's dtype while regenerating responses")
     parser.add_argument("--gen-draft", default=None, metavar="DRAFT",
                         help="generate the responses with spec_generate and this draft (folder or Hub id; 'shipped' "
                              "for the SmolLM2 demo draft): greedy in float32, the same rows as generate; faster "
@@ -42,17 +45,22 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop once OUTPUT/responses.jsonl holds every prompt (resumable; train later)")
     parser.add_argument("--block-size", type=int, default=None, help="default 8 (or --init-from's)")
     parser.add_argument("--draft-layers", type=int, default=None, help="default 2 (or --init-from's)")
-    parser.add_argument("--target-layer-ids", type=int, nargs="*", default=None)
+    parser.add_argument("--target-layer-ids", type=int, nargs="*", default=None,
+                        help="target layers whose outputs the draft reads (default: spread evenly, as the "
+                             "published drafts)")
     parser.add_argument("--mask-token", default=None, help="mask token (string) in the target vocabulary")
     parser.add_argument("--layer-types", nargs="+", default=None, choices=["full_attention", "sliding_attention"],
                         help="attention of each draft layer (default: all full_attention)")
     parser.add_argument("--sliding-window", type=int, default=None, help="window of the sliding_attention layers")
     parser.add_argument("--causal", choices=["true", "false"], default=None,
                         help="every layer causal (true) or bidirectional (false); default: sliding layers causal")
-    parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--learning-rate", type=float, default=6e-4)
-    parser.add_argument("--num-anchors", type=int, default=64)
-    parser.add_argument("--distill", action="store_true", help="soft labels from the target's distribution")
+    parser.add_argument("--epochs", type=int, default=6, help='passes over the training sequences')
+    parser.add_argument("--learning-rate", type=float, default=6e-4,
+                        help="AdamW's peak learning rate (cosine schedule with warm-up)")
+    parser.add_argument("--num-anchors", type=int, default=64,
+                        help='random block starts per sequence, trained together in one pass')
+    parser.add_argument("--distill", action=argparse.BooleanOptionalAction, default=True,
+                        help="soft labels from the target's top-k distribution, as every documented recipe trains")
     parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="K",
                         help="save a draft vocabulary: the K most frequent tokens of the target's own responses "
                              "(config dflash_config.draft_vocab); the draft's LM head then runs over K rows, not the "
@@ -70,11 +78,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start from a trained draft (folder or Hub id): its architecture, new schedule, "
                              "your data")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resumable)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the anchors, the shuffling and the draft's initialisation")
     parser.add_argument("--eval-prompts", default=None, help="default: gsm8k_test.jsonl in the data folder")
-    parser.add_argument("--num-eval", type=int, default=10)
-    parser.add_argument("--eval-max-new-tokens", type=int, default=256)
-    parser.add_argument("--eval-dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--num-eval", type=int, default=10, help='held-out prompts measured after training (0: none)')
+    parser.add_argument("--eval-max-new-tokens", type=int, default=256, help='new tokens per held-out prompt')
+    parser.add_argument("--eval-dtype", choices=DTYPES, default="float32", help='dtype of the held-out measurement')
 
 
 def block_size_choice(text: str) -> int | str:
@@ -90,11 +99,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     from .benchmark import DATASETS
     from .synthetic import DEFAULT_SYNTHETIC, SYNTHETIC_PAIRS
 
-    parser.add_argument("--dataset", nargs="+", default=["gsm8k"], choices=list(DATASETS) + ["all"])
+    parser.add_argument("--dataset", nargs="+", default=["gsm8k"], choices=list(DATASETS) + ["all"],
+                        help='benchmarks to run (their JSONL files in --data-dir)')
     parser.add_argument("--prompts", default=None, help='a JSONL file with one {"turns": [...]} object per line')
     parser.add_argument("--data-dir", default=None, help="folder of the benchmark JSONL files ($DFLASH_HF_DATA_DIR)")
-    parser.add_argument("--num-prompts", type=int, default=10)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--num-prompts", type=int, default=10, help='the first N prompts of each dataset')
+    parser.add_argument("--max-new-tokens", type=int, default=256, help='new tokens per prompt (and turn)')
     parser.add_argument("--block-size", type=block_size_choice, nargs="+", default=[None],
                         help="default: the draft's trained block size; 'auto': the best predicted for each batch size "
                              "on this machine (calibrated on each dataset's first prompt); 'adaptive': draft the full "
@@ -102,7 +112,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "dataset's first prompt); several values run in turn")
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1],
                         help="prompts per call (left-padded); several values run one after the other, e.g. 1 2 4 8")
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy, outputs checked against generate's; > 0: sampling")
     parser.add_argument("--acceptance", choices=["rejection", "equality"], default="rejection",
                         help="at temperature > 0: speculative (rejection) sampling of the draft's q, "
                              "or the equality rule")
@@ -117,8 +128,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="0 skips prompt-lookup decoding")
     add_cpu_kernels_argument(parser)
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
-    parser.add_argument("--plot", default="dflash_bench.png", help="PNG plot path ('' for none)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", default=None, metavar="PNG", help="write a plot of the results to this file")
+    parser.add_argument("--seed", type=int, default=0, help='seed of the sampling generators')
     synthetic = parser.add_argument_group("synthetic", "step costs of a model pair from random weights of its shape")
     synthetic.add_argument("--synthetic", nargs="?", const=DEFAULT_SYNTHETIC, default=None, metavar="MODEL",
                            help="time t(1), t(B) and the draft pass of a pair built from its configs (no download) "
@@ -169,7 +180,7 @@ def check_bench_arguments(args: argparse.Namespace) -> None:
     if (args.target is None) != (args.draft is None):
         raise SystemExit("pass both --target and --draft, or neither (SmolLM2-135M-Instruct and the shipped draft)")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
-        raise SystemExit("--plot needs matplotlib: pip install 'dflash-hf[bench]' (or pass --plot '')")
+        raise SystemExit("--plot needs matplotlib: pip install -e '.[bench]' (or leave --plot out)")
     if any(batch_size < 1 for batch_size in args.batch_size):
         raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.num_prompts < 1 or args.max_new_tokens < 1:
@@ -302,36 +313,62 @@ def run_convert(args: argparse.Namespace) -> None:
               "trust_remote_code=True), then draft.spec_generate(target=..., input_ids=...)")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's default in its help, and the examples as written."""
+
+
+TRAIN_EXAMPLES = """\
+  dflash-hf train --output runs/smollm2 --num-prompts 512 --block-size 8 --draft-layers 3
+  dflash-hf train --target Qwen/Qwen3-0.6B --mask-token "<|fim_pad|>" --prompts my_prompts.jsonl --output runs/qwen"""
+BENCH_EXAMPLES = """\
+  dflash-hf bench --block-size auto 8
+  dflash-hf bench --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 --dataset gsm8k math500
+  dflash-hf bench --synthetic Qwen3-8B --batch-size 1 4 16 --block-size 8 16"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `dflash-hf` argument parser with its subcommands."""
     parser = argparse.ArgumentParser(prog="dflash-hf", description="DFlash speculative decoding for Transformers")
     parser.add_argument("--version", action="version", version=f"dflash-hf {DFLASH_HF_VERSION}")
     commands = parser.add_subparsers(dest="command", required=True)
-    add_train_arguments(commands.add_parser("train", help="train a draft for a target"))
-    demo = commands.add_parser("demo", help="SmolLM2-135M-Instruct with the shipped draft: answers, tau, speedup")
-    demo.add_argument("--max-new-tokens", type=int, default=256)
-    demo.add_argument("--dtype", choices=DTYPES, default="float32")
+
+    def subcommand(name: str, summary: str, examples: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=summary, description=summary + ". See README.md.",
+                                   epilog="examples:\n" + examples, formatter_class=HelpFormatter)
+
+    add_train_arguments(subcommand("train", "train a draft for a target (SmolLM2 by default)", TRAIN_EXAMPLES))
+    demo = subcommand("demo", "SmolLM2-135M-Instruct with the shipped draft: answers, tau and speedup measured here",
+                      "  dflash-hf demo\n  dflash-hf demo --block-size 4 --max-new-tokens 64")
+    demo.add_argument("--max-new-tokens", type=int, default=256, help='new tokens per answer')
+    demo.add_argument("--dtype", choices=DTYPES, default="float32",
+                      help='float32 (default on a CPU: bfloat16 products of a few rows are slow there)')
     demo.add_argument("--draft", default=None, help="another draft folder (default: the shipped one)")
     demo.add_argument("--block-size", type=block_size_choice, default="auto",
                       help="auto (default): the best predicted block size on this machine, calibrated on the first "
                            "prompt before timing; adaptive: draft the trained block, verify per step the prefix worth "
                            "its cost timed here; or an integer up to the draft's trained size")
     add_cpu_kernels_argument(demo)
-    add_bench_arguments(commands.add_parser("bench", help="tau, tokens/s and speedup against plain decoding"))
-    card = commands.add_parser("card", help="render a draft's Hub model card (README.md) from its dflash_card.json")
-    card.add_argument("folder", nargs="?", default=None)
+    add_bench_arguments(subcommand("bench", "tau, tokens/s and speedup against plain decoding, and lossless checks",
+                                   BENCH_EXAMPLES))
+    card = subcommand("card", "render a draft's Hub model card (README.md) from its dflash_card.json",
+                      "  dflash-hf card runs/smollm2/draft --bench-json results.json\n"
+                      "  dflash-hf card --published checkpoints_card")
+    card.add_argument("folder", nargs="?", default=None, help='the draft folder holding dflash_card.json')
     card.add_argument("--bench-json", default=None, help="put the results of `dflash-hf bench --json` in the card")
     card.add_argument("--bench-command", default=None, help="the bench command, quoted in the card")
     card.add_argument("--published", default=None, help="write the published drafts' cards into this folder")
     card.add_argument("--configs", default=str(PUBLISHED_CONFIGS), help="folder of the published drafts' configs")
-    push = commands.add_parser("push", help="upload a draft folder to the Hub (remote code, weights, card)")
-    push.add_argument("folder")
-    push.add_argument("--repo-id", required=True)
-    push.add_argument("--private", action="store_true")
+    push = subcommand("push", "check a draft folder (remote code, weights, card) and upload it to the Hub",
+                      "  dflash-hf push runs/smollm2/draft --repo-id you/smollm2-dflash --dry-run")
+    push.add_argument("folder", help='the draft folder to upload (remote code, safetensors, README.md)')
+    push.add_argument("--repo-id", required=True, help='the Hub repository, e.g. you/my-dflash-draft')
+    push.add_argument("--private", action="store_true", help='create the repository private')
     push.add_argument("--dry-run", action="store_true", help="check and list the files, upload nothing")
     push.add_argument("--keep-remote-code", action="store_true",
                       help="upload the folder's remote code even where it differs from the installed dflash-hf's")
-    convert = commands.add_parser("convert", help="convert a draft to Transformers' native DFlash class, or back")
+    convert = subcommand("convert", "convert a draft to Transformers' native DFlash class, or back",
+                         "  dflash-hf convert z-lab/Qwen3-8B-DFlash-b16 qwen3-8b-native --to transformers\n"
+                         "  dflash-hf convert qwen3-8b-native qwen3-8b-dflash --to dflash --vocab-size 151936")
     convert.add_argument("source", help="draft folder or Hub id (DFlash layout, or native with --to dflash)")
     convert.add_argument("destination", help="folder to write")
     convert.add_argument("--to", choices=["transformers", "dflash"], required=True,

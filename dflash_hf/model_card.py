@@ -25,6 +25,8 @@ class CardInfo:
     num_layers: int
     target_layer_ids: list[int]
     license: str = "apache-2.0"
+    license_name: str | None = None  # with license "other": a short name and where the terms are
+    license_link: str | None = None
     results_source: str = "No results yet: run `dflash-hf bench --json results.json` and render them into this card."
     results_table: str = ""
     training: dict[str, str] = field(default_factory=dict)
@@ -61,9 +63,10 @@ def render_model_card(info: CardInfo) -> str:
     """README.md text of a draft: Hub YAML metadata, usage, serving commands, results, training, limitations."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    data = ModelCardData(license=info.license, base_model=info.base_model, library_name="transformers",
-                         pipeline_tag="text-generation", tags=TAGS)
-    fields = {k: v for k, v in asdict(info).items() if k != "license"}
+    data = ModelCardData(license=info.license, license_name=info.license_name, license_link=info.license_link,
+                         base_model=info.base_model, library_name="transformers", pipeline_tag="text-generation",
+                         tags=TAGS)
+    fields = {k: v for k, v in asdict(info).items() if k not in ("license", "license_name", "license_link")}
     return str(ModelCard.from_template(data, template_path=str(TEMPLATE), **fields))
 
 
@@ -138,7 +141,8 @@ def published_card_infos(configs_dir: str | Path) -> dict[str, CardInfo]:
     for name, (base_model, source, table) in PUBLISHED.items():
         config = DFlashConfig.from_json_file(Path(configs_dir) / f"{name}.json")  # normalised on construction
         infos[name] = card_info_for_config(
-            config, f"z-lab/{name}", base_model, license="other",
+            config, f"z-lab/{name}", base_model, license="other", license_name="upstream",
+            license_link=f"https://huggingface.co/z-lab/{name}",  # the authors' weights, under the authors' terms
             title=f"DFlash draft for {base_model}",
             description=f"The published DFlash draft `z-lab/{name}`, described by dflash-hf. "
                         "The weights are the authors'; "
@@ -146,7 +150,7 @@ def published_card_infos(configs_dir: str | Path) -> dict[str, CardInfo]:
                         "(check it against the downloaded file).",
             results_source=source, results_table=table, has_custom_generate=False,
             training={"recipe": "the authors' (not released): see the DFlash paper, "
-                                "section 4 of dflash-hf's design notes",
+                                "docs/training.md in the dflash-hf repository",
                       "training data": "see the paper"},
         )
     return infos
