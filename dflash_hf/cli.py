@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import json
 import sys
@@ -11,7 +12,8 @@ from pathlib import Path
 import torch
 
 from .configuration_dflash import DFLASH_HF_VERSION
-from .loading import DTYPES, PUBLISHED_CONFIGS, SMOLLM2, load_target
+from .loading import DTYPES, PUBLISHED_CONFIGS, SMOLLM2, device_description, load_target
+from .training.trainer import TrainingSettings
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +61,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="AdamW's peak learning rate (cosine schedule with warm-up)")
     parser.add_argument("--num-anchors", type=int, default=64,
                         help='random block starts per sequence, trained together in one pass')
-    parser.add_argument("--distill", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--distill", action=argparse.BooleanOptionalAction, default=TrainingSettings.distill,
                         help="soft labels from the target's top-k distribution, as every documented recipe trains")
     parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="K",
                         help="save a draft vocabulary: the K most frequent tokens of the target's own responses "
@@ -232,7 +234,8 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
         plot_results(results, args.plot)
         print(f"plot: {args.plot}")
     if args.json:
-        meta = {"dtype": str(dtype), "device": device.type, "threads": torch.get_num_threads(),
+        meta = {"machine": device_description(target), "date": datetime.date.today().isoformat(),
+                "dtype": str(dtype), "device": device.type, "threads": torch.get_num_threads(),
                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "acceptance": args.acceptance,
                 "target": args.target or "HuggingFaceTB/SmolLM2-135M-Instruct",
                 "draft": str(args.draft or SHIPPED_DRAFT)}

@@ -19,7 +19,7 @@ from .generation_dflash import DecodeSession, dflash_proposer, synchronize
 from .kernels_dflash import MAX_FEW_ROWS, cpu_kernels, few_row_product, is_plain_linear
 from .modeling_dflash import DFlashDraftModel
 from .proposer_dflash import DraftVocabulary, Proposal, draft_vocab_ids
-from .settings_dflash import StepCosts, neutral_overrides, resolve_settings
+from .settings_dflash import StepCosts, neutral_overrides, resolve_block_size, resolve_settings
 from .target_dflash import last_logits_only
 
 BLOCK_SIZE_CANDIDATES = (2, 3, 4, 6, 8, 12, 16)  # what "auto" chooses among (and the draft's trained size)
@@ -126,7 +126,7 @@ def measure_verify_costs(draft: DFlashDraftModel, target: torch.nn.Module, conte
                          batch_size: int = 1) -> StepCosts:
     """This machine's `StepCosts` for `spec_generate(step_costs=...)`: a draft pass over a block (default: the
     draft's trained size) and a verify of every width 1 .. block (made non-decreasing), after a context [1, T]."""
-    block_size = block_size or draft.block_size
+    block_size = resolve_block_size(block_size, draft.block_size)
     timings = time_step_stages(draft, target, context_ids, block_size, mask_token_id, list(range(1, block_size + 1)),
                                repeats, batch_size)
     verify = nondecreasing([timings["verify"][width] for width in range(1, block_size + 1)])

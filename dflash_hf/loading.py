@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,13 @@ def load_target(name: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
 
 
 def device_description(model: torch.nn.Module) -> str:
-    """Where a model runs, in words: the GPU's name, or the CPU and its thread count."""
+    """Where a model runs, in words: the GPU's name, or the CPU (its model name where the system says it) and its
+    thread count."""
     device = next(model.parameters()).device
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"CPU, {torch.get_num_threads()} threads"
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
+             if line.startswith("model name")]
+    name = names[0] if names else platform.processor() or "CPU"
+    return f"{name}, {torch.get_num_threads()} threads"

@@ -91,7 +91,7 @@ def results_from_bench(bench: dict[str, Any], command: str) -> tuple[str, str]:
 
     settings = bench.get("settings", {})
     setup = ", ".join(f"{key} {settings[key]}"
-                      for key in ("device", "dtype", "threads", "max_new_tokens", "temperature")
+                      for key in ("machine", "date", "device", "dtype", "threads", "max_new_tokens", "temperature")
                       if key in settings)
     source = (f"Measured with dflash-hf ({setup}); plain decoding is `target.generate` in the same process and dtype. "
               f"Command: `{command}`. `bound` is the cost model tau * t(1 token) / (t(block verify) + t(draft)) "

@@ -20,6 +20,7 @@ from .configuration_dflash import DFlashConfig
 from .cost_model import cost_model_bound, measure_step_costs
 from .loading import PUBLISHED_CONFIGS, device_description
 from .modeling_dflash import DFlashDraftModel
+from .settings_dflash import resolve_block_size
 
 PACKAGE = Path(__file__).resolve().parent
 TARGET_CONFIGS = PACKAGE / "target_configs"
@@ -181,9 +182,7 @@ def run_synthetic_bench(spec: SyntheticSpec, device: torch.device, dtype: torch.
     rows = []
     for batch_size in batch_sizes:
         for block_size in block_sizes:
-            block = block_size or draft.block_size
-            if not 1 <= block <= draft.block_size:
-                raise ValueError(f"--block-size {block}: the draft's blocks are 1 to {draft.block_size} tokens")
+            block = resolve_block_size(block_size, draft.block_size)
             costs = measure_step_costs(draft, target, context.to(device), block, draft.mask_token_id,
                                        repeats=repeats, batch_size=batch_size)
             projected = None if paper_tau and block != draft.block_size else cost_model_bound(min(tau, block), costs)

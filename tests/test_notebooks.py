@@ -14,8 +14,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_the_three_notebooks_are_there():
-    assert [path.name for path in NOTEBOOKS] == ["benchmark.ipynb", "quickstart.ipynb", "train_a_draft.ipynb"]
+def test_the_four_notebooks_are_there():
+    assert [path.name for path in NOTEBOOKS] == ["benchmark.ipynb", "quickstart.ipynb", "train_a_draft.ipynb",
+                                                 "transformers_users.ipynb"]
+
+
+def printed_lines(notebook) -> list[str]:
+    return [line for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs
+            if output.get("output_type") == "stream" for line in output.get("text", "").splitlines()]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
@@ -28,6 +34,8 @@ def test_notebook_is_committed_with_outputs_and_sets_no_device_variables(path):
     assert any(output.get("output_type") == "display_data" for cell in code for output in cell.outputs)  # its plots
     source = "\n".join(cell.source for cell in code)
     assert "CUDA_VISIBLE_DEVICES" not in source and "os.environ[" not in source and "set_num_threads" not in source
+    verdicts = [line for line in printed_lines(notebook) if "identical" in line]
+    assert all(line.rstrip().endswith("True") for line in verdicts), verdicts  # the committed run was lossless
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
@@ -42,3 +50,5 @@ def test_notebook_executes(path, monkeypatch):
     errors = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs
               if output.get("output_type") == "error"]
     assert not errors
+    verdicts = [line for line in printed_lines(notebook) if "identical" in line]
+    assert all(line.rstrip().endswith("True") for line in verdicts), verdicts

@@ -103,7 +103,7 @@ def test_a_target_config_file_pairs_with_a_draft_config(tmp_path):
     (["--synthetic", str(TARGET_CONFIGS / "Qwen3-8B.json"), "--draft-config",
       str(PUBLISHED_CONFIGS / "Qwen3-8B-DFlash-b16.json"), "--shrink", "32"], "--tau"),
     (["--synthetic", "--block-size", "auto"], "integers"),
-    (["--synthetic", "Qwen3-4B", "--shrink", "32", "--block-size", "17"], "blocks are 1 to 16"),
+    (["--synthetic", "Qwen3-4B", "--shrink", "32", "--block-size", "17"], "from 1 to the draft's trained size 16"),
     (["--synthetic", "Qwen3-4B", "--draft-config", str(PUBLISHED_CONFIGS / "Qwen3-8B-DFlash-b16.json")], "--tau"),
     (["--synthetic", "--target", "some/model"], "drop --target"),
     (["--draft-config", str(PUBLISHED_CONFIGS / "Qwen3-8B-DFlash-b16.json")], "belong to --synthetic"),

@@ -47,7 +47,7 @@ class TrainingSettings:
     weight_decay: float = 0.0
     num_anchors: int = 512
     max_length: int = 3072
-    distill: bool = False  # soft labels: the target's top-k next-token distribution
+    distill: bool = True  # soft labels: the target's top-k next-token distribution (every documented recipe)
     teacher_top_k: int = 32
     cache_target: bool = True  # run the target once per sequence, not once per epoch (signals kept on the host)
     mixed_precision: str = "no"  # "bf16": forward and loss under bf16 autocast; weights and optimiser stay float32
