@@ -24,7 +24,7 @@ from .configuration_dflash import (
     layer_attention,
     read_rope_parameters,
 )
-from .modeling_dflash import NATIVE_PREFIXES, DFlashDraftModel
+from .modeling_dflash import NATIVE_PREFIXES, DFlashDraftModel, check_draft_source
 
 CONVERSION_TARGETS = ("transformers", "dflash")
 
@@ -119,6 +119,7 @@ def convert(source: str | Path, destination: str | Path, to: str, vocab_size: in
         raise ValueError(f"to must be one of {CONVERSION_TARGETS}, got {to!r}.")
     if Path(destination).exists() and not Path(destination).is_dir():
         raise ValueError(f"{destination} is an existing file; pass a folder to write the draft into.")
+    check_draft_source(source)  # a missing or empty local folder first, whatever the direction
     if to == "transformers":
         native_classes()  # refuse before loading anything
     draft = DFlashDraftModel.from_pretrained(source, dtype="auto")

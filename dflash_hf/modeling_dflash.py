@@ -25,6 +25,9 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+# Transformers 4.57 copies, from a local folder loaded with trust_remote_code, only the files that the loaded module
+# imports itself, not what those import: every remote-code module the model needs is imported here (the ones marked
+# F401 for that alone), so that an exported folder loads there too; tests/test_structure.py checks none is missing.
 from .cache_dflash import DraftContextCache
 from .configuration_dflash import (
     CUSTOM_GENERATE_FILE,
@@ -37,7 +40,13 @@ from .configuration_dflash import (
     layer_attention,
     read_rope_parameters,
 )
+from .devices_dflash import target_device  # noqa: F401
 from .generation_dflash import DFlashGenerationMixin
+from .kernels_dflash import cpu_kernels  # noqa: F401
+from .proposer_dflash import DFlashProposer  # noqa: F401
+from .sampling_dflash import process_logits  # noqa: F401
+from .settings_dflash import resolve_settings  # noqa: F401
+from .target_dflash import verify_forward  # noqa: F401
 
 # Weight name prefixes of Transformers' native DFlash draft (`MuseGlimmerAssistantModel`) -> ours; the rest is shared.
 NATIVE_PREFIXES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}

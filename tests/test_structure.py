@@ -156,3 +156,19 @@ def test_every_reference_to_a_document_points_into_this_repository():
             broken += [f"{path.name}: link {link} does not resolve" for link in MARKDOWN_LINK.findall(text)
                        if "://" not in link and not (path.parent / link).is_file()]
     assert not broken
+
+
+def test_the_model_file_imports_every_remote_code_module_it_needs():
+    """Transformers 4.57 copies, for a local folder loaded with trust_remote_code, only the files the loaded module
+    imports itself (`from .x import y` lines): modeling_dflash.py must name every module its imports need in turn."""
+    def relative_imports(name: str) -> set[str]:
+        text = (PACKAGE / f"{name}.py").read_text()
+        return set(re.findall(r"^\s*from\s+\.(\S+)\s+import", text, flags=re.M))
+
+    needed, pending = set(), ["modeling_dflash"]
+    while pending:
+        for name in relative_imports(pending.pop()) - needed:
+            needed.add(name)
+            pending.append(name)
+    assert needed - {"modeling_dflash"} <= relative_imports("modeling_dflash")
+    assert {f"{name}.py" for name in needed} <= set(REMOTE_CODE_FILES)
