@@ -91,26 +91,3 @@ def test_hub_check_names_missing_metadata(tmp_path):
     with pytest.raises(ValueError, match="lacks base_model, pipeline_tag, license, tags"):
         check_hub_folder(tmp_path)
 
-
-def markdown_table(text: str) -> list[dict[str, str]]:
-    """The first markdown table in `text`, as one {header: cell} per row."""
-    lines = [line for line in text.splitlines() if line.startswith("|")]
-    start = next(index for index, line in enumerate(lines) if set(lines[index + 1]) <= set("|-: "))
-    header = [cell.strip() for cell in lines[start].strip("|").split("|")]
-    rows = []
-    for line in lines[start + 2:]:
-        cells = [cell.strip() for cell in line.strip("|").split("|")]
-        if len(cells) != len(header):
-            break
-        rows.append(dict(zip(header, cells)))
-    return rows
-
-
-def test_the_shipped_cards_gsm8k_results_are_the_ones_readme_shows():
-    """README's measurements and the shipped draft's card come from the same bench run (`dflash-hf card`)."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8").split("## Measurements", 1)[1]
-    card = (ROOT / "dflash_hf" / "drafts" / "smollm2-135m-instruct" / "README.md").read_text(encoding="utf-8")
-    shown = {int(row["block"].split()[0]): (row["tau"], row["speedup"]) for row in markdown_table(readme)}
-    carded = {int(row["B"]): (row["tau"], row["speedup"]) for row in markdown_table(card.split("## Results", 1)[1])
-              if row["dataset"] == "gsm8k"}
-    assert shown and shown == {block: carded.get(block) for block in shown}
