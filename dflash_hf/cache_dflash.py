@@ -7,7 +7,9 @@ module that touches a cache's internal layout (Transformers 4.57 and 5.x `Dynami
 
 Every verify step cuts the target's cache back to the accepted prefix, so a target must keep per-position keys and
 values: sliding-window layers get a cache layer that keeps every position (the model's own masks still apply the
-window), and targets whose cache holds a recurrent state (linear attention, state-space, convolution) are refused.
+window). Layers whose cache holds a recurrent state (Gated DeltaNet in Qwen3-Next and Qwen3.5, Mamba-2, ...) are
+rolled back by `recurrent_dflash` instead, in the families of `ROLLBACK_MODEL_TYPES`; other recurrent targets are
+refused.
 
 Hub remote code: imports only torch and transformers.
 """
@@ -171,27 +173,82 @@ def _is_windowed(layer: Any) -> bool:
     return type(layer) is DynamicSlidingWindowLayer
 
 
+# Hybrid families whose recurrent layers `recurrent_dflash` rolls back (tested exact, tests/test_hybrid_targets.py),
+# on the Transformers versions whose cache API holds them as linear-attention cache layers (5.x): Gated DeltaNet
+# (Qwen3-Next, Qwen3.5/3.6, OLMo-Hybrid), Kimi Delta Attention, Mamba-2 (Nemotron-H, Granite 4 hybrid), LFM2's
+# short convolutions.
+ROLLBACK_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear", "nemotron_h",
+                        "granitemoehybrid", "lfm2", "lfm2_moe")
+HYBRID_TRANSFORMERS = "transformers>=5.24 (the version dflash-hf tests hybrid targets with)"
+# Recurrent families that stay refused, and why (found on Transformers 5.24 with tiny models of each).
+RECURRENT_REFUSALS = {
+    "jamba": "its multi-token Mamba path starts the SSM state from zero instead of the cached state, so a verified "
+             "block cannot continue from the cache",
+    "bamba": "a multi-token forward over a cache numbers its positions from 0 unless told otherwise, which the "
+             "loop does not do for every verify",
+    "falcon_h1": "each layer keeps attention keys and a Mamba state in one cache layer, which the rollback does not "
+                 "split",
+    "minimax": "it keeps its linear-attention states in its own cache class (MiniMaxCache), which cannot be cut back",
+}
+
+
+def is_recurrent_layer(layer: Any) -> bool:
+    """A cache layer that holds a linear-attention (recurrent and convolution) state and no keys or values."""
+    try:
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+    except ImportError:  # Transformers 4.x: recurrent states live in model-specific caches
+        return False
+    return isinstance(layer, LinearAttentionCacheLayerMixin) and not hasattr(layer, "keys")
+
+
+def recurrent_cache_layers(cache: Any) -> list[int]:
+    """Indices of the layers of a cache that hold a recurrent state (rolled back by `recurrent_dflash`)."""
+    return [index for index, layer in enumerate(getattr(cache, "layers", ())) if is_recurrent_layer(layer)]
+
+
+def recurrent_refusal(config: Any, cache: Any) -> str | None:
+    """Why a target with recurrent layers cannot run (None: it has none, or they can be rolled back)."""
+    import transformers
+
+    recurrent = recurrent_layers(config)
+    uncroppable = sorted({type(layer).__name__ for layer in getattr(cache, "layers", ())
+                          if not _is_windowed(layer) and not is_recurrent_layer(layer)
+                          and getattr(layer, "is_croppable", True) is False})
+    if not recurrent and not uncroppable:
+        return None
+    model_type = str(getattr(config, "model_type", "")).removesuffix("_text")
+    named = ", ".join(f"{layer_type} (layers {', '.join(map(str, indices))})" if indices else layer_type
+                      for layer_type, indices in recurrent.items()) or ", ".join(uncroppable)
+    layers = getattr(cache, "layers", ())
+    indices = [index for layer_indices in recurrent.values() for index in layer_indices if index < len(layers)]
+    rolled_back = bool(recurrent_cache_layers(cache)) and not uncroppable and all(
+        is_recurrent_layer(layers[index]) for index in indices)
+    if model_type in ROLLBACK_MODEL_TYPES and rolled_back:
+        return None
+    if model_type in RECURRENT_REFUSALS:
+        return f"its layers of type {named} keep a recurrent state, and {RECURRENT_REFUSALS[model_type]}"
+    if model_type in ROLLBACK_MODEL_TYPES:
+        return (f"its layers of type {named} keep a recurrent state, which Transformers {transformers.__version__} "
+                f"holds in a model-specific cache that dflash-hf cannot roll back; install {HYBRID_TRANSFORMERS}")
+    return (f"its layers of type {named} keep a recurrent state that dflash-hf does not roll back for "
+            f"{model_type or 'this architecture'} (hybrid targets run for {', '.join(ROLLBACK_MODEL_TYPES)})")
+
+
 def check_croppable_target(target: torch.nn.Module, config: Any, cache: Any = None) -> None:
     """Raise a ValueError, before any forward, when the target's cache cannot be cut back to a prefix.
 
     `config`: the target's decoder config. Recurrent layers are found by their layer type (Transformers 4.57 and 5.x)
     and, where Transformers says so (5.x `is_croppable`), by the cache layer class it would use (`cache`: the one
-    `_config_cache` built, if at hand).
+    `_config_cache` built, if at hand). Those of `ROLLBACK_MODEL_TYPES` pass where they can be rolled back.
     """
-    recurrent = recurrent_layers(config)
     cache = _config_cache(config) if cache is None else cache
-    uncroppable = sorted({type(layer).__name__ for layer in getattr(cache, "layers", ())
-                          if not _is_windowed(layer) and getattr(layer, "is_croppable", True) is False})
-    if not recurrent and not uncroppable:
-        return
-    named = ", ".join(f"{layer_type} (layers {', '.join(map(str, indices))})" if indices else layer_type
-                      for layer_type, indices in recurrent.items()) or ", ".join(uncroppable)
-    raise ValueError(
-        f"Target {type(target).__name__} ({getattr(config, 'model_type', '?')}) has layers of type {named}: their "
-        "recurrent state cannot be rolled back to the accepted prefix of a verified block, which DFlash speculative "
-        "decoding does after every step. This target is not supported (the draft itself loads fine); targets whose "
-        "cache holds keys and values per position (full, sliding-window or chunked attention) are."
-    )
+    refusal = recurrent_refusal(config, cache)
+    if refusal is not None:
+        raise ValueError(
+            f"Target {type(target).__name__} ({getattr(config, 'model_type', '?')}) is not supported: {refusal}. "
+            "DFlash cuts the target's cache back to the accepted prefix of every verified block; the draft itself "
+            "loads fine. See README, \"Hybrid targets\"."
+        )
 
 
 def full_history_cache(target: torch.nn.Module, config: Any) -> Any:
@@ -218,7 +275,7 @@ def check_cache(cache: Any, target: torch.nn.Module, num_rows: int) -> None:
         raise ValueError(f"Target {type(target).__name__} returned no croppable KV cache; "
                          "DFlash needs a DynamicCache.")
     layers = [type(layer).__name__ for layer in getattr(cache, "layers", ()) if _is_windowed(layer)
-              or getattr(layer, "is_croppable", True) is False]
+              or (getattr(layer, "is_croppable", True) is False and not is_recurrent_layer(layer))]
     if layers:
         raise ValueError(f"Target {type(target).__name__} returned a cache with {', '.join(sorted(set(layers)))} "
                          "layers, which cannot be cut back to the accepted prefix.")
@@ -235,13 +292,22 @@ def check_cache(cache: Any, target: torch.nn.Module, num_rows: int) -> None:
 def crop_cache(cache: Any, length: int) -> None:
     """Keep the first `length` positions of a Transformers KV cache (4.x and 5.x `crop` semantics)."""
     excess = cache.get_seq_length() - length
-    if excess > 0:
+    if excess <= 0:
+        return
+    if not recurrent_cache_layers(cache):
         cache.crop(-excess)  # a negative count removes that many positions on 4.57 and 5.x alike
+        return
+    for layer in cache.layers:  # a hybrid cache: recurrent layers are rolled back by `recurrent_dflash`, not cropped
+        if not is_recurrent_layer(layer):
+            layer.crop(-excess)
 
 
 def select_cache_rows(cache: Any, index: torch.Tensor) -> None:
     """Keep the batch rows `index` [n] of a Transformers KV cache (its layers may sit on several devices)."""
     for layer in cache.layers:
+        if is_recurrent_layer(layer):
+            layer.reorder_cache(index)  # selects the rows of its convolution and recurrent states
+            continue
         if getattr(layer, "keys", None) is None or layer.keys.dim() != 4:
             continue  # a layer that stores nothing (Gemma 4's K/V-sharing layers: `DummyLayer`; not yet initialised)
         rows = index.to(layer.keys.device)

@@ -22,6 +22,7 @@ REMOTE_CODE_FILES = (
     "kernels_dflash.py",
     "target_dflash.py",
     "proposer_dflash.py",
+    "recurrent_dflash.py",
     "settings_dflash.py",
     "generation_dflash.py",
     "custom_generate_dflash.py",

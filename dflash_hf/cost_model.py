@@ -7,6 +7,7 @@ model". `bench`, `demo` and `train` choose "auto" and "adaptive" block sizes thr
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -66,7 +67,8 @@ def time_step_stages(
     row), "draft" (a draft pass over a `block_size` block) and "verify" {w: a w-token verify per row}.
 
     The verify and the draft pass are the loop's own stages (`DecodeSession`); the stages take turns, so that a slow
-    spell of the machine spreads over all of them. After each, the session discards what it added.
+    spell of the machine spreads over all of them. After each, the session discards what it added. A hybrid target's
+    verify includes its state rollback over half the verified columns (`recurrent_dflash`).
     """
     input_ids = context_ids.repeat(batch_size, 1)
     settings = resolve_settings(target, input_ids, draft, block_size=block_size, max_new_tokens=block_size + 1,
@@ -78,15 +80,19 @@ def time_step_stages(
         session.prefill(input_ids)
         block, single = session.plan(), session.plan(1)
         proposal = session.propose(block)  # the draft reads the whole context once
+        recurrent = session.state.recurrent  # a hybrid target's recurrent layers, or None
 
         def plain_step() -> Any:  # one token of `generate`: the target's own forward, its full LM head over that token
-            return target(input_ids=single.pending, position_ids=single.positions, use_cache=True, **last_only,
-                          **{session.cache_argument: session.cache})
+            with recurrent.recording() if recurrent is not None else contextlib.nullcontext():  # so it is discarded
+                return target(input_ids=single.pending, position_ids=single.positions, use_cache=True, **last_only,
+                              **{session.cache_argument: session.cache})
 
         def verify_pass(width: int) -> Callable[[], Any]:
             step = session.plan(width)
             shortened = Proposal(proposal.tokens[:, : width - 1])
-            return lambda: session.verify(step, shortened)
+            if recurrent is None:
+                return lambda: session.verify(step, shortened)
+            return lambda: (session.verify(step, shortened), recurrent.advance([max(1, width // 2)] * batch_size))
 
         def seconds(run: Callable[[], Any]) -> float:
             synchronize(input_ids.device)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -35,6 +35,7 @@ from .cache_dflash import (
 from .devices_dflash import target_device, target_text_config
 from .kernels_dflash import cpu_kernels, grouped_query_attention
 from .proposer_dflash import DFlashDraft, DFlashProposer, DraftStep, Proposal, Proposer
+from .recurrent_dflash import RecurrentStates, recurrent_states
 from .sampling_dflash import (
     commit_block,
     draw_uniforms,
@@ -150,6 +151,7 @@ class DecodeState:
     layer_ids: list[int] | None  # target layers the proposer reads (None: it needs no features)
     context: TargetContext | None  # features the proposer has not seen yet
     started: float  # perf_counter() at the prefill
+    recurrent: RecurrentStates | None = None  # a hybrid target's recurrent layers (rolled back after each verify)
     first_token_time: float = 0.0
 
     @property
@@ -211,7 +213,7 @@ def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
         columns=CacheColumns(valid, [len(prompt) for prompt in prompts], contiguous=windowed), layer_ids=layer_ids,
         context=None if features is None else TargetContext.of(features, left_padded_positions(valid),
                                                                valid if padded else None),
-        started=started,
+        started=started, recurrent=recurrent_states(target, cache),
     )
     first_tokens = pick_block(outputs.logits[:, -1:], state.active, settings)[:, 0].tolist()
     del outputs
@@ -327,11 +329,12 @@ def verify(target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal
     mask = state.columns.attention_mask(step.width)
     holes = {} if mask is None else {"attention_mask": mask.long(), "position_ids": step.positions}
     capture = FeatureCapture(target, state.layer_ids, state.device)
-    logits, outputs = verify_forward(
-        target, capture,
-        input_ids=torch.cat((step.pending, proposal.tokens), dim=1),  # [n, b]
-        use_cache=True, **holes, **{state.cache_argument: state.cache},
-    )
+    with state.recurrent.recording() if state.recurrent is not None else nullcontext():
+        logits, outputs = verify_forward(
+            target, capture,
+            input_ids=torch.cat((step.pending, proposal.tokens), dim=1),  # [n, b]
+            use_cache=True, **holes, **{state.cache_argument: state.cache},
+        )
     features = capture.result(outputs)  # [n, b, L*H] or None
     del outputs  # its cache is state.cache; nothing else of it is kept
     state.context = None if features is None else TargetContext(features, step.positions, None)
@@ -379,13 +382,15 @@ def commit(state: DecodeState, step: StepPlan, proposal: Proposal, tokens_of_tar
 
 
 def keep_context(state: DecodeState, step: StepPlan, accepted_counts: list[int]) -> None:
-    """Keep the verify columns of each row's pending token and accepted proposals: in the cache,
-    and as new features."""
+    """Keep the verify columns of each row's pending token and accepted proposals: in the cache (a hybrid target's
+    recurrent states advance over exactly those columns), and as new features."""
     kept_width = max(accepted_counts) + 1
     accepted = host_to_device(accepted_counts, state.device)
     kept = torch.arange(kept_width, device=state.device)[None, :] <= accepted[:, None]  # [n, kept_width]
     state.columns.append(kept, [count + 1 for count in accepted_counts])
     crop_cache(state.cache, state.columns.width)
+    if state.recurrent is not None:
+        state.recurrent.advance([count + 1 for count in accepted_counts])
     if state.context is None:
         return  # no proposer reads features, or this was the last step
     holes = kept_width * len(accepted_counts) != sum(accepted_counts) + len(accepted_counts)
@@ -480,6 +485,8 @@ class DecodeSession:
     def discard_verify(self) -> None:
         """Forget the last verify (or any forward over the cache): the cache holds the committed columns again."""
         crop_cache(self.state.cache, self.state.columns.width)
+        if self.state.recurrent is not None:
+            self.state.recurrent.restore()
         context = self.state.context
         self.state.context = None if context is None else context.seen()
 

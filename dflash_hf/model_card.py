@@ -33,6 +33,7 @@ class CardInfo:
     limitations: list[str] = field(default_factory=list)
     mask_token_note: str | None = None
     has_custom_generate: bool = True  # the repo holds dflash-hf's export (custom_generate/generate.py); False: z-lab's
+    usage_note: str | None = None  # where this draft runs, when that is not the GPU recipe of the published drafts
 
 
 DEFAULT_LIMITATIONS = [

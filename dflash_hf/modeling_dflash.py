@@ -44,6 +44,7 @@ from .devices_dflash import target_device  # noqa: F401
 from .generation_dflash import DFlashGenerationMixin
 from .kernels_dflash import cpu_kernels  # noqa: F401
 from .proposer_dflash import DFlashProposer  # noqa: F401
+from .recurrent_dflash import recurrent_states  # noqa: F401
 from .sampling_dflash import process_logits  # noqa: F401
 from .settings_dflash import resolve_settings  # noqa: F401
 from .target_dflash import verify_forward  # noqa: F401

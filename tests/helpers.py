@@ -32,6 +32,85 @@ def make_target(arch: str = "qwen3", seed: int = 0, vocab_size: int = VOCAB_SIZE
     return model.eval()
 
 
+# Tiny hybrid targets (tests/test_hybrid_targets.py): three Gated DeltaNet layers to each full-attention layer.
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl")
+# Other recurrent families of Transformers 5.x: (config class, model class, config fields); layer 2 is attention.
+MIXED = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, intermediate_size=128, num_attention_heads=4,
+              max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=False)
+MAMBA = dict(mamba_n_heads=8, mamba_d_head="auto", mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+             mamba_chunk_size=8)
+RECURRENT_FAMILIES = {
+    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(
+        num_hidden_layers=4, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, layer_types=MIXED)),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", dict(
+        num_hidden_layers=4, num_key_value_heads=4, moe_intermediate_size=32, kv_lora_rank=16, q_lora_rank=None,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4, layer_types=MIXED)),
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, layers_block_type=["linear_attention", "moe", "full_attention",
+                                                               "linear_attention"],
+        mamba_num_heads=8, mamba_head_dim=16, n_groups=1, ssm_state_size=16, conv_kernel=4, expand=2, chunk_size=8,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32)),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        num_hidden_layers=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        shared_intermediate_size=64, layer_types=MIXED, position_embedding_type="rope", **MAMBA)),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(
+        num_hidden_layers=4, num_key_value_heads=2, conv_L_cache=3, block_auto_adjust_ff_dim=False,
+        layer_types=["conv", "conv", "full_attention", "conv"])),
+    # refused: see cache_dflash.RECURRENT_REFUSALS
+    "jamba": ("JambaConfig", "JambaForCausalLM", dict(
+        num_hidden_layers=4, num_key_value_heads=2, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
+        expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4,
+        mamba_expand=2)),
+    "bamba": ("BambaConfig", "BambaForCausalLM", dict(num_hidden_layers=4, num_key_value_heads=2,
+                                                      attn_layer_indices=[2], **MAMBA)),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", dict(
+        num_hidden_layers=4, num_key_value_heads=2, head_dim=16, mamba_d_ssm=128, **MAMBA)),
+    "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", dict(
+        num_hidden_layers=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        block_size=16, layer_types=["full_attention", "linear_attention"] * 2)),
+}
+
+
+def make_hybrid_target(family: str = "qwen3_5", seed: int = 0, vocab_size: int = VOCAB_SIZE, init_std: float = 0.1,
+                       num_layers: int = TARGET_LAYERS) -> torch.nn.Module:
+    """A tiny random float32 hybrid causal LM (Transformers 5.x): `qwen3_next`, `qwen3_5`, `qwen3_5_moe`,
+    `qwen3_5_vl` (the multimodal Qwen3_5ForConditionalGeneration wrapper that published Qwen3.5 checkpoints are), or
+    one of RECURRENT_FAMILIES (whose own shapes ignore `num_layers`)."""
+    import transformers
+
+    text = dict(vocab_size=vocab_size, hidden_size=HIDDEN_SIZE, intermediate_size=128, num_hidden_layers=num_layers,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                layer_types=[("full_attention" if (i + 1) % 4 == 0 else "linear_attention")
+                             for i in range(num_layers)],
+                initializer_range=init_std, tie_word_embeddings=False, max_position_embeddings=256)
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    torch.manual_seed(seed)
+    if family == "qwen3_next":
+        config = transformers.Qwen3NextConfig(**text, **experts, decoder_sparse_step=1)
+        model = transformers.Qwen3NextForCausalLM(config)
+    elif family == "qwen3_5":
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**text))
+    elif family == "qwen3_5_moe":
+        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**text, **experts))
+    elif family in RECURRENT_FAMILIES:
+        config_class, model_class, fields = RECURRENT_FAMILIES[family]
+        sizes = {**COMMON, "vocab_size": vocab_size, "initializer_range": init_std}
+        config = getattr(transformers, config_class)(**sizes, **fields, pad_token_id=0)
+        model = getattr(transformers, model_class)(config)
+    elif family == "qwen3_5_vl":
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=HIDDEN_SIZE)
+        model = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(text_config=text,
+                                                                                        vision_config=vision))
+    else:
+        raise ValueError(family)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
 def draft_config(block_size: int = 8, num_layers: int = 2, mask_token_id: int | None = None,
                  vocab_size: int = VOCAB_SIZE, **overrides) -> DFlashConfig:
     """A tiny draft config in the published layout."""

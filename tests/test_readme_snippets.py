@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_draft, make_target, make_tokenizer
+import transformers
+from helpers import make_draft, make_hybrid_target, make_target, make_tokenizer
 
 from dflash_hf.cli import main
 
@@ -20,6 +21,8 @@ CONVERSION_HEADING = "## Conversion: Transformers' own DFlash model"
 SWAPS = {'"cuda:0"': '"cpu"', "torch.bfloat16": "torch.float32", "max_new_tokens=2048": "max_new_tokens=12",
          "max_new_tokens=256": "max_new_tokens=12", "--vocab-size 151936": "--vocab-size 128"}
 NEW_TOKENS = 12
+HAS_HYBRID = hasattr(transformers, "Qwen3_5ForCausalLM")  # hybrid targets run on Transformers 5.x
+HYBRID_TARGET = "Qwen/Qwen3.5-27B"
 
 
 def blocks(text: str, language: str) -> list[str]:
@@ -38,6 +41,11 @@ def hub(tmp_path, monkeypatch):
     target.save_pretrained(tmp_path / "Qwen" / "Qwen3-8B")
     make_tokenizer().save_pretrained(tmp_path / "Qwen" / "Qwen3-8B")
     make_draft(3).save_pretrained(tmp_path / "z-lab" / "Qwen3-8B-DFlash-b16")
+    if HAS_HYBRID:
+        hybrid = make_hybrid_target("qwen3_5", seed=3)
+        hybrid.generation_config.eos_token_id, hybrid.generation_config.pad_token_id = 1, 0
+        hybrid.save_pretrained(tmp_path / "Qwen" / "Qwen3.5-27B")
+        make_draft(4).save_pretrained(tmp_path / "z-lab" / "Qwen3.5-27B-DFlash")
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -51,6 +59,16 @@ def test_the_usage_examples_run_and_give_the_targets_own_output(hub, capsys):
     namespace: dict = {}
     usage = USAGE.split(CONVERSION_HEADING, 1)[0]
     for block in blocks(usage, "python"):
+        if HYBRID_TARGET in block:  # the hybrid example: its own models, the quickstart's prompt and stop ids
+            if HAS_HYBRID:
+                hybrid = dict(namespace)
+                exec(compile(block, "README.md", "exec"), hybrid)
+                output = hybrid["draft"].spec_generate(target=hybrid["target"], input_ids=hybrid["input_ids"],
+                                                       max_new_tokens=NEW_TOKENS, temperature=0.0,
+                                                       stop_token_ids=hybrid["stop_token_ids"])
+                assert type(hybrid["target"]).__name__ == "Qwen3_5ForCausalLM"
+                assert torch.equal(output, plain(hybrid["target"], hybrid["input_ids"], hybrid["stop_token_ids"]))
+            continue
         exec(compile(block, "README.md", "exec"), namespace)
     target, input_ids, stops = namespace["target"], namespace["input_ids"], namespace["stop_token_ids"]
     expected = plain(target, input_ids, stops)

@@ -1,0 +1,152 @@
+"""Hybrid targets: roll the recurrent state of linear-attention layers back to each row's accepted prefix.
+
+A verify runs the target over b columns, so each Gated DeltaNet (or other recurrent) layer leaves the state after all
+b. Keys and values per position can be cut back; a recurrent state cannot. So around every verify:
+
+1. `recording()` keeps each recurrent layer's convolution and recurrent state as they were before the verify, and,
+   through a forward pre-hook, the hidden states the layer's mixer receives for the verified columns [n, b, H];
+2. `advance(kept_counts)` puts the states back and runs only the mixers again over each row's kept columns, through
+   the mixer's own forward and the cache API of the installed Transformers (no copy of their code); rows that keep
+   different counts are advanced in one chain of calls: columns [0, c1), then [c1, c2), ..., each row's state taken
+   where its count ends. Rows that kept every column keep the verify's state.
+
+Why inputs and not per-column states: a column's input is H numbers per layer, its state Hv * Dk * Dv (about 16,000
+times more at Qwen3.5-27B's shapes), and Transformers' chunked kernel yields only the final state. The price is the
+mixers' projections over the accepted columns once more (see README, "Hybrid targets").
+
+Hub remote code: imports only torch and transformers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from .cache_dflash import host_to_device, recurrent_cache_layers
+from .target_dflash import decoder_layers
+
+
+@dataclass
+class Mixer:
+    """The module of one decoder layer that reads and writes a recurrent state, and how to call it."""
+
+    layer_idx: int
+    module: torch.nn.Module
+    cache_argument: str  # the forward keyword that takes the cache (`cache`, or `cache_params` on older versions)
+
+
+def cache_argument_of(module: torch.nn.Module) -> str | None:
+    """The keyword of `module.forward` that takes a cache, or None when it takes none."""
+    parameters = inspect.signature(module.forward).parameters
+    return next((name for name in ("cache", "cache_params", "past_key_values") if name in parameters), None)
+
+
+def find_mixers(target: torch.nn.Module, layer_ids: list[int]) -> list[Mixer] | str:
+    """The mixer of each recurrent layer `layer_ids` (the one child of the decoder layer whose forward takes the
+    cache), or a sentence saying why they cannot be found."""
+    layers = decoder_layers(target)
+    if layers is None:
+        return "its decoder layers cannot be found"
+    mixers = []
+    for layer_idx in layer_ids:
+        found = [(module, argument) for module in layers[layer_idx].children()
+                 if (argument := cache_argument_of(module)) is not None]
+        if len(found) != 1:
+            return (f"decoder layer {layer_idx} has {len(found)} modules that take the cache (one recurrent mixer "
+                    "expected)")
+        mixers.append(Mixer(layer_idx, *found[0]))
+    return mixers
+
+
+class RecurrentStates:
+    """The recurrent layers of one call's target cache and the rollback around each verify (see the module doc)."""
+
+    def __init__(self, cache: Any, mixers: list[Mixer]) -> None:
+        self.cache, self.mixers = cache, mixers
+        # layer -> (conv, recurrent) before the last verify: kept until the next one, so it can still be discarded
+        self.before: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.inputs: dict[int, torch.Tensor] = {}  # layer -> its mixer's input over the verified columns [n, b, H]
+
+    def states(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
+        """The layer's live state tensors in the cache: convolution [n, C, K] and recurrent [n, ...] (a short
+        convolution, as in LFM2, has no recurrent state)."""
+        states = (self.cache.get_conv_state(layer_idx), self.cache.get_recurrent_state(layer_idx))
+        return tuple(state for state in states if state is not None)
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        """Around a verify forward: keep the states it starts from and the mixers' inputs it feeds them."""
+        self.before = {mixer.layer_idx: tuple(state.clone() for state in self.states(mixer.layer_idx))
+                       for mixer in self.mixers}
+        self.inputs = {}
+        handles = [mixer.module.register_forward_pre_hook(self._recorder(mixer.layer_idx), with_kwargs=True)
+                   for mixer in self.mixers]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _recorder(self, layer_idx: int) -> Any:
+        def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            self.inputs[layer_idx] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        return record
+
+    def restore(self) -> None:
+        """Put every recurrent state back as it was before the last verify (that verify is discarded)."""
+        for layer_idx, saved in self.before.items():
+            for live, old in zip(self.states(layer_idx), saved):
+                live.copy_(old)
+        self.inputs = {}
+
+    @torch.no_grad()
+    def advance(self, kept_counts: list[int]) -> None:
+        """Leave each row's states after its first `kept_counts[row]` verified columns (the rows in cache order)."""
+        missing = [mixer.layer_idx for mixer in self.mixers if mixer.layer_idx not in self.inputs]
+        if missing:
+            raise RuntimeError(f"The verify did not run the recurrent mixers of layers {missing}.")
+        width = next(iter(self.inputs.values())).shape[1]
+        if any(count < width for count in kept_counts):  # else the verify's states are the ones to keep
+            for mixer in self.mixers:
+                self._advance_layer(mixer, kept_counts, width)
+        self.inputs = {}
+
+    def _advance_layer(self, mixer: Mixer, kept_counts: list[int], width: int) -> None:
+        inputs, live_states = self.inputs[mixer.layer_idx], self.states(mixer.layer_idx)
+        counts = sorted(set(kept_counts))
+        if len(counts) == 1:  # every row keeps the same count (one row, say): put back, run the mixer over them
+            for live, old in zip(live_states, self.before[mixer.layer_idx]):
+                live.copy_(old)
+            mixer.module(hidden_states=inputs[:, :counts[0]], attention_mask=None,
+                         **{mixer.cache_argument: self.cache})
+            return
+        rows_keeping = {count: host_to_device([row for row, kept in enumerate(kept_counts) if kept == count],
+                                              inputs.device) for count in counts}
+        results = [state.clone() for state in live_states]  # rows keeping `width`: as verified
+        for live, old in zip(live_states, self.before[mixer.layer_idx]):
+            live.copy_(old)
+        start = 0
+        for count in (count for count in counts if count < width):
+            mixer.module(hidden_states=inputs[:, start:count], attention_mask=None,
+                         **{mixer.cache_argument: self.cache})
+            for result, live in zip(results, self.states(mixer.layer_idx)):
+                result[rows_keeping[count]] = live[rows_keeping[count]]
+            start = count
+        for live, result in zip(self.states(mixer.layer_idx), results):
+            live.copy_(result)
+
+
+def recurrent_states(target: torch.nn.Module, cache: Any) -> RecurrentStates | None:
+    """The rollback of a hybrid target's cache after its prefill (None: the cache holds no recurrent layer)."""
+    layer_ids = recurrent_cache_layers(cache)
+    if not layer_ids:
+        return None
+    mixers = find_mixers(target, layer_ids)
+    if isinstance(mixers, str):
+        raise ValueError(f"Target {type(target).__name__} has recurrent layers {layer_ids}, but {mixers}: dflash-hf "
+                         "cannot roll their state back after a verify. See README, \"Hybrid targets\".")
+    return RecurrentStates(cache, mixers)

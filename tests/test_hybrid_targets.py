@@ -1,0 +1,246 @@
+"""Hybrid targets (Gated DeltaNet + full attention: Qwen3-Next, Qwen3.5, Qwen3.5-MoE and the multimodal Qwen3.5
+wrapper) decode exactly: their recurrent states are rolled back to each row's accepted prefix (recurrent_dflash)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import transformers
+from helpers import (
+    HYBRID_FAMILIES,
+    RECURRENT_FAMILIES,
+    ReferenceProposer,
+    chi_square_p_value,
+    make_draft,
+    make_hybrid_target,
+    plain_greedy,
+    random_prompt,
+)
+from test_sampling import NUM_NEW, NUM_SAMPLES, VOCAB, exact_joint
+
+from dflash_hf import speculative_decode
+from dflash_hf.cache_dflash import (
+    RECURRENT_REFUSALS,
+    ROLLBACK_MODEL_TYPES,
+    cache_keyword,
+    left_pad,
+    recurrent_cache_layers,
+)
+from dflash_hf.devices_dflash import target_text_config
+from dflash_hf.generation_dflash import DecodeSession
+from dflash_hf.proposer_dflash import DFlashProposer
+from dflash_hf.settings_dflash import resolve_settings
+
+HAS_HYBRID_CACHE = hasattr(transformers, "Qwen3_5ForCausalLM")  # Transformers 5.x
+needs_hybrid = pytest.mark.skipif(not HAS_HYBRID_CACHE, reason="Qwen3.5 and the linear-attention cache: 5.x only")
+
+
+@pytest.fixture(scope="module")
+def hybrid_targets() -> dict[str, torch.nn.Module]:
+    """One tiny target per hybrid family, seed 0 (built on first use)."""
+    return {}
+
+
+def hybrid(targets: dict[str, torch.nn.Module], family: str) -> torch.nn.Module:
+    if family not in targets:
+        targets[family] = make_hybrid_target(family, seed=0)
+    return targets[family]
+
+
+@needs_hybrid
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+@pytest.mark.parametrize("seed,length,block_size", [(0, 1, 2), (1, 7, 5), (2, 40, 16), (3, 13, 8)])
+def test_greedy_equals_generate_with_rows_that_reject(hybrid_targets, family, seed, length, block_size):
+    """Proposals right up to a random point: every step keeps a different count, so every step rolls back."""
+    target = hybrid(hybrid_targets, family)
+    prompt = random_prompt(seed, length)
+    expected = plain_greedy(target, prompt, 40)
+    checks_features = family not in ("qwen3_next", "qwen3_5_moe")  # MoE routing: features agree to ~2e-4 only
+    proposer = ReferenceProposer(expected, target=target if checks_features else None, corrupt_seed=seed)
+    result = speculative_decode(target, proposer, prompt, 40, block_size)
+    assert torch.equal(result.output_ids, expected)
+    lengths = result.acceptance_lengths[0]
+    assert len(set(lengths)) > 1 and min(lengths) < block_size, "every step accepted alike: no rollback was tested"
+
+
+@needs_hybrid
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_vl"])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_spec_generate_with_a_draft_equals_generate(hybrid_targets, family, block_size):
+    """The real draft path: features of the (language model's) layers, then `spec_generate` == `generate`."""
+    target = hybrid(hybrid_targets, family)
+    draft = make_draft(3, block_size=block_size)
+    for seed, length in ((0, 5), (1, 21)):
+        prompt = random_prompt(seed, length)
+        output = draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=24)
+        assert torch.equal(output, plain_greedy(target, prompt, 24))
+
+
+@needs_hybrid
+def test_the_multimodal_wrapper_reads_the_language_models_layers(hybrid_targets):
+    target = hybrid(hybrid_targets, "qwen3_5_vl")
+    assert type(target).__name__ == "Qwen3_5ForConditionalGeneration"
+    prompt = random_prompt(4, 9)
+    expected = plain_greedy(target, prompt, 20)
+    proposer = ReferenceProposer(expected, target=target, corrupt_seed=4)  # checks features == hidden_states
+    assert torch.equal(speculative_decode(target, proposer, prompt, 20, 6).output_ids, expected)
+
+
+@needs_hybrid
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_a_left_padded_batch_whose_rows_accept_different_counts(hybrid_targets, family):
+    target = hybrid(hybrid_targets, family)
+    prompts = [random_prompt(seed, length)[0].tolist() for seed, length in ((1, 5), (2, 17), (3, 11))]
+    references = [plain_greedy(target, torch.tensor([prompt]), 30) for prompt in prompts]
+    input_ids, attention_mask = left_pad(prompts, 0)
+    proposer = ReferenceProposer(references, corrupt_seed=5, corrupt_rows={0, 2})  # row 1 is always right
+    result = speculative_decode(target, proposer, input_ids, 30, 6, attention_mask=attention_mask)
+    for row, (prompt, reference) in enumerate(zip(prompts, references)):
+        assert result.new_tokens(row) == reference[0, len(prompt):].tolist(), row
+    first_steps = [lengths[:3] for lengths in result.acceptance_lengths]
+    assert first_steps[1] == [6, 6, 6] and first_steps[0] != first_steps[1], first_steps
+
+
+@needs_hybrid
+def test_a_stop_token_mid_block_and_max_new_tokens_mid_block(hybrid_targets):
+    target = hybrid(hybrid_targets, "qwen3_5")
+    prompt = random_prompt(6, 8)
+    free = plain_greedy(target, prompt, 30)[0, 8:].tolist()
+    stop = next(token for index, token in enumerate(free) if index >= 5 and token not in free[:index])
+    expected = plain_greedy(target, prompt, 30, stop_token_ids=[stop])
+    proposer = ReferenceProposer(plain_greedy(target, prompt, 40))  # always right: the stop falls inside a block
+    result = speculative_decode(target, proposer, prompt, 30, 8, stop_token_ids=[stop])
+    assert torch.equal(result.output_ids, expected) and result.new_tokens(0)[-1] == stop
+    result = speculative_decode(target, ReferenceProposer(plain_greedy(target, prompt, 40)), prompt, 13, 8)
+    assert torch.equal(result.output_ids, plain_greedy(target, prompt, 13))
+
+
+OTHER_FAMILIES = sorted(family for family in RECURRENT_FAMILIES if family in ROLLBACK_MODEL_TYPES)
+
+
+@needs_hybrid
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_other_recurrent_families_run_exactly_through_the_same_rollback(hybrid_targets, family):
+    """Kimi Delta Attention, OLMo-Hybrid's Gated DeltaNet, Mamba-2 (Nemotron-H, Granite 4), LFM2 short convolutions."""
+    target = hybrid(hybrid_targets, family)
+    assert recurrent_cache_layers(transformers.DynamicCache(config=target_text_config(target)))
+    for seed, length, block_size in ((0, 1, 3), (1, 9, 6)):
+        prompt = random_prompt(seed, length)
+        expected = plain_greedy(target, prompt, 30)
+        result = speculative_decode(target, ReferenceProposer(expected, corrupt_seed=seed), prompt, 30, block_size)
+        assert torch.equal(result.output_ids, expected), (seed, length, block_size)
+        assert len(set(result.acceptance_lengths[0])) > 1
+    prompts = [random_prompt(seed, length)[0].tolist() for seed, length in ((1, 5), (2, 12), (3, 8))]
+    references = [plain_greedy(target, torch.tensor([prompt]), 20) for prompt in prompts]
+    input_ids, attention_mask = left_pad(prompts, 0)
+    result = speculative_decode(target, ReferenceProposer(references, corrupt_seed=3), input_ids, 20, 5,
+                                attention_mask=attention_mask)
+    for row, (prompt, reference) in enumerate(zip(prompts, references)):
+        assert result.new_tokens(row) == reference[0, len(prompt):].tolist(), row
+
+
+def plain_states(target: torch.nn.Module, tokens: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Each recurrent layer's (conv, recurrent) state after one plain forward over `tokens` with a fresh cache."""
+    cache = transformers.DynamicCache(config=target_text_config(target))
+    with torch.no_grad():
+        target(input_ids=torch.tensor([tokens]), use_cache=True, **{cache_keyword(target): cache})
+    return {layer: (cache.get_conv_state(layer)[0], cache.get_recurrent_state(layer)[0])
+            for layer in recurrent_cache_layers(cache)}
+
+
+@needs_hybrid
+@pytest.mark.parametrize("batch", [False, True])
+def test_after_every_step_each_state_equals_a_plain_forwards(hybrid_targets, batch):
+    target = hybrid(hybrid_targets, "qwen3_5")
+    prompts = [random_prompt(7, 9)[0].tolist()] + ([random_prompt(8, 3)[0].tolist()] if batch else [])
+    references = [plain_greedy(target, torch.tensor([prompt]), 24) for prompt in prompts]
+    input_ids, attention_mask = left_pad(prompts, 0)
+    settings = resolve_settings(target, input_ids, None, attention_mask=attention_mask, max_new_tokens=24,
+                                block_size=7)
+    session = DecodeSession(target, ReferenceProposer(references, corrupt_seed=7), settings)
+    steps = 0
+    with session.running():
+        session.prefill(input_ids, attention_mask)
+        while session.step():
+            steps += 1
+            state = session.state
+            for position, row in enumerate(state.active):
+                if state.finished[row]:
+                    continue
+                committed = state.prompts[row] + state.generated[row][:-1]  # the pending token is not in the cache
+                for layer, (conv, recurrent) in plain_states(target, committed).items():
+                    torch.testing.assert_close(state.cache.get_conv_state(layer)[position], conv)
+                    torch.testing.assert_close(state.cache.get_recurrent_state(layer)[position], recurrent,
+                                               rtol=1e-4, atol=1e-5)
+    assert steps >= 3
+
+
+@needs_hybrid
+def test_a_discarded_verify_leaves_the_states_as_they_were(hybrid_targets):
+    """The cost model verifies and discards: the recurrent states must be the committed ones again."""
+    target = hybrid(hybrid_targets, "qwen3_5")
+    prompt = random_prompt(9, 6)
+    settings = resolve_settings(target, prompt, None, max_new_tokens=8, block_size=4)
+    session = DecodeSession(target, ReferenceProposer(plain_greedy(target, prompt, 12)), settings)
+    with session.running():
+        session.prefill(prompt)
+        layers = recurrent_cache_layers(session.cache)
+        before = [(session.cache.get_conv_state(i).clone(), session.cache.get_recurrent_state(i).clone())
+                  for i in layers]
+        step = session.plan()
+        session.verify(step, session.propose(step))
+        assert not torch.equal(session.cache.get_recurrent_state(layers[0]), before[0][1])
+        session.discard_verify()
+        for i, (conv, recurrent) in zip(layers, before):
+            assert torch.equal(session.cache.get_conv_state(i), conv)
+            assert torch.equal(session.cache.get_recurrent_state(i), recurrent)
+
+
+@needs_hybrid
+def test_sampling_keeps_the_hybrid_targets_distribution():
+    target = make_hybrid_target("qwen3_5", seed=11, vocab_size=VOCAB, init_std=0.4)
+    draft = make_draft(12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
+    input_ids = torch.tensor([[1, 4, 2, 5]])
+    generator = torch.Generator().manual_seed(1234)
+    counts: dict[tuple[int, ...], int] = {}
+    accepted = 0
+    with torch.no_grad():
+        for _ in range(NUM_SAMPLES):
+            proposer = DFlashProposer(draft, target, VOCAB - 1, sample_proposals=True)
+            result = speculative_decode(target, proposer, input_ids, max_new_tokens=NUM_NEW, block_size=4,
+                                        temperature=1.0, generator=generator)
+            cell = tuple(result.new_token_ids[0].tolist())
+            counts[cell] = counts.get(cell, 0) + 1
+            accepted += sum(length - 1 for length in result.acceptance_lengths[0])
+    assert accepted > NUM_SAMPLES // 10  # proposals were accepted and rejected: the rollback ran
+    assert chi_square_p_value(counts, exact_joint(target, input_ids, 1.0, None, None), NUM_SAMPLES) > 1e-3
+    # power: the same counts reject a nearby wrong distribution
+    assert chi_square_p_value(counts, exact_joint(target, input_ids, 1.5, None, None), NUM_SAMPLES) < 1e-3
+
+
+# --- Refusals --------------------------------------------------------------------------------------------------------
+
+
+@needs_hybrid
+@pytest.mark.parametrize("family", sorted(RECURRENT_REFUSALS))
+def test_recurrent_families_that_cannot_be_rolled_back_are_refused_by_name_and_reason(family):
+    target = make_hybrid_target(family)
+    reason = re.escape(RECURRENT_REFUSALS[family][:40])
+    with pytest.raises(ValueError, match=rf"{type(target).__name__} \({family}\) is not supported: .*{reason}"):
+        make_draft(0).spec_generate(target=target, input_ids=random_prompt(0, 5), max_new_tokens=4)
+
+
+@pytest.mark.skipif(HAS_HYBRID_CACHE, reason="Transformers 4.x only: its Qwen3-Next cache")
+def test_qwen3_next_on_transformers_4_is_refused_with_the_version_to_install():
+    torch.manual_seed(0)
+    config = transformers.Qwen3NextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32)
+    target = transformers.Qwen3NextForCausalLM(config).eval()
+    with pytest.raises(ValueError, match=r"Qwen3NextForCausalLM \(qwen3_next\) is not supported: .*linear_attention.*"
+                                         r"model-specific cache.*install transformers>=5\.24"):
+        make_draft(0).spec_generate(target=target, input_ids=random_prompt(0, 5), max_new_tokens=4)
