@@ -18,7 +18,15 @@ import torch
 
 from .cost_model import measure_step_costs, resolve_block_choice, typical_context
 from .devices_dflash import target_device
-from .evaluation import BenchSettings, TurnRecord, measure_prompts, records_tau, summarize, warm_up
+from .evaluation import (
+    BenchSettings,
+    TurnRecord,
+    assisted_decoding_refusal,
+    measure_prompts,
+    records_tau,
+    summarize,
+    warm_up,
+)
 from .modeling_dflash import DFlashDraftModel
 from .prompts import chat_prompt_ids, read_conversations, record_turns, user_prompt_ids
 from .settings_dflash import GenerationTokens, generation_tokens, resolve_block_size
@@ -147,6 +155,7 @@ def run_benchmark(
         results.append(summarize(name, process.gather(records), len(conversations), choice.block_size,
                                  process.gather([step_costs])[0], settings.temperature == 0, settings.batch_size,
                                  choice.step_costs))
+        results[-1]["assisted_refused"] = assisted_decoding_refusal(target)
         if choice.predictions is not None:
             results[-1]["block_size_predictions"] = choice.predictions
     bar.close()

@@ -12,9 +12,9 @@ from typing import Any, Callable
 
 import torch
 
-from .cache_dflash import left_pad
+from .cache_dflash import left_pad, recurrent_layers
 from .cost_model import acceptance_histogram, cost_model_bound, prime_few_row_kernels
-from .devices_dflash import target_device
+from .devices_dflash import target_device, target_text_config
 from .generation_dflash import synchronize
 from .modeling_dflash import DFlashDraftModel
 from .sampling_dflash import cut_after_stop, mean_acceptance_length
@@ -65,6 +65,13 @@ class BenchSettings:
     step_costs: StepCosts | None = None  # spec_generate's step_costs (adaptive verify)
     cpu_kernels: bool | None = None  # spec_generate's cpu_kernels (None: on for a CPU target)
     thinking: bool = False  # chat templates with a thinking switch (Qwen3) render it on; off as the paper measures
+
+
+def assisted_decoding_refusal(target: torch.nn.Module) -> str | None:
+    """Why Transformers' assisted decoding (prompt lookup, its own DFlash) cannot run `target` (None: it can)."""
+    if recurrent_layers(target_text_config(target)):
+        return "refused by Transformers: a recurrent cache cannot be cropped"
+    return None
 
 
 def near_tie_tolerance(logit: float, dtype: torch.dtype, ulps: float = NEAR_TIE_ULPS) -> float:
@@ -179,11 +186,12 @@ def measure_prompts(
         "plain": lambda: generated(target.generate(input_ids, **common)),
         "dflash": dflash,
     }
-    if settings.prompt_lookup_tokens and len(prompts) == 1:  # Transformers' prompt lookup takes one prompt
+    assisted = len(prompts) == 1 and assisted_decoding_refusal(target) is None  # Transformers' take one prompt
+    if settings.prompt_lookup_tokens and assisted:
         methods["prompt_lookup"] = lambda: generated(target.generate(
             input_ids, prompt_lookup_num_tokens=settings.prompt_lookup_tokens, **common))
     # Transformers' DFlash is assisted decoding (one prompt) and drafts the draft's own block size
-    if (native_draft is not None and len(prompts) == 1
+    if (native_draft is not None and assisted
             and resolve_block_size(settings.block_size, draft.block_size) == draft.block_size):
         methods["transformers_dflash"] = lambda: generated(target.generate(
             input_ids, assistant_model=native_draft, speculation_type="dflash", **common))
@@ -324,8 +332,9 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     ]
     for result in results:
         rates = result["tokens_per_s"]
-        lookup = f"{rates['prompt_lookup']:.1f}" if "prompt_lookup" in rates else "-"
-        native = f"{rates['transformers_dflash']:.1f}" if "transformers_dflash" in rates else "-"
+        refused = result.get("assisted_refused")  # Transformers' assisted decoding cannot run the target
+        lookup = f"{rates['prompt_lookup']:.1f}" if "prompt_lookup" in rates else refused or "-"
+        native = f"{rates['transformers_dflash']:.1f}" if "transformers_dflash" in rates else refused or "-"
         if result.get("lossless_prompt_lookup") is False:
             lookup += " (NOT lossless)"
         if result.get("lossless_transformers_dflash") is False:

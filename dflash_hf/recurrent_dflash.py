@@ -20,6 +20,7 @@ Hub remote code: imports only torch and transformers.
 from __future__ import annotations
 
 import inspect
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -83,17 +84,19 @@ class RecurrentStates:
         self.before = {mixer.layer_idx: tuple(state.clone() for state in self.states(mixer.layer_idx))
                        for mixer in self.mixers}
         self.inputs = {}
-        handles = [mixer.module.register_forward_pre_hook(self._recorder(mixer.layer_idx), with_kwargs=True)
-                   for mixer in self.mixers]
+        # first of the pre-hooks: the input as the layer passed it, which a user's pre-hook sees again at the replay
+        handles = [mixer.module.register_forward_pre_hook(self._recorder(mixer.layer_idx, threading.get_ident()),
+                                                          with_kwargs=True, prepend=True) for mixer in self.mixers]
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
 
-    def _recorder(self, layer_idx: int) -> Any:
+    def _recorder(self, layer_idx: int, thread: int) -> Any:
         def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            self.inputs[layer_idx] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            if threading.get_ident() == thread:  # another thread's forward of the same model is not this verify
+                self.inputs[layer_idx] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         return record
 
     def restore(self) -> None:
@@ -108,7 +111,8 @@ class RecurrentStates:
         """Leave each row's states after its first `kept_counts[row]` verified columns (the rows in cache order)."""
         missing = [mixer.layer_idx for mixer in self.mixers if mixer.layer_idx not in self.inputs]
         if missing:
-            raise RuntimeError(f"The verify did not run the recurrent mixers of layers {missing}.")
+            raise RuntimeError(f"The verify did not run the recurrent mixers of layers {missing} (a patched "
+                               "forward?): their states cannot be rolled back. See README, \"Hybrid targets\".")
         width = next(iter(self.inputs.values())).shape[1]
         if any(count < width for count in kept_counts):  # else the verify's states are the ones to keep
             for mixer in self.mixers:

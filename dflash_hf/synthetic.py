@@ -100,6 +100,9 @@ def shrink_configs(target: dict[str, Any], draft: dict[str, Any], factor: int
             raise ValueError(f"the {name} config has no top-level {', '.join(missing)}: pass a text model's config "
                              "(a multimodal one nests it in text_config) "
                              "and a draft config with its target's vocab_size")
+    if draft["hidden_size"] != target["hidden_size"]:
+        raise ValueError(f"the draft's hidden size {draft['hidden_size']} is not the target's {target['hidden_size']} "
+                         "(hidden sizes differ): this draft was not built for this target")
     if factor == 1:
         return target, draft
     for config in (target, draft):
@@ -116,9 +119,6 @@ def shrink_configs(target: dict[str, Any], draft: dict[str, Any], factor: int
         for field in WIDTH_FIELDS:
             if config.get(field):
                 config[field] = max(1, config[field] // factor)
-    if draft["hidden_size"] != target["hidden_size"]:
-        raise ValueError(f"shrink {factor} gives the target width {target['hidden_size']} and the draft "
-                         f"{draft['hidden_size']} (different head layouts); pick another factor")
     vocab_size = target["vocab_size"]
     for field in ("bos_token_id", "eos_token_id", "pad_token_id"):
         target.pop(field, None)
@@ -146,7 +146,14 @@ def build_synthetic_pair(target_config: dict[str, Any], draft_config: dict[str, 
 
     saved_dtype = ("torch_dtype", "dtype")  # a config's dtype would override `dtype` in `from_config`
     values = {key: value for key, value in target_config.items() if key not in saved_dtype}
-    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    model_type = values.pop("model_type")
+    try:
+        config = AutoConfig.for_model(model_type, **values)
+    except (KeyError, ValueError) as error:  # a model type this Transformers does not ship
+        import transformers
+
+        raise ValueError(f"Transformers {transformers.__version__} has no model type {model_type!r} ({error}); "
+                         "Qwen3.5-style hybrid targets need transformers>=5.24") from error
     config._attn_implementation = "sdpa"
     draft_values = DFlashConfig.from_dict({key: value for key, value in draft_config.items()
                                            if key not in saved_dtype})

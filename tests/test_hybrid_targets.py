@@ -244,3 +244,92 @@ def test_qwen3_next_on_transformers_4_is_refused_with_the_version_to_install():
     with pytest.raises(ValueError, match=r"Qwen3NextForCausalLM \(qwen3_next\) is not supported: .*linear_attention.*"
                                          r"model-specific cache.*install transformers>=5\.24"):
         make_draft(0).spec_generate(target=target, input_ids=random_prompt(0, 5), max_new_tokens=4)
+
+
+# --- The rest of the package with a hybrid target -------------------------------------------------------------------
+
+
+@needs_hybrid
+def test_generate_with_custom_generate_and_a_streamer_on_a_hybrid_target(hybrid_targets, tmp_path):
+    from transformers import TextStreamer
+
+    class Collect(TextStreamer):
+        def __init__(self) -> None:
+            self.tokens: list[int] = []
+
+        def put(self, value: torch.Tensor) -> None:
+            self.tokens.extend(value.flatten().tolist())
+
+        def end(self) -> None:
+            pass
+
+    target = hybrid(hybrid_targets, "qwen3_5")
+    draft = make_draft(5, block_size=6)
+    draft.save_pretrained(tmp_path / "draft")
+    prompt = random_prompt(10, 7)
+    expected = plain_greedy(target, prompt, 16)
+    output = target.generate(prompt, custom_generate=str(tmp_path / "draft"), trust_remote_code=True,
+                             max_new_tokens=16, do_sample=False)
+    assert torch.equal(output, expected)
+    streamer = Collect()
+    streamed = draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=16, streamer=streamer)
+    assert torch.equal(streamed, expected) and streamer.tokens == expected[0].tolist()
+
+
+@needs_hybrid
+def test_bench_on_a_hybrid_target_says_why_transformers_columns_are_empty(hybrid_targets):
+    from helpers import make_tokenizer
+
+    from dflash_hf.benchmark import run_benchmark
+    from dflash_hf.evaluation import BenchSettings, markdown_table
+
+    target = make_hybrid_target("qwen3_5", seed=1)
+    draft = make_draft(2, block_size=4, mask_token_id=127)
+    results = run_benchmark(draft, target, make_tokenizer(), {"gsm8k": [["w10 w11 w12"], ["w20 w21"]]},
+                            BenchSettings(max_new_tokens=8, prompt_lookup_tokens=3), progress=False)
+    assert results[0]["lossless"] is True and set(results[0]["tokens_per_s"]) == {"plain", "dflash"}
+    row = markdown_table(results).splitlines()[-1]
+    assert row.count("refused by Transformers: a recurrent cache cannot be cropped") == 2
+
+
+@needs_hybrid
+def test_a_draft_trains_on_a_hybrid_targets_features(tmp_path):
+    from dflash_hf.training.trainer import TrainingSettings, train_draft
+
+    target = make_hybrid_target("qwen3_5", seed=4)
+    generator = torch.Generator().manual_seed(3)
+    rows = []
+    for _ in range(3):
+        prompt = torch.randint(0, 127, (1, 5), generator=generator)
+        response = plain_greedy(target, prompt, 16)[0, 5:]
+        rows.append({"prompt_ids": prompt[0].tolist(), "response_ids": response.tolist()})
+    draft = make_draft(5, block_size=4)
+    before = {name: value.clone() for name, value in draft.state_dict().items()}
+    log = train_draft(draft, target, rows, TrainingSettings(epochs=1, learning_rate=2e-3, num_anchors=4, distill=True),
+                      tmp_path / "run", progress=False)
+    assert log.steps == 3 and all(loss == loss for loss in log.losses)  # finite losses
+    assert any(not torch.equal(before[name], value) for name, value in draft.state_dict().items())
+
+
+@needs_hybrid
+def test_the_published_qwen3_5_draft_config_maps_onto_a_qwen3_5_27b_shaped_target():
+    """`z-lab/Qwen3.5-27B-DFlash`'s config (8 tapped layers of 64) on the 64-layer hybrid shape, widths / 40."""
+    from dflash_hf.synthetic import build_synthetic_pair, shrink_configs, synthetic_spec
+
+    spec = synthetic_spec("Qwen3.5-27B")
+    target_config, draft_config = shrink_configs(spec.target_config, spec.draft_config, 40)
+    target, draft = build_synthetic_pair(target_config, draft_config, torch.device("cpu"), torch.float32)
+    target.generation_config.eos_token_id = None
+    assert len(recurrent_cache_layers(transformers.DynamicCache(config=target.config))) == 48
+    assert max(draft.target_layer_ids) == 61
+    prompt = torch.randint(0, target_config["vocab_size"] - 1, (1, 6), generator=torch.Generator().manual_seed(0))
+    output = draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=8)
+    assert torch.equal(output, plain_greedy(target, prompt, 8))
+
+
+@needs_hybrid
+def test_a_draft_for_another_layer_count_is_refused_on_a_hybrid_target(hybrid_targets):
+    target = hybrid(hybrid_targets, "qwen3_5")
+    draft = make_draft(0, num_target_layers=64)
+    with pytest.raises(ValueError, match=r"num_target_layers"):
+        draft.spec_generate(target=target, input_ids=random_prompt(0, 5), max_new_tokens=4)

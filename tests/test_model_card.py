@@ -91,3 +91,19 @@ def test_hub_check_names_missing_metadata(tmp_path):
     with pytest.raises(ValueError, match="lacks base_model, pipeline_tag, license, tags"):
         check_hub_folder(tmp_path)
 
+
+
+def table_rows(text: str, first_cell: str) -> list[list[str]]:
+    """The cells of the Markdown table rows of `text` whose first cell starts with `first_cell`."""
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("|") and line.strip("| ").startswith(first_cell)]
+
+
+def test_the_shipped_cards_gsm8k_numbers_are_readmes():
+    """The shipped draft's card and README's Measurements table come from the same bench run: same B, tau, speedup."""
+    card = (ROOT / "dflash_hf" / "drafts" / "smollm2-135m-instruct" / "README.md").read_text(encoding="utf-8")
+    card_rows = {(int(cells[2]), cells[3], cells[-3]) for cells in table_rows(card, "gsm8k") if cells[1] == "10"}
+    measurements = (ROOT / "README.md").read_text(encoding="utf-8").split("## Measurements", 1)[1]
+    readme_rows = {(int(cells[0].split()[0]), cells[1], cells[5]) for cells in table_rows(measurements, "")
+                   if cells[0].split()[0].isdigit()}
+    assert card_rows and card_rows == readme_rows, (card_rows, readme_rows)

@@ -20,12 +20,22 @@ from dflash_hf.synthetic import (
 
 # The published parameter totals of the targets (embeddings included) and of the z-lab drafts' layers.
 PUBLISHED_SIZES = {"Qwen3-8B": (8_190_735_360, 1_048_626_432), "Qwen3-4B": (4_022_468_096, 537_427_200),
-                   "LLaMA3.1-8B-Instruct": (8_030_261_248, 1_174_455_552)}
+                   "LLaMA3.1-8B-Instruct": (8_030_261_248, 1_174_455_552),
+                   # the draft: its published 3.96 GiB of bfloat16; the target: Qwen3.5-27B's language model as built
+                   # from its text config (the checkpoint adds a vision encoder and an MTP layer)
+                   "Qwen3.5-27B": (26_895_998_464, 2_128_682_496)}
+
+
+HAS_QWEN3_5 = hasattr(__import__("transformers"), "Qwen3_5ForCausalLM")
 
 
 @pytest.mark.parametrize("name", list(SYNTHETIC_PAIRS))
 def test_named_pairs_are_built_with_the_exact_shape(name):
     spec = synthetic_spec(name)
+    if name == "Qwen3.5-27B" and not HAS_QWEN3_5:  # Transformers 4.57: the refusal names the version to install
+        with pytest.raises(ValueError, match=r"no model type 'qwen3_5_text'.*transformers>=5\.24"):
+            build_synthetic_pair(spec.target_config, spec.draft_config, torch.device("meta"), torch.bfloat16)
+        return
     target, draft = build_synthetic_pair(spec.target_config, spec.draft_config, torch.device("meta"), torch.bfloat16)
     assert (parameter_count(target), parameter_count(draft)) == PUBLISHED_SIZES[name]
     assert next(target.parameters()).dtype == next(draft.parameters()).dtype == torch.bfloat16
@@ -100,11 +110,11 @@ def test_a_target_config_file_pairs_with_a_draft_config(tmp_path):
 @pytest.mark.parametrize("arguments, message", [
     (["--synthetic", "Qwen9-1B"], "not a known pair"),
     (["--synthetic", str(TARGET_CONFIGS / "Qwen3-8B.json")], "--draft-config"),
-    (["--synthetic", str(TARGET_CONFIGS / "Qwen3-8B.json"), "--draft-config",
-      str(PUBLISHED_CONFIGS / "Qwen3-8B-DFlash-b16.json"), "--shrink", "32"], "--tau"),
+    (["--synthetic", "Qwen3-8B", "--shrink", "32", "--tau", "0.5"], "--tau must be >= 1"),
     (["--synthetic", "--block-size", "auto"], "integers"),
     (["--synthetic", "Qwen3-4B", "--shrink", "32", "--block-size", "17"], "from 1 to the draft's trained size 16"),
-    (["--synthetic", "Qwen3-4B", "--draft-config", str(PUBLISHED_CONFIGS / "Qwen3-8B-DFlash-b16.json")], "--tau"),
+    (["--synthetic", "Qwen3-4B", "--draft-config", str(PUBLISHED_CONFIGS / "Qwen3-8B-DFlash-b16.json")],
+     "hidden sizes differ"),
     (["--synthetic", "--target", "some/model"], "drop --target"),
     (["--draft-config", str(PUBLISHED_CONFIGS / "Qwen3-8B-DFlash-b16.json")], "belong to --synthetic"),
     (["--synthetic", "--shrink", "half"], "--shrink"),
