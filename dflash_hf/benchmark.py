@@ -156,6 +156,7 @@ def run_benchmark(
                                  process.gather([step_costs])[0], settings.temperature == 0, settings.batch_size,
                                  choice.step_costs))
         results[-1]["assisted_refused"] = assisted_decoding_refusal(target)
+        results[-1]["tree_size"] = settings.tree_size or 0
         if choice.predictions is not None:
             results[-1]["block_size_predictions"] = choice.predictions
     bar.close()
@@ -239,7 +240,10 @@ def plot_results(results: list[dict[str, Any]], path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [result["dataset"] for result in results]
+    repeated = len({result["dataset"] for result in results}) < len(results)  # several rows per dataset: name them
+    names = [result["dataset"] + (f"\nB {result['block_size']}" + (f", tree {result['tree_size']}"
+                                                                    if result.get("tree_size") else "")
+                                  if repeated else "") for result in results]
     positions = range(len(names))
     figure, (speed_axis, tau_axis) = plt.subplots(1, 2, figsize=(4 + 2 * len(names), 4))
     bars = [("DFlash (measured)", "speedup"), ("cost-model bound", "bound"),

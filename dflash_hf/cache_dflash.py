@@ -291,14 +291,14 @@ def check_cache(cache: Any, target: torch.nn.Module, num_rows: int) -> None:
 
 def crop_cache(cache: Any, length: int) -> None:
     """Keep the first `length` positions of a Transformers KV cache (4.x and 5.x `crop` semantics)."""
-    excess = cache.get_seq_length() - length
-    if excess <= 0:
-        return
     if not recurrent_cache_layers(cache):
-        cache.crop(-excess)  # a negative count removes that many positions on 4.57 and 5.x alike
+        excess = cache.get_seq_length() - length
+        if excess > 0:
+            cache.crop(-excess)  # a negative count removes that many positions on 4.57 and 5.x alike
         return
     for layer in cache.layers:  # a hybrid cache: recurrent layers are rolled back by `recurrent_dflash`, not cropped
-        if not is_recurrent_layer(layer):
+        excess = layer.get_seq_length() - length if hasattr(layer, "get_seq_length") else 0
+        if not is_recurrent_layer(layer) and excess > 0:
             layer.crop(-excess)
 
 

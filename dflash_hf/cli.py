@@ -112,6 +112,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "on this machine (calibrated on each dataset's first prompt); 'adaptive': draft the full "
                              "block, verify per step the prefix worth its cost (step costs timed here on each "
                              "dataset's first prompt); several values run in turn")
+    parser.add_argument("--tree-size", type=int, nargs="+", default=[0],
+                        help="drafted tokens verified per step as a tree (docs/sampling.md, \"Trees\"); 0: a chain; "
+                             "several values run in turn, e.g. 0 4 8 16")
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1],
                         help="prompts per call (left-padded); several values run one after the other, e.g. 1 2 4 8")
     parser.add_argument("--temperature", type=float, default=0.0,
@@ -183,6 +186,8 @@ def check_bench_arguments(args: argparse.Namespace) -> None:
         raise SystemExit("pass both --target and --draft, or neither (SmolLM2-135M-Instruct and the shipped draft)")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise SystemExit("--plot needs matplotlib: pip install -e '.[bench]' (or leave --plot out)")
+    if any(tree_size < 0 for tree_size in args.tree_size):
+        raise SystemExit(f"--tree-size must be >= 0 (0: a chain), got {args.tree_size}")
     if any(batch_size < 1 for batch_size in args.batch_size):
         raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.num_prompts < 1 or args.max_new_tokens < 1:
@@ -220,11 +225,12 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     results = []
     for batch_size in args.batch_size:
         for block_size in args.block_size:
-            settings = BenchSettings(args.max_new_tokens, block_size, args.temperature,
-                                     args.prompt_lookup_tokens or None, args.seed, batch_size,
-                                     acceptance=args.acceptance, cpu_kernels=cpu_kernels_choice(args.cpu_kernels),
-                                     thinking=args.thinking)
-            results += run_benchmark(draft, target, tokenizer, datasets, settings, progress=process.is_main)
+            for tree_size in args.tree_size:
+                settings = BenchSettings(args.max_new_tokens, block_size, args.temperature,
+                                         args.prompt_lookup_tokens or None, args.seed, batch_size,
+                                         acceptance=args.acceptance, cpu_kernels=cpu_kernels_choice(args.cpu_kernels),
+                                         thinking=args.thinking, tree_size=tree_size or None)
+                results += run_benchmark(draft, target, tokenizer, datasets, settings, progress=process.is_main)
     if not process.is_main:  # under `accelerate launch` every process holds the gathered results; one reports
         return results
     print(markdown_table(results))

@@ -65,6 +65,7 @@ class BenchSettings:
     step_costs: StepCosts | None = None  # spec_generate's step_costs (adaptive verify)
     cpu_kernels: bool | None = None  # spec_generate's cpu_kernels (None: on for a CPU target)
     thinking: bool = False  # chat templates with a thinking switch (Qwen3) render it on; off as the paper measures
+    tree_size: int | None = None  # spec_generate's tree_size (None: a chain); the peers run with chains only
 
 
 def assisted_decoding_refusal(target: torch.nn.Module) -> str | None:
@@ -178,7 +179,7 @@ def measure_prompts(
             seed=settings.seed if settings.temperature > 0 else None, mask_token_id=tokens.mask_token_id,
             return_stats=True,
             acceptance=settings.acceptance, step_costs=settings.step_costs, cpu_kernels=settings.cpu_kernels,
-            **neutral,
+            tree_size=settings.tree_size, **neutral,
         ))
         return [results[-1].new_tokens(row) for row in range(len(prompts))]
 
@@ -186,7 +187,8 @@ def measure_prompts(
         "plain": lambda: generated(target.generate(input_ids, **common)),
         "dflash": dflash,
     }
-    assisted = len(prompts) == 1 and assisted_decoding_refusal(target) is None  # Transformers' take one prompt
+    # Transformers' assisted decoding takes one prompt; it is timed next to chains (a tree row would repeat it)
+    assisted = len(prompts) == 1 and settings.tree_size is None and assisted_decoding_refusal(target) is None
     if settings.prompt_lookup_tokens and assisted:
         methods["prompt_lookup"] = lambda: generated(target.generate(
             input_ids, prompt_lookup_num_tokens=settings.prompt_lookup_tokens, **common))
@@ -324,11 +326,13 @@ def lossless_cell(result: dict[str, Any], method: str = "dflash") -> str:
 def markdown_table(results: list[dict[str, Any]]) -> str:
     """The results as a Markdown table (one row per dataset, and per batch size N when some N > 1)."""
     batched = any(result.get("batch_size", 1) > 1 for result in results)
+    trees = any(result.get("tree_size") for result in results)
     lines = [
         "| dataset | prompts |" + (" N |" if batched else "")
-        + " B | tau | plain tok/s | DFlash tok/s | prompt lookup tok/s | Transformers DFlash tok/s | speedup | bound"
-        + " | lossless |",
-        "|---|---:|" + ("---:|" if batched else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        + " B |" + (" tree |" if trees else "") + " tau | plain tok/s | DFlash tok/s | prompt lookup tok/s"
+        + " | Transformers DFlash tok/s | speedup | bound | lossless |",
+        "|---|---:|" + ("---:|" if batched else "") + "---:|" + ("---:|" if trees else "")
+        + "---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for result in results:
         rates = result["tokens_per_s"]
@@ -346,7 +350,8 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
         if result.get("adaptive_verify"):  # drafted `block`, verified a worthwhile prefix of it per step
             block = f"{block} (adaptive, verified {result['mean_verified_length']:.2f})"
         lines.append(
-            f"| {result['dataset']} | {result['num_prompts']} |{batch} {block} | {result['tau']:.2f} | "
+            f"| {result['dataset']} | {result['num_prompts']} |{batch} {block} |"
+            + (f" {result.get('tree_size') or 'chain'} |" if trees else "") + f" {result['tau']:.2f} | "
             f"{rates['plain']:.1f} | {rates['dflash']:.1f} | {lookup} | {native} | "
             f"{result['speedup']:.2f}x | {bound} | "
             f"{lossless} |"

@@ -28,6 +28,7 @@ from .cache_dflash import (
     full_history_cache,
     host_to_device,
     left_padded_positions,
+    recurrent_layers,
     reorder_cache_columns,
     returned_cache,
     select_cache_rows,
@@ -46,6 +47,15 @@ from .sampling_dflash import (
 )
 from .settings_dflash import DecodingSettings, StepCosts, resolve_settings
 from .target_dflash import FeatureCapture, last_logits_only, verify_forward
+from .tree_dflash import (
+    MAX_CANDIDATES,
+    DraftTree,
+    build_trees,
+    residual_samples,
+    tree_attention_mask,
+    walk_greedy,
+    walk_sampled,
+)
 
 
 @dataclass
@@ -166,8 +176,9 @@ class StepPlan:
 
     width: int  # b: tokens verified per row (the pending token and b - 1 proposals)
     counts: list[int]  # per row: positions it may still commit (max_new_tokens)
-    positions: torch.Tensor  # [n, b]: absolute positions s .. s + b - 1
+    positions: torch.Tensor  # [n, b]: absolute positions s .. s + b - 1 (a tree: s + each column's depth)
     pending: torch.Tensor  # [n, 1]: the pending token of each row
+    tree: DraftTree | None = None  # a tree step: the b - 1 drafted nodes of each row (tree_dflash)
 
 
 # --- The stages -----------------------------------------------------------------------------------------------------
@@ -187,6 +198,8 @@ def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
             layer_ids: list[int] | None, settings: DecodingSettings) -> DecodeState:
     """Run the target over the prompts [N, T]: its cache, the first token of every row, the features of the prompts."""
     cache = full_history_cache(target, target_text_config(target))  # None: the target's own cache can be cropped
+    if settings.tree_size is not None:
+        check_tree_target(target, windowed=cache is not None)
     cache_argument = cache_keyword(target)
     device = target_device(target)
     input_ids = input_ids.to(device)
@@ -224,6 +237,16 @@ def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     for token, streamer in zip(first_tokens, settings.streamers or ()):
         streamer.put(torch.tensor([token]))
     return state
+
+
+def check_tree_target(target: torch.nn.Module, windowed: bool) -> None:
+    """Raise, before any forward, when the target cannot verify a tree in one pass."""
+    if recurrent_layers(target_text_config(target)):
+        raise ValueError(f"tree_size is not supported with {type(target).__name__}: its recurrent layers read the "
+                         "verified columns in sequence, so one pass cannot verify branches; pass tree_size=None.")
+    if windowed:
+        raise ValueError(f"tree_size is not supported with {type(target).__name__}: its sliding-window layers count "
+                         "their window in cache columns, which a tree's branches break; pass tree_size=None.")
 
 
 def drop_finished(state: DecodeState, proposer: Proposer | None) -> bool:
@@ -282,12 +305,14 @@ def propose(proposer: Proposer | None, state: DecodeState, step: StepPlan, setti
         top_p=settings.top_p,
         generators=tuple(settings.generators[row] for row in state.active),
         score_proposals=settings.step_costs is not None,
+        num_candidates=0 if settings.tree_size is None else min(MAX_CANDIDATES, settings.tree_size),
     )
     state.context = None if context is None else context.seen()  # handed over
     proposal = proposer.propose(draft_step)
     proposal = proposal if isinstance(proposal, Proposal) else Proposal(proposal)
     tokens = proposal.tokens.to(device=state.device, dtype=torch.long).reshape(len(state.active), step.width - 1)
-    return Proposal(tokens, proposal.draft_probabilities, proposal.confidences)
+    return Proposal(tokens, proposal.draft_probabilities, proposal.confidences, proposal.candidate_tokens,
+                    proposal.candidate_probabilities)
 
 
 def worthwhile_width(confidences: torch.Tensor, counts: list[int], costs: StepCosts) -> int:
@@ -328,17 +353,104 @@ def verify(target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal
     """
     mask = state.columns.attention_mask(step.width)
     holes = {} if mask is None else {"attention_mask": mask.long(), "position_ids": step.positions}
+    logits = target_pass(target, state, step, proposal, holes)
+    return target_tokens(logits, proposal, state, step, settings)
+
+
+def target_pass(target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal: Proposal,
+                attention: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The target over [pending, proposals] [n, b] with `attention` (mask and positions, or none): its logits
+    [n, b, V]; the features of every verified column become `state.context`. The cache grows in place."""
     capture = FeatureCapture(target, state.layer_ids, state.device)
     with state.recurrent.recording() if state.recurrent is not None else nullcontext():
         logits, outputs = verify_forward(
             target, capture,
             input_ids=torch.cat((step.pending, proposal.tokens), dim=1),  # [n, b]
-            use_cache=True, **holes, **{state.cache_argument: state.cache},
+            use_cache=True, **attention, **{state.cache_argument: state.cache},
         )
     features = capture.result(outputs)  # [n, b, L*H] or None
     del outputs  # its cache is state.cache; nothing else of it is kept
     state.context = None if features is None else TargetContext(features, step.positions, None)
-    return target_tokens(logits.to(state.device), proposal, state, step, settings)
+    return logits.to(state.device)
+
+
+# --- Tree steps (tree_dflash): the same stages with a tree of drafted tokens in place of a chain ---------------------
+
+
+@dataclass
+class TreeOutcome:
+    """What a tree verify accepted: per row the path's columns (root excluded) and the target's token after it."""
+
+    paths: list[list[int]]
+    final_tokens: list[int]
+
+
+def plant_tree(state: DecodeState, step: StepPlan, proposal: Proposal, settings: DecodingSettings
+               ) -> tuple[StepPlan, Proposal]:
+    """The step as a tree: the `tree_size` nodes of highest draft path probability per row (from the proposal's
+    candidates), verified as columns 1 .. tree_size at the positions of their depths."""
+    if proposal.candidate_tokens is None or proposal.candidate_probabilities is None:
+        raise ValueError("tree_size needs the proposer's top tokens per position (Proposal.candidate_tokens and "
+                         "candidate_probabilities, asked for by DraftStep.num_candidates); this proposer gave none.")
+    candidate_tokens = proposal.candidate_tokens.tolist()  # [n, b - 1, k]
+    candidate_probabilities = proposal.candidate_probabilities.float().tolist()
+    pending = step.pending[:, 0].tolist()
+    trees = build_trees(candidate_tokens, candidate_probabilities, settings.tree_size,
+                        [min(step.width - 1, count - 1) for count in step.counts], pending)
+    depths = host_to_device([[0] + depths for depths in trees.depths], state.device)  # [n, 1 + N]
+    tree_step = StepPlan(1 + trees.size, step.counts, step.positions[:, :1] + depths, step.pending, trees)
+    return tree_step, Proposal(host_to_device(trees.tokens, state.device))
+
+
+def verify_tree(target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal: Proposal,
+                settings: DecodingSettings) -> TreeOutcome:
+    """One target pass over the root and the tree's nodes (each sees its ancestors); the accepted path per row."""
+    dtype = target.get_input_embeddings().weight.dtype
+    mask = tree_attention_mask(step.tree, state.columns.valid if state.columns.has_holes else None,
+                               state.columns.width, dtype if dtype.is_floating_point else torch.float32)
+    logits = target_pass(target, state, step, proposal, {"attention_mask": mask, "position_ids": step.positions})
+    trees, rows = step.tree, range(len(state.active))
+    if settings.greedy:
+        argmax = logits.argmax(dim=-1).tolist()  # [n, 1 + N]
+        paths = [walk_greedy(trees, row, argmax[row]) for row in rows]
+        return TreeOutcome(paths, [argmax[row][path[-1] if path else 0] for row, path in zip(rows, paths)])
+    probabilities = process_logits(logits.flatten(0, 1), settings.temperature, settings.top_k, settings.top_p)
+    probabilities = probabilities.softmax(dim=-1).view(logits.shape)  # [n, 1 + N, V]: p at every column
+    generators = [settings.generators[row] for row in state.active]
+    child_uniforms = draw_uniforms(generators, trees.size, logits.device).tolist()  # [n, N]
+    finals = residual_samples(probabilities, trees, draw_uniforms(generators, step.width, logits.device)).tolist()
+    parents = host_to_device(trees.parents, logits.device)  # [n, N]
+    node_tokens = proposal.tokens.to(logits.device)  # [n, N]
+    child_probabilities = probabilities.gather(1, parents[..., None].expand(-1, -1, probabilities.shape[-1]))
+    child_probabilities = child_probabilities.gather(2, node_tokens[..., None])[..., 0].tolist()  # [n, N]
+    paths = [walk_sampled(trees, row, child_probabilities[row], child_uniforms[row]) for row in rows]
+    return TreeOutcome(paths, [finals[row][path[-1] if path else 0] for row, path in zip(rows, paths)])
+
+
+def commit_tree(state: DecodeState, step: StepPlan, outcome: TreeOutcome, settings: DecodingSettings) -> list[int]:
+    """Append each row's accepted path and the target's token after it; mark finished rows; the accepted counts."""
+    accepted_counts = []
+    for index, row in enumerate(state.active):
+        path_tokens = [step.tree.tokens[index][column - 1] for column in outcome.paths[index]]
+        accepted, new_tokens, stopped = commit_block(path_tokens, path_tokens + [outcome.final_tokens[index]],
+                                                     step.counts[index], settings.stop_token_ids)
+        state.acceptance_lengths[row].append(accepted + 1)
+        state.verified_lengths[row].append(step.width)
+        state.generated[row].extend(new_tokens)
+        state.finished[row] = stopped or len(state.generated[row]) >= settings.max_new_tokens
+        accepted_counts.append(accepted)
+        if settings.streamers:
+            settings.streamers[row].put(torch.tensor(new_tokens))
+    return accepted_counts
+
+
+def path_columns(outcome: TreeOutcome, width: int, device: torch.device) -> torch.Tensor:
+    """The verify columns each row keeps [n, width] (the root and its accepted path)."""
+    kept = torch.zeros(len(outcome.paths), width, dtype=torch.bool)
+    kept[:, 0] = True
+    for row, path in enumerate(outcome.paths):
+        kept[row, path] = True
+    return kept.to(device)
 
 
 def target_tokens(logits: torch.Tensor, proposal: Proposal, state: DecodeState, step: StepPlan,
@@ -381,12 +493,18 @@ def commit(state: DecodeState, step: StepPlan, proposal: Proposal, tokens_of_tar
     return accepted_counts
 
 
-def keep_context(state: DecodeState, step: StepPlan, accepted_counts: list[int]) -> None:
+def keep_context(state: DecodeState, step: StepPlan, accepted_counts: list[int],
+                 kept_columns: torch.Tensor | None = None) -> None:
     """Keep the verify columns of each row's pending token and accepted proposals: in the cache (a hybrid target's
-    recurrent states advance over exactly those columns), and as new features."""
-    kept_width = max(accepted_counts) + 1
-    accepted = host_to_device(accepted_counts, state.device)
-    kept = torch.arange(kept_width, device=state.device)[None, :] <= accepted[:, None]  # [n, kept_width]
+    recurrent states advance over exactly those columns), and as new features. `kept_columns` [n, b]: a tree's
+    (the root and the accepted path; default: each row's first accepted + 1 columns)."""
+    if kept_columns is None:
+        kept_width = max(accepted_counts) + 1
+        accepted = host_to_device(accepted_counts, state.device)
+        kept = torch.arange(kept_width, device=state.device)[None, :] <= accepted[:, None]  # [n, kept_width]
+    else:
+        kept_width = int(kept_columns.nonzero()[:, 1].max()) + 1
+        kept = kept_columns[:, :kept_width]
     state.columns.append(kept, [count + 1 for count in accepted_counts])
     crop_cache(state.cache, state.columns.width)
     if state.recurrent is not None:
@@ -498,6 +616,12 @@ class DecodeSession:
         compact_caches(state)
         step = plan_step(state, settings)
         proposal = propose(self.proposer, state, step, settings)
+        if settings.tree_size is not None and step.width > 1:
+            step, proposal = plant_tree(state, step, proposal, settings)
+            outcome = verify_tree(self.target, state, step, proposal, settings)
+            accepted_counts = commit_tree(state, step, outcome, settings)
+            keep_context(state, step, accepted_counts, path_columns(outcome, step.width, state.device))
+            return True
         step, proposal = shorten_step(step, proposal, settings)
         tokens_of_target = verify(self.target, state, step, proposal, settings)
         accepted_counts = commit(state, step, proposal, tokens_of_target, settings)
@@ -577,6 +701,7 @@ def spec_generate(
     cpu_kernels: bool | None = None,
     do_sample: bool | None = None,
     generation_config: Any = None,
+    tree_size: int | None = None,
     **generation_settings: Any,
 ) -> torch.Tensor | SpecGenerateOutput:
     """Generate with `target`, drafting blocks with `draft`; returns ids [N, prompt + new] (or stats too).
@@ -592,14 +717,15 @@ def spec_generate(
     `dflash_hf.cost_model.measure_verify_costs`): each step verifies only the prefix of the drafted block whose
     expected tokens pay for its verify time; the output is the same, only the verified lengths change.
     `cpu_kernels` (default: on for a CPU target): few-row products by the fastest kernel timed on this machine;
-    the output is the same.
+    the output is the same. `tree_size=N`: each step verifies a tree of N drafted tokens (the N of highest draft path
+    probability) instead of a chain, still exactly (`tree_dflash`; docs/sampling.md, "Trees").
     """
     settings = resolve_settings(
         target, input_ids, draft, attention_mask=attention_mask, generation_config=generation_config,
         block_size=block_size, mask_token_id=mask_token_id, acceptance=acceptance, cpu_kernels=cpu_kernels,
         generator=generator, seed=seed, streamer=streamer, step_costs=step_costs, draft_vocab=draft_vocab,
         max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-        stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, **generation_settings)
+        stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, tree_size=tree_size, **generation_settings)
     result = speculative_decode(target, dflash_proposer(draft, target, settings), input_ids,
                                 attention_mask=attention_mask, settings=settings)
     return result if return_stats else result.output_ids
@@ -615,7 +741,7 @@ class DFlashGenerationMixin:
 
         Arguments: max_new_tokens, temperature, top_k, top_p, stop_token_ids, block_size, generator, seed,
         mask_token_id, attention_mask, streamer, pad_token_id, return_stats, acceptance, draft_vocab, step_costs,
-        cpu_kernels, do_sample, generation_config; what is not passed comes from the target's generation config, as in
-        `generate` (see `generation_dflash.spec_generate`).
+        cpu_kernels, do_sample, generation_config, tree_size; what is not passed comes from the target's generation
+        config, as in `generate` (see `generation_dflash.spec_generate`).
         """
         return spec_generate(self, target, input_ids, *args, **generation_kwargs)

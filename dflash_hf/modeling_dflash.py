@@ -48,6 +48,7 @@ from .recurrent_dflash import recurrent_states  # noqa: F401
 from .sampling_dflash import process_logits  # noqa: F401
 from .settings_dflash import resolve_settings  # noqa: F401
 from .target_dflash import verify_forward  # noqa: F401
+from .tree_dflash import build_trees  # noqa: F401
 
 # Weight name prefixes of Transformers' native DFlash draft (`MuseGlimmerAssistantModel`) -> ours; the rest is shared.
 NATIVE_PREFIXES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}

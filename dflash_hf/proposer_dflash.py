@@ -78,6 +78,7 @@ class DraftStep:
     block_position_ids: torch.Tensor | None = None  # [N, block_size]: positions s .. s + B - 1 on the target's device
     pending_ids: torch.Tensor | None = None  # [N]: the pending tokens on the target's device
     score_proposals: bool = False  # the loop wants the draft's confidence in each proposal (Proposal.confidences)
+    num_candidates: int = 0  # > 0: the loop wants each position's top tokens too (Proposal.candidate_tokens: trees)
 
     @property
     def pending_tokens(self) -> list[int]:
@@ -104,6 +105,8 @@ class Proposal:
     # [N, B-1]: the draft's confidence at each position, a function of its distributions only, never of a sampled
     # token: a width chosen from the sampled tokens would bias which proposals get verified (None: not scored)
     confidences: torch.Tensor | None = None
+    candidate_tokens: torch.Tensor | None = None  # [N, B-1, k]: each position's k most probable tokens (trees)
+    candidate_probabilities: torch.Tensor | None = None  # [N, B-1, k]: the draft's probabilities of them
 
     def proposal_confidences(self) -> torch.Tensor | None:
         """The draft's confidence at each position [N, B-1]: as scored, else the largest probability of q (None:
@@ -198,7 +201,7 @@ class DFlashProposer:
         sample = step.temperature > 0.0 and self.sample_proposals
         selector = self.draft.candidate_selector
         shape = (len(step.row_ids), block_size - 1)
-        if self.vocab is not None and not sample and selector is None:
+        if self.vocab is not None and not sample and selector is None and not step.num_candidates:
             # greedy: the argmax over the draft's vocabulary
             logits = self.draft.scale_logits(self.vocab.logits(proposal_states))  # [N * (B-1), K]
             tokens = self.vocab.ids[logits.argmax(dim=-1).to(device)].view(shape)
@@ -211,10 +214,25 @@ class DFlashProposer:
         logits = logits.view(len(step.row_ids), block_size - 1, -1)  # [N, B-1, V]
         if selector is not None:
             return select_candidates(selector, logits, hidden[:, 1:], block_ids[:, 0], step, sample)
+        if step.num_candidates:
+            return top_candidates(logits, step)
         if sample:
             return sample_proposals(logits, step)
         tokens = logits.argmax(dim=-1)
         return Proposal(tokens, confidences=greedy_confidences(logits)) if step.score_proposals else tokens
+
+
+def top_candidates(logits: torch.Tensor, step: DraftStep) -> Proposal:
+    """Each position's `step.num_candidates` most probable tokens under the draft (logits [N, B-1, V], at the step's
+    temperature, top-k and top-p when sampling) and their probabilities; the proposals are the argmax."""
+    flat = logits.flatten(0, 1).float()
+    if step.temperature > 0.0:
+        flat = process_logits(flat, step.temperature, step.top_k, step.top_p)
+    count = min(step.num_candidates, flat.shape[-1])
+    probabilities, tokens = flat.softmax(dim=-1).topk(count, dim=-1)  # [N * (B-1), k]
+    shape = (*logits.shape[:2], tokens.shape[-1])
+    return Proposal(tokens.view(shape)[..., 0], candidate_tokens=tokens.view(shape),
+                    candidate_probabilities=probabilities.view(shape))
 
 
 def greedy_confidences(logits: torch.Tensor) -> torch.Tensor:

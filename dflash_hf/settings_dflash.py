@@ -73,6 +73,7 @@ class DecodingSettings:
     streamers: tuple[Any, ...] | None = None  # one per row
     step_costs: StepCosts | None = None  # given: each step verifies only the prefix of proposals worth its cost
     draft_vocab: torch.Tensor | None = None  # [K]: the ids the draft proposes from (None: every token)
+    tree_size: int | None = None  # given: each step verifies a tree of this many drafted tokens (None: a chain)
 
     @property
     def greedy(self) -> bool:
@@ -472,6 +473,7 @@ def resolve_settings(
     streamer: Any = None,
     step_costs: StepCosts | None = None,
     draft_vocab: bool | Sequence[int] | torch.Tensor | None = None,
+    tree_size: int | None = None,
     **generation_arguments: Any,
 ) -> DecodingSettings:
     """Every setting of one call, checked: the call's arguments over `generation_config` (default: the target's) as in
@@ -495,6 +497,7 @@ def resolve_settings(
         raise ValueError(f"step_costs times verify widths 1 .. {len(step_costs.verify)} but block_size is {size}; "
                          "measure them at this block size (dflash_hf.cost_model.measure_verify_costs).")
     vocabulary_size = target.get_output_embeddings().weight.shape[0] if draft is not None else 0
+    check_tree_size(tree_size, target, draft, step_costs)
     return DecodingSettings(
         max_new_tokens=choices.max_new_tokens, block_size=size, temperature=choices.temperature,
         top_k=choices.top_k, top_p=choices.top_p, stop_token_ids=frozenset(choices.stop_token_ids),
@@ -503,4 +506,27 @@ def resolve_settings(
         generators=row_generators(generator, num_rows, device, seed if choices.temperature > 0 else None),
         streamers=row_streamers(streamer, num_rows), step_costs=step_costs,
         draft_vocab=None if draft is None else draft_vocab_ids(draft, draft_vocab, vocabulary_size),
+        tree_size=tree_size,
     )
+
+
+TREE_ATTENTION = ("sdpa", "eager")  # attention implementations that take the tree's 4-D mask
+
+
+def check_tree_size(tree_size: Any, target: torch.nn.Module, draft: DFlashDraft | None,
+                    step_costs: StepCosts | None) -> None:
+    """Raise when `tree_size` is not a positive int (or None), or when the call cannot verify a tree."""
+    if tree_size is None:
+        return
+    if isinstance(tree_size, bool) or not isinstance(tree_size, int) or tree_size < 1:
+        raise ValueError(f"tree_size must be a positive int (drafted tokens per step) or None (a chain), got "
+                         f"{tree_size!r}.")
+    if getattr(draft, "candidate_selector", None) is not None:
+        raise ValueError("tree_size is not supported with DFlash2 drafts: their candidate selector chooses each token "
+                         "given the ones before it, so it proposes one path; pass tree_size=None.")
+    if step_costs is not None:
+        raise ValueError("tree_size and step_costs (verify widths chosen per step) cannot be combined; pass one.")
+    implementation = getattr(target_text_config(target), "_attn_implementation", None)
+    if implementation not in TREE_ATTENTION:
+        raise ValueError(f"tree_size needs the target's attention to take a 4-D mask ({', '.join(TREE_ATTENTION)}); "
+                         f"this target uses {implementation!r}: load it with attn_implementation=\"sdpa\".")

@@ -16,10 +16,10 @@ from typing import Any, Iterator
 
 import torch
 
-from .configuration_dflash import DFlashConfig
+from .configuration_dflash import DFlashConfig, is_dflash2
 from .cost_model import cost_model_bound, measure_step_costs
 from .loading import PUBLISHED_CONFIGS, device_description
-from .modeling_dflash import DFlashDraftModel
+from .modeling_dflash import DFlash2DraftModel, DFlashDraftModel
 from .settings_dflash import resolve_block_size
 
 PACKAGE = Path(__file__).resolve().parent
@@ -161,7 +161,7 @@ def build_synthetic_pair(target_config: dict[str, Any], draft_config: dict[str, 
     torch.manual_seed(seed)
     with torch.device(device), default_dtype(dtype):
         target = AutoModelForCausalLM.from_config(config).eval()
-        draft = DFlashDraftModel(draft_values).eval()
+        draft = (DFlash2DraftModel if is_dflash2(draft_values) else DFlashDraftModel)(draft_values).eval()
     built = {next(target.parameters()).dtype, next(draft.parameters()).dtype}
     if built != {dtype}:
         raise ValueError(f"asked for {dtype}, built {sorted(map(str, built))}")

@@ -77,7 +77,8 @@ RECURRENT_FAMILIES = {
 def make_hybrid_target(family: str = "qwen3_5", seed: int = 0, vocab_size: int = VOCAB_SIZE, init_std: float = 0.1,
                        num_layers: int = TARGET_LAYERS) -> torch.nn.Module:
     """A tiny random float32 hybrid causal LM (Transformers 5.x): `qwen3_next`, `qwen3_5`, `qwen3_5_moe`,
-    `qwen3_5_vl` (the multimodal Qwen3_5ForConditionalGeneration wrapper that published Qwen3.5 checkpoints are), or
+    `qwen3_5_vl` / `qwen3_5_moe_vl` (the multimodal ...ForConditionalGeneration wrappers that published Qwen3.5
+    checkpoints are), or
     one of RECURRENT_FAMILIES (whose own shapes ignore `num_layers`)."""
     import transformers
 
@@ -101,10 +102,14 @@ def make_hybrid_target(family: str = "qwen3_5", seed: int = 0, vocab_size: int =
         sizes = {**COMMON, "vocab_size": vocab_size, "initializer_range": init_std}
         config = getattr(transformers, config_class)(**sizes, **fields, pad_token_id=0)
         model = getattr(transformers, model_class)(config)
-    elif family == "qwen3_5_vl":
+    elif family in ("qwen3_5_vl", "qwen3_5_moe_vl"):
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=HIDDEN_SIZE)
-        model = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(text_config=text,
-                                                                                        vision_config=vision))
+        if family == "qwen3_5_vl":
+            config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+            model = transformers.Qwen3_5ForConditionalGeneration(config)
+        else:
+            config = transformers.Qwen3_5MoeConfig(text_config={**text, **experts}, vision_config=vision)
+            model = transformers.Qwen3_5MoeForConditionalGeneration(config)
     else:
         raise ValueError(family)
     model.generation_config.eos_token_id = None
@@ -312,3 +317,41 @@ class RecordingProposer(DFlashProposer):
             self.proposed.setdefault(row, []).append(row_tokens)
         self.cache_excess.append(self.cache.get_seq_length() - max(len(s) - 1 for s in step.sequences))
         return proposal
+
+
+class TreeReferenceProposer:
+    """Proposes candidates for trees: at each position k tokens with descending made-up probabilities, the target's
+    own next token (from `reference_ids`, as for ReferenceProposer) at a random rank or missing; the argmax chain is
+    the rank-0 tokens. Checks that the loop committed only the reference."""
+
+    target_layer_ids = None
+
+    def __init__(self, reference_ids: torch.Tensor | list[torch.Tensor], k: int = 4, seed: int = 0) -> None:
+        import random
+
+        references = reference_ids if isinstance(reference_ids, list) else [reference_ids]
+        self.references = [reference[0].tolist() for reference in references]
+        self.k, self.rng = k, random.Random(seed)
+
+    def propose(self, step: DraftStep):
+        from dflash_hf.proposer_dflash import Proposal
+
+        tokens, probabilities = [], []
+        for index, row in enumerate(step.row_ids):
+            sequence, reference = step.sequences[index], self.references[row]
+            start = len(sequence) - 1
+            assert sequence == reference[: start + 1], "loop committed a token the target would not produce"
+            row_tokens, row_probabilities = [], []
+            for offset in range(1, step.block_size):
+                truth = reference[start + offset] if start + offset < len(reference) else 0
+                candidates = self.rng.sample([t for t in range(VOCAB_SIZE - 1) if t != truth], self.k)
+                rank = self.rng.randrange(self.k + 1)  # k: the truth is not among them
+                if rank < self.k:
+                    candidates[rank] = truth
+                row_tokens.append(candidates)
+                row_probabilities.append(sorted((self.rng.random() for _ in range(self.k)), reverse=True))
+            tokens.append(row_tokens)
+            probabilities.append(row_probabilities)
+        candidate_tokens, candidate_probabilities = torch.tensor(tokens), torch.tensor(probabilities)
+        return Proposal(candidate_tokens[..., 0], candidate_tokens=candidate_tokens,
+                        candidate_probabilities=candidate_probabilities)

@@ -207,6 +207,22 @@ def test_bench_command_with_several_batch_sizes(saved_models, tmp_path):
     assert batched["acceptance_histogram"] and sum(batched["acceptance_histogram"]) > 0
 
 
+def test_bench_command_with_several_tree_sizes(saved_models, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"turns": ["w5 w6 w7"]}\n{"turns": ["w8 w9"]}\n')
+    out = tmp_path / "bench.json"
+    main(["bench", *saved_models, "--prompts", str(prompts), "--tree-size", "0", "6", "--max-new-tokens", "6",
+          "--block-size", "4", "--prompt-lookup-tokens", "2", "--json", str(out)])
+    chain, tree = json.loads(out.read_text())["results"]
+    assert (chain["tree_size"], tree["tree_size"]) == (0, 6)
+    assert tree["lossless"] is True and chain["lossless"] is True
+    assert set(tree["tokens_per_s"]) == {"plain", "dflash"} and "prompt_lookup" in chain["tokens_per_s"]
+    table = capsys.readouterr().out
+    assert "| B | tree | tau |" in table and "| 4 | chain |" in table and "| 4 | 6 |" in table
+    with pytest.raises(SystemExit, match="--tree-size must be >= 0"):
+        main(["bench", *saved_models, "--prompts", str(prompts), "--tree-size", "-1"])
+
+
 def test_truncated_tau_and_the_block_size_choice(tiny_models):
     histogram = [2, 1, 1]  # lengths 1, 1, 2, 3
     assert cost_model.truncated_tau(histogram, 3) == pytest.approx(7 / 4)  # the measured mean

@@ -79,12 +79,14 @@ def test_spec_generate_with_a_draft_equals_generate(hybrid_targets, family, bloc
 
 
 @needs_hybrid
-def test_the_multimodal_wrapper_reads_the_language_models_layers(hybrid_targets):
-    target = hybrid(hybrid_targets, "qwen3_5_vl")
-    assert type(target).__name__ == "Qwen3_5ForConditionalGeneration"
+@pytest.mark.parametrize("family", ["qwen3_5_vl", "qwen3_5_moe_vl"])
+def test_the_multimodal_wrappers_read_the_language_models_layers(hybrid_targets, family):
+    target = hybrid(hybrid_targets, family)
+    assert type(target).__name__.endswith("ForConditionalGeneration")
     prompt = random_prompt(4, 9)
     expected = plain_greedy(target, prompt, 20)
-    proposer = ReferenceProposer(expected, target=target, corrupt_seed=4)  # checks features == hidden_states
+    checks = target if family == "qwen3_5_vl" else None  # features == hidden_states (MoE routing: to ~2e-4 only)
+    proposer = ReferenceProposer(expected, target=checks, corrupt_seed=4)
     assert torch.equal(speculative_decode(target, proposer, prompt, 20, 6).output_ids, expected)
 
 
@@ -115,6 +117,23 @@ def test_a_stop_token_mid_block_and_max_new_tokens_mid_block(hybrid_targets):
     assert torch.equal(result.output_ids, expected) and result.new_tokens(0)[-1] == stop
     result = speculative_decode(target, ReferenceProposer(plain_greedy(target, prompt, 40)), prompt, 13, 8)
     assert torch.equal(result.output_ids, plain_greedy(target, prompt, 13))
+
+
+@needs_hybrid
+def test_the_generation_configs_stop_token_and_a_draft_vocabulary(hybrid_targets):
+    import copy
+
+    target = copy.deepcopy(hybrid(hybrid_targets, "qwen3_5"))
+    prompt = random_prompt(6, 8)
+    free = plain_greedy(target, prompt, 30)[0, 8:].tolist()
+    stop = next(token for index, token in enumerate(free) if index >= 4 and token not in free[:index])
+    target.generation_config.eos_token_id = stop
+    expected = target.generate(prompt, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    draft = make_draft(2, block_size=5)
+    assert torch.equal(draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=30), expected)
+    vocabulary = sorted(set(free) | set(range(0, 127, 3)))
+    assert torch.equal(draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=30,
+                                           draft_vocab=vocabulary), expected)
 
 
 OTHER_FAMILIES = sorted(family for family in RECURRENT_FAMILIES if family in ROLLBACK_MODEL_TYPES)
@@ -333,3 +352,19 @@ def test_a_draft_for_another_layer_count_is_refused_on_a_hybrid_target(hybrid_ta
     draft = make_draft(0, num_target_layers=64)
     with pytest.raises(ValueError, match=r"num_target_layers"):
         draft.spec_generate(target=target, input_ids=random_prompt(0, 5), max_new_tokens=4)
+
+
+@needs_hybrid
+def test_the_dflash2_draft_config_runs_on_its_qwen3_5_family_target_shape():
+    """The DFlash2 draft (for Qwen3.8-27B, a qwen3_5-family target of Qwen3.5-27B's shape), widths / 40."""
+    from dflash_hf.loading import PUBLISHED_CONFIGS
+    from dflash_hf.synthetic import build_synthetic_pair, shrink_configs, synthetic_spec
+
+    spec = synthetic_spec("Qwen3.5-27B", draft_config=PUBLISHED_CONFIGS / "Qwen3.8-27B-DFlash2.json")
+    target_config, draft_config = shrink_configs(spec.target_config, spec.draft_config, 40)
+    target, draft = build_synthetic_pair(target_config, draft_config, torch.device("cpu"), torch.float32)
+    assert type(draft).__name__ == "DFlash2DraftModel" and draft.target_layer_ids == [5, 19, 33, 47, 61]
+    target.generation_config.eos_token_id = None
+    prompt = torch.randint(0, target_config["vocab_size"] - 1, (1, 6), generator=torch.Generator().manual_seed(1))
+    output = draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=8)
+    assert torch.equal(output, plain_greedy(target, prompt, 8))

@@ -69,7 +69,7 @@ def test_no_two_modules_import_each_other():
 LAYERS = (
     {"devices_dflash", "sampling_dflash", "cache_dflash", "configuration_dflash", "custom_generate_dflash", "prompts",
      "smollm2"},
-    {"kernels_dflash"},
+    {"kernels_dflash", "tree_dflash"},
     {"proposer_dflash", "target_dflash"},
     {"settings_dflash", "recurrent_dflash"},
     {"generation_dflash"},
@@ -105,7 +105,7 @@ def test_remote_code_imports_only_torch_transformers_and_its_siblings(name):
     tree = ast.parse((PACKAGE / name).read_text())
     allowed_top = {"torch", "transformers", "__future__", "inspect", "re", "time", "dataclasses", "typing", "weakref",
                    "pathlib", "math", "contextlib", "warnings", "numbers",
-                   "threading", "contextvars"}
+                   "threading", "contextvars", "heapq", "itertools"}
     module_level = {id(node) for node in tree.body}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

@@ -177,7 +177,7 @@ def test_plain_heads_keep_the_fast_path(targets, family):
     assert plain_head_parts(target_of(targets, family)) is not None
 
 
-# --- Recurrent-state targets are refused up front ------------------------------------------------------------------
+# --- Recurrent-state targets: rolled back (5.x, tests/test_hybrid_targets.py) or refused up front ------------------
 
 LINEAR_HEADS = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
 RECURRENT = {  # name -> (causal LM class, config class, settings beyond COMMON, layer type the message names)
@@ -188,7 +188,9 @@ RECURRENT = {  # name -> (causal LM class, config class, settings beyond COMMON,
     "kimi_linear": ("KimiLinearForCausalLM", "KimiLinearConfig",
                     dict(pad_token_id=0, linear_num_heads=4, linear_head_dim=16, num_experts=4,
                          num_experts_per_token=2, moe_intermediate_size=32, kv_lora_rank=16, qk_rope_head_dim=8,
-                         qk_nope_head_dim=8, v_head_dim=16), "linear_attention"),
+                         qk_nope_head_dim=8, v_head_dim=16,
+                         layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"]),
+                    "linear_attention"),
     "lfm2": ("Lfm2ForCausalLM", "Lfm2Config", dict(full_attn_idxs=[1, 3]), "conv"),
     "jamba": ("JambaForCausalLM", "JambaConfig", dict(num_experts=2, attn_layer_period=2, attn_layer_offset=1,
                                                       expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8),
@@ -197,15 +199,23 @@ RECURRENT = {  # name -> (causal LM class, config class, settings beyond COMMON,
 
 
 @pytest.mark.parametrize("name", RECURRENT)
-def test_recurrent_state_targets_are_refused_before_any_forward(name):
+def test_recurrent_state_targets_run_exactly_or_are_refused_before_any_forward(name):
+    from dflash_hf.cache_dflash import ROLLBACK_MODEL_TYPES
+
     model_class, config_class, settings, layer_type = RECURRENT[name]
     model_class, config_class = transformers_class(model_class), transformers_class(config_class)
     torch.manual_seed(0)
     target = model_class(config_class(**{**COMMON, **settings})).eval()
+    draft = make_draft(0, block_size=8)  # the draft itself is fine
+    prompt = random_prompt(500 + 8, 6)
+    if name in ROLLBACK_MODEL_TYPES and hasattr(transformers, "Qwen3_5ForCausalLM"):  # rolled back on 5.x
+        target.generation_config.eos_token_id = None
+        assert torch.equal(draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=8),
+                           plain_greedy(target, prompt, 8))
+        return
     forwards = []
     target.register_forward_pre_hook(lambda module, args: forwards.append(1))
-    draft = make_draft(0, block_size=8)  # the draft itself is fine
-    message = f"has layers of type {layer_type}.*recurrent state cannot be rolled back to the accepted prefix"
+    message = f"is not supported: its layers of type {layer_type}.*keep a recurrent state"
     with pytest.raises(ValueError, match=message):
         draft.spec_generate(target=target, input_ids=random_prompt(500 + 8, 6), max_new_tokens=8)
     with pytest.raises(ValueError, match=message):  # the loop itself refuses too, whatever the proposer

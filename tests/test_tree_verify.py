@@ -1,0 +1,189 @@
+"""Tree verification (`spec_generate(tree_size=N)`): N drafted tokens as a tree in one target pass, exactly the
+target's output (greedy) or distribution (sampling)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import (
+    TreeReferenceProposer,
+    chi_square_p_value,
+    make_draft,
+    make_hybrid_target,
+    make_target,
+    make_variant_draft,
+    plain_greedy,
+    random_prompt,
+)
+from test_sampling import NUM_NEW, NUM_SAMPLES, VOCAB, exact_joint
+
+from dflash_hf import speculative_decode
+from dflash_hf.cache_dflash import left_pad
+from dflash_hf.proposer_dflash import DFlashProposer
+from dflash_hf.settings_dflash import StepCosts
+from dflash_hf.tree_dflash import build_trees, tree_attention_mask, walk_greedy, walk_sampled
+
+# --- The tree itself -------------------------------------------------------------------------------------------------
+
+
+def test_trees_are_the_nodes_of_highest_path_probability_best_first():
+    tokens = [[[10, 11, 12], [20, 21, 22], [30, 31, 32]]]  # one row, three positions, three candidates each
+    probabilities = [[[0.6, 0.3, 0.1], [0.9, 0.05, 0.05], [0.5, 0.4, 0.1]]]
+    trees = build_trees(tokens, probabilities, 5, [3], [99])
+    # path probabilities: 10: .6, 10-20: .54, 11: .3, 10-20-30: .27, 11-20: .27 (the earlier-pushed one first), ...
+    assert trees.tokens[0] == [10, 20, 11, 30, 20]
+    assert trees.parents[0] == [0, 1, 0, 2, 3]
+    assert trees.depths[0] == [1, 2, 1, 3, 2]
+    assert trees.real[0] == [True] * 5
+    assert trees.children(0) == [[1, 3], [2], [4], [5], [], []]
+
+
+def test_trees_stop_at_the_rows_depth_and_fill_up_with_nodes_never_accepted():
+    tokens = [[[10, 11], [20, 21]]] * 2
+    probabilities = [[[0.6, 0.4], [0.7, 0.3]]] * 2
+    trees = build_trees(tokens, probabilities, 4, [2, 1], [7, 8])
+    assert trees.depths[0] == [1, 2, 1, 2] and trees.real[0] == [True] * 4
+    assert trees.tokens[1] == [10, 11, 8, 8] and trees.real[1] == [True, True, False, False]
+    assert walk_greedy(trees, 1, [8, 0, 0, 0, 0]) == []  # a filler node is never accepted
+
+
+def test_each_column_sees_its_context_its_ancestors_and_itself():
+    trees = build_trees([[[10, 11], [20, 21]]], [[[0.6, 0.4], [0.7, 0.3]]], 4, [2], [0])  # 10, 10-20, 11, 11-20
+    mask = tree_attention_mask(trees, torch.tensor([[True, False, True]]), 3, torch.float32)
+    sees = (mask[0, 0] == 0).int().tolist()
+    assert sees == [[1, 0, 1, 1, 0, 0, 0, 0],
+                    [1, 0, 1, 1, 1, 0, 0, 0],
+                    [1, 0, 1, 1, 1, 1, 0, 0],
+                    [1, 0, 1, 1, 0, 0, 1, 0],
+                    [1, 0, 1, 1, 0, 0, 1, 1]]
+    assert mask.min() == torch.finfo(torch.float32).min
+
+
+def test_the_sampled_walk_tries_children_against_the_residual():
+    trees = build_trees([[[10, 11], [20, 21]]], [[[0.6, 0.4], [0.7, 0.3]]], 2, [1], [0])  # 10, 11 under the root
+    # p(10) = 0.5, p(11) = 0.25: 10 is refused (u 0.6 >= 0.5), 11 kept if u < 0.25 / (1 - 0.5) = 0.5
+    assert walk_sampled(trees, 0, [0.5, 0.25], [0.6, 0.49]) == [2]
+    assert walk_sampled(trees, 0, [0.5, 0.25], [0.6, 0.51]) == []
+    assert walk_sampled(trees, 0, [0.5, 0.25], [0.4, 0.0]) == [1]
+
+
+# --- Greedy: the target's own output ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed,length,block_size,tree_size", [
+    (0, 1, 4, 3), (1, 9, 8, 8), (2, 30, 16, 16), (3, 5, 8, 24), (4, 40, 2, 2)])
+def test_greedy_tree_equals_generate_and_accepts_more_than_the_chain(target, seed, length, block_size, tree_size):
+    prompt = random_prompt(seed, length)
+    expected = plain_greedy(target, prompt, 40)
+    tree = speculative_decode(target, TreeReferenceProposer(expected, 4, seed), prompt, 40, block_size,
+                              tree_size=tree_size)
+    assert torch.equal(tree.output_ids, expected)
+    assert set(tree.verified_lengths[0][:-1]) <= {tree_size + 1}
+    chain = speculative_decode(target, TreeReferenceProposer(expected, 4, seed), prompt, 40, block_size)
+    assert torch.equal(chain.output_ids, expected)
+    if block_size > 2:
+        assert tree.tau > chain.tau, (tree.tau, chain.tau)  # the tree accepted tokens the argmax chain missed
+
+
+def test_a_left_padded_batch_of_trees(target):
+    prompts = [random_prompt(seed, length)[0].tolist() for seed, length in ((1, 5), (2, 17), (3, 11))]
+    references = [plain_greedy(target, torch.tensor([prompt]), 30) for prompt in prompts]
+    input_ids, attention_mask = left_pad(prompts, 0)
+    result = speculative_decode(target, TreeReferenceProposer(references, 3, 4), input_ids, 30, 6,
+                                attention_mask=attention_mask, tree_size=10)
+    for row, (prompt, reference) in enumerate(zip(prompts, references)):
+        assert result.new_tokens(row) == reference[0, len(prompt):].tolist(), row
+    assert len({tuple(lengths[:4]) for lengths in result.acceptance_lengths}) > 1  # rows kept different paths
+
+
+def test_a_stop_token_inside_the_tree_and_max_new_tokens_mid_tree(target):
+    prompt = random_prompt(6, 8)
+    free = plain_greedy(target, prompt, 30)[0, 8:].tolist()
+    stop = next(token for index, token in enumerate(free) if index >= 5 and token not in free[:index])
+    expected = plain_greedy(target, prompt, 30, stop_token_ids=[stop])
+    result = speculative_decode(target, TreeReferenceProposer(plain_greedy(target, prompt, 40), 2, 1), prompt, 30,
+                                8, stop_token_ids=[stop], tree_size=6)
+    assert torch.equal(result.output_ids, expected)
+    result = speculative_decode(target, TreeReferenceProposer(plain_greedy(target, prompt, 40), 2, 1), prompt, 13,
+                                8, tree_size=6)
+    assert torch.equal(result.output_ids, plain_greedy(target, prompt, 13))
+
+
+@pytest.mark.parametrize("tree_size", [1, 5, 20])
+def test_spec_generate_with_a_tree_equals_generate(target, draft, tree_size):
+    for seed, length in ((0, 6), (1, 23)):
+        prompt = random_prompt(seed, length)
+        output = draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=24, tree_size=tree_size)
+        assert torch.equal(output, plain_greedy(target, prompt, 24))
+
+
+def test_custom_generate_passes_tree_size_through(target, draft, tmp_path):
+    draft.save_pretrained(tmp_path / "draft")
+    prompt = random_prompt(2, 7)
+    output = target.generate(prompt, custom_generate=str(tmp_path / "draft"), trust_remote_code=True,
+                             max_new_tokens=16, do_sample=False, tree_size=6)
+    assert torch.equal(output, plain_greedy(target, prompt, 16))
+
+
+# --- Sampling: the target's distribution -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_vocabulary():
+    target = make_target("llama", seed=11, vocab_size=VOCAB, init_std=0.4)
+    draft = make_draft(12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
+    return target, draft, torch.tensor([[1, 4, 2, 5]])
+
+
+@pytest.mark.parametrize("tree_size,temperature,top_k", [(3, 1.0, None), (10, 0.8, 3)])
+def test_sampled_trees_keep_the_target_distribution(small_vocabulary, tree_size, temperature, top_k):
+    target, draft, input_ids = small_vocabulary
+    generator = torch.Generator().manual_seed(4321)
+    counts: dict[tuple[int, ...], int] = {}
+    accepted = 0
+    with torch.no_grad():
+        for _ in range(NUM_SAMPLES):
+            result = speculative_decode(target, DFlashProposer(draft, target, VOCAB - 1), input_ids,
+                                        max_new_tokens=NUM_NEW, block_size=4, temperature=temperature, top_k=top_k,
+                                        generator=generator, tree_size=tree_size, cpu_kernels=False)
+            cell = tuple(result.new_token_ids[0].tolist())
+            counts[cell] = counts.get(cell, 0) + 1
+            accepted += sum(length - 1 for length in result.acceptance_lengths[0])
+    assert accepted > NUM_SAMPLES // 5  # drafted tokens were accepted, and some refused: both paths ran
+    assert chi_square_p_value(counts, exact_joint(target, input_ids, temperature, top_k, None), NUM_SAMPLES) > 1e-3
+    # power: the same counts reject a nearby wrong distribution
+    wrong = exact_joint(target, input_ids, temperature * 1.5, top_k, None)
+    assert chi_square_p_value(counts, wrong, NUM_SAMPLES) < 1e-3
+
+
+# --- Refusals --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tree_size,message", [(0, "positive int"), (2.5, "positive int"), (True, "positive int")])
+def test_bad_tree_sizes_are_refused(target, draft, tree_size, message):
+    with pytest.raises(ValueError, match=message):
+        draft.spec_generate(target=target, input_ids=random_prompt(0, 4), max_new_tokens=4, tree_size=tree_size)
+
+
+def test_trees_are_refused_where_they_cannot_be_verified_exactly(target, draft):
+    prompt = random_prompt(0, 4)
+    with pytest.raises(ValueError, match="DFlash2 drafts"):
+        make_variant_draft("dflash2").spec_generate(target=target, input_ids=prompt, max_new_tokens=4, tree_size=4)
+    with pytest.raises(ValueError, match="step_costs"):
+        draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=4, tree_size=4,
+                            step_costs=StepCosts(0.01, tuple([0.01] * 8)))
+    if hasattr(__import__("transformers"), "Qwen3_5ForCausalLM"):
+        with pytest.raises(ValueError, match="recurrent layers read the verified columns in sequence"):
+            draft.spec_generate(target=make_hybrid_target("qwen3_5"), input_ids=prompt, max_new_tokens=4,
+                                tree_size=4)
+
+
+def test_a_sliding_window_target_is_refused_with_trees():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    target = MistralForCausalLM(MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                              head_dim=16, sliding_window=8)).eval()
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        make_draft(0).spec_generate(target=target, input_ids=random_prompt(0, 4), max_new_tokens=4, tree_size=4)
