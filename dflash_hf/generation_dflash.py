@@ -1,7 +1,8 @@
 """The DFlash decoding loop: draft a block, verify it in one target pass, keep the longest match.
 
 `speculative_decode` takes any proposer and reads as named stages: `prefill`, then per step `drop_finished`,
-`compact_caches`, `plan_step`, `propose`, `shorten_step`, `verify`, `commit` and `keep_context`, then `finish`. A
+`compact_caches`, `plan_step`, `propose`, `shorten_step`, `verify`, `commit` and `keep_context`, then `finish` (a tree
+step, `tree_size`: `plant_tree`, `verify_tree` and `commit_tree` in place of the middle three). A
 `DecodeState` holds what one call changes; `DecodingSettings` (settings_dflash) what it was asked. `DecodeSession`
 runs the stages one at a time (the cost model times them through it); `spec_generate` wires the loop to a DFlash
 draft, and `DFlashGenerationMixin` gives a draft model its `spec_generate` method. See docs/architecture.md.
