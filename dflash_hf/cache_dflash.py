@@ -192,13 +192,16 @@ RECURRENT_REFUSALS = {
 }
 
 
+try:
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+except ImportError:  # Transformers 4.x: recurrent states live in model-specific caches
+    LinearAttentionCacheLayerMixin = None
+
+
 def is_recurrent_layer(layer: Any) -> bool:
     """A cache layer that holds a linear-attention (recurrent and convolution) state and no keys or values."""
-    try:
-        from transformers.cache_utils import LinearAttentionCacheLayerMixin
-    except ImportError:  # Transformers 4.x: recurrent states live in model-specific caches
-        return False
-    return isinstance(layer, LinearAttentionCacheLayerMixin) and not hasattr(layer, "keys")
+    return (LinearAttentionCacheLayerMixin is not None and isinstance(layer, LinearAttentionCacheLayerMixin)
+            and not hasattr(layer, "keys"))
 
 
 def recurrent_cache_layers(cache: Any) -> list[int]:

@@ -430,19 +430,9 @@ def verify_tree(target: torch.nn.Module, state: DecodeState, step: StepPlan, pro
 
 def commit_tree(state: DecodeState, step: StepPlan, outcome: TreeOutcome, settings: DecodingSettings) -> list[int]:
     """Append each row's accepted path and the target's token after it; mark finished rows; the accepted counts."""
-    accepted_counts = []
-    for index, row in enumerate(state.active):
-        path_tokens = [step.tree.tokens[index][column - 1] for column in outcome.paths[index]]
-        accepted, new_tokens, stopped = commit_block(path_tokens, path_tokens + [outcome.final_tokens[index]],
-                                                     step.counts[index], settings.stop_token_ids)
-        state.acceptance_lengths[row].append(accepted + 1)
-        state.verified_lengths[row].append(step.width)
-        state.generated[row].extend(new_tokens)
-        state.finished[row] = stopped or len(state.generated[row]) >= settings.max_new_tokens
-        accepted_counts.append(accepted)
-        if settings.streamers:
-            settings.streamers[row].put(torch.tensor(new_tokens))
-    return accepted_counts
+    paths = [[step.tree.tokens[index][column - 1] for column in path] for index, path in enumerate(outcome.paths)]
+    return commit_rows(state, step, paths, [path + [final] for path, final in zip(paths, outcome.final_tokens)],
+                       settings)
 
 
 def path_columns(outcome: TreeOutcome, width: int, device: torch.device) -> torch.Tensor:
@@ -479,11 +469,18 @@ def commit(state: DecodeState, step: StepPlan, proposal: Proposal, tokens_of_tar
            settings: DecodingSettings) -> list[int]:
     """Append each row's accepted proposals and the target's token; mark finished rows; the accepted counts."""
     proposed_and_target = torch.cat((proposal.tokens, tokens_of_target), dim=1).tolist()  # one device sync
+    return commit_rows(state, step, [tokens[: step.width - 1] for tokens in proposed_and_target],
+                       [tokens[step.width - 1 :] for tokens in proposed_and_target], settings)
+
+
+def commit_rows(state: DecodeState, step: StepPlan, proposed: list[list[int]], target_tokens: list[list[int]],
+                settings: DecodingSettings) -> list[int]:
+    """Per active row, `commit_block` of its proposals and the target's tokens (a chain's, or a tree's accepted
+    path): append what it commits, record the step, mark finished rows; the accepted counts."""
     accepted_counts = []
     for index, row in enumerate(state.active):
-        tokens = proposed_and_target[index]
-        accepted, new_tokens, stopped = commit_block(tokens[: step.width - 1], tokens[step.width - 1 :],
-                                                     step.counts[index], settings.stop_token_ids)
+        accepted, new_tokens, stopped = commit_block(proposed[index], target_tokens[index], step.counts[index],
+                                                     settings.stop_token_ids)
         state.acceptance_lengths[row].append(accepted + 1)
         state.verified_lengths[row].append(step.width)
         state.generated[row].extend(new_tokens)

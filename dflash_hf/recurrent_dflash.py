@@ -99,11 +99,15 @@ class RecurrentStates:
                 self.inputs[layer_idx] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         return record
 
+    def put_back(self, layer_idx: int) -> None:
+        """The layer's states as they were before the last verify."""
+        for live, old in zip(self.states(layer_idx), self.before[layer_idx]):
+            live.copy_(old)
+
     def restore(self) -> None:
         """Put every recurrent state back as it was before the last verify (that verify is discarded)."""
-        for layer_idx, saved in self.before.items():
-            for live, old in zip(self.states(layer_idx), saved):
-                live.copy_(old)
+        for layer_idx in self.before:
+            self.put_back(layer_idx)
         self.inputs = {}
 
     @torch.no_grad()
@@ -120,19 +124,17 @@ class RecurrentStates:
         self.inputs = {}
 
     def _advance_layer(self, mixer: Mixer, kept_counts: list[int], width: int) -> None:
-        inputs, live_states = self.inputs[mixer.layer_idx], self.states(mixer.layer_idx)
+        inputs = self.inputs[mixer.layer_idx]
         counts = sorted(set(kept_counts))
         if len(counts) == 1:  # every row keeps the same count (one row, say): put back, run the mixer over them
-            for live, old in zip(live_states, self.before[mixer.layer_idx]):
-                live.copy_(old)
+            self.put_back(mixer.layer_idx)
             mixer.module(hidden_states=inputs[:, :counts[0]], attention_mask=None,
                          **{mixer.cache_argument: self.cache})
             return
         rows_keeping = {count: host_to_device([row for row, kept in enumerate(kept_counts) if kept == count],
                                               inputs.device) for count in counts}
-        results = [state.clone() for state in live_states]  # rows keeping `width`: as verified
-        for live, old in zip(live_states, self.before[mixer.layer_idx]):
-            live.copy_(old)
+        results = [state.clone() for state in self.states(mixer.layer_idx)]  # rows keeping `width`: as verified
+        self.put_back(mixer.layer_idx)
         start = 0
         for count in (count for count in counts if count < width):
             mixer.module(hidden_states=inputs[:, start:count], attention_mask=None,
