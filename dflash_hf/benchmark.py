@@ -53,8 +53,8 @@ DATASETS = {
 
 
 def read_prompt_file(path: str | Path, limit: int | None = None) -> list[list[str]]:
-    """Conversations from a JSONL file with one `{"turns": [...]}` object per line."""
-    return read_conversations(path, "turns", limit)
+    """Conversations from a JSONL prompt file: one object a line, its turns in a field of `prompts.PROMPT_FIELDS`."""
+    return read_conversations(path, None, limit)
 
 
 def load_conversations(dataset: str, data_dir: str | Path, limit: int | None = None) -> list[list[str]]:

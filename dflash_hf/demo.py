@@ -28,10 +28,10 @@ def load_demo(dtype: torch.dtype = torch.float32, draft_path: str | Path | None 
     from .smollm2 import load_smollm2
 
     path = Path(draft_path) if draft_path is not None else SHIPPED_DRAFT
-    if not (path / "config.json").exists():
+    if (path.is_dir() or draft_path is None) and not (path / "config.json").exists():  # else a Hub id
         raise FileNotFoundError(f"No draft at {path}; train one with `dflash-hf train --output runs/smollm2`.")
     target, tokenizer = load_smollm2(dtype)
-    draft = DFlashDraftModel.from_pretrained(path, dtype=dtype).eval()
+    draft = DFlashDraftModel.from_pretrained(draft_path if draft_path is not None else path, dtype=dtype).eval()
     return target, tokenizer, draft
 
 

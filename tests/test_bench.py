@@ -65,8 +65,10 @@ def test_prompt_files_and_datasets(tmp_path):
     path.write_text('{"turns": ["first question", "and a follow-up"]}\n\n{"turns": ["one turn"]}\n')
     assert read_prompt_file(path) == [["first question", "and a follow-up"], ["one turn"]]
     assert read_prompt_file(path, limit=1) == [["first question", "and a follow-up"]]
-    path.write_text('{"question": "no turns here"}\n')
-    with pytest.raises(ValueError, match="'turns' list"):
+    path.write_text('{"question": "no turns here"}\n')  # any prompt field, as train reads them
+    assert read_prompt_file(path) == [["no turns here"]]
+    path.write_text('{"text": "no prompt field"}\n')
+    with pytest.raises(ValueError, match="turns/question/prompt/problem/instruction"):
         read_prompt_file(path)
     with pytest.raises(ValueError, match="Unknown dataset 'squad'"):
         load_conversations("squad", tmp_path)
@@ -141,8 +143,8 @@ def test_bench_command_end_to_end(saved_models, tmp_path):
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_bench_command_needs_target_and_draft_together(tmp_path):
-    with pytest.raises(SystemExit, match="both --target and --draft"):
+def test_bench_command_needs_a_draft_for_another_target(tmp_path):
+    with pytest.raises(SystemExit, match=f"--target {tmp_path} needs its --draft"):
         main(["bench", "--target", str(tmp_path)])
 
 

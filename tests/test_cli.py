@@ -28,7 +28,7 @@ def test_train_command_writes_a_hub_ready_draft(tmp_path):
     prompts = save_tiny_target_and_prompts(tmp_path, 6)
     run = tmp_path / "run"
     argv = ["train", "--target", str(tmp_path / "target"), "--output", str(run), "--prompts", str(prompts),
-            "--num-prompts", "4", "--gen-batch-size", "2", "--gen-max-new-tokens", "12", "--block-size", "4",
+            "--num-prompts", "4", "--gen-batch-size", "2", "--gen-max-new-tokens", "12", "--draft-block-size", "4",
             "--draft-layers", "1", "--mask-token", "w127", "--epochs", "2", "--num-anchors", "6", "--distill",
             "--init-from-target", "--mixed-precision", "bf16", "--draft-vocab-size", "40",
             "--eval-prompts", str(prompts), "--num-eval", "2", "--eval-max-new-tokens", "10",
@@ -60,7 +60,7 @@ def test_train_init_from_starts_at_a_trained_draft_and_keeps_its_architecture(tm
     common = ["--target", str(tmp_path / "target"), "--prompts", str(prompts), "--num-prompts", "3",
               "--gen-batch-size", "3", "--gen-max-new-tokens", "10", "--num-anchors", "4", "--epochs", "1",
               "--eval-prompts", str(prompts), "--num-eval", "1", "--eval-max-new-tokens", "6"]
-    main(["train", "--output", str(tmp_path / "first"), "--block-size", "4", "--draft-layers", "2",
+    main(["train", "--output", str(tmp_path / "first"), "--draft-block-size", "4", "--draft-layers", "2",
           "--target-layer-ids", "1", "3", "--mask-token", "w127", "--layer-types", "sliding_attention",
           "full_attention", "--sliding-window", "3", *common])
     trained = AutoModel.from_pretrained(tmp_path / "first" / "draft", trust_remote_code=True)
@@ -83,7 +83,7 @@ def test_train_init_from_starts_at_a_trained_draft_and_keeps_its_architecture(tm
           "--first-prompt", "1", *common])
     assert json.loads((tmp_path / "later" / "training_log.json").read_text())["steps"] == 2
     assert "2 prompts (1-2) of prompts.jsonl" in (tmp_path / "later" / "draft" / "README.md").read_text()
-    with pytest.raises(SystemExit, match="--first-prompt 3: expected 0 <= it < --num-prompts 3"):
+    with pytest.raises(SystemExit, match="--first-prompt 3: expected 0 <= it < the 3 prompts of --num-prompts"):
         main(["train", "--output", str(tmp_path / "third"), "--first-prompt", "3", *common])
 
     # a stage on two prompt files with a count each: the first file's rows come from an earlier run's responses
@@ -98,17 +98,24 @@ def test_train_init_from_starts_at_a_trained_draft_and_keeps_its_architecture(tm
                          for line in (tmp_path / "first" / "responses.jsonl").read_text().splitlines()]
     assert sorted(row["index"] for row in mixed) == [0, 1, 2, 3, 4]
     assert json.loads((tmp_path / "mixed" / "training_log.json").read_text())["steps"] == 3  # prompts 2..4
+    main(["train", "--output", str(tmp_path / "each"), "--num-prompts", "2", "--generate-only",  # 2 of each file
+          "--responses", str(tmp_path / "mixed" / "responses.jsonl"), *two_files])
+    each = [json.loads(line) for line in (tmp_path / "each" / "responses.jsonl").read_text().splitlines()]
+    assert [row["prompt_ids"] for row in sorted(each, key=lambda row: row["index"])] == [
+        row["prompt_ids"] for row in sorted(mixed, key=lambda row: row["index"]) if row["index"] in (0, 1, 3, 4)]
     card = " ".join((tmp_path / "mixed" / "draft" / "README.md").read_text().split())
     assert "3 prompts (2-4) of prompts.jsonl (its first 3), other.jsonl (its first 2)" in card
     with pytest.raises(SystemExit,
-                       match="--num-prompts 3 2 1: give one count in all or one per --prompts file \\(2\\)"):
+                       match="--num-prompts 3 2 1: give one count for each prompt file or one per file \\(2\\)"):
         main(["train", "--output", str(tmp_path / "third"), "--num-prompts", "3", "2", "1", *two_files])
     with pytest.raises(SystemExit, match="--num-prompts 3 for .*other.jsonl: it holds only 2 prompts"):
         main(["train", "--output", str(tmp_path / "third"), "--num-prompts", "1", "3", *two_files])
 
-    with pytest.raises(SystemExit, match="--block-size 8 \\(the draft has 4\\)"):
+    with pytest.raises(SystemExit, match="--draft-block-size 8 \\(the draft has 4\\)"):
         main(["train", "--output", str(tmp_path / "third"), "--init-from", str(tmp_path / "first" / "draft"),
-              "--block-size", "8", *common])
+              "--draft-block-size", "8", *common])
+    with pytest.raises(SystemExit, match="train --block-size is now --draft-block-size 8"):
+        main(["train", "--output", str(tmp_path / "third"), "--block-size", "8", *common])
     with pytest.raises(SystemExit, match="--causal True \\(the draft has None\\)"):
         main(["train", "--output", str(tmp_path / "third"), "--init-from", str(tmp_path / "first" / "draft"),
               "--causal", "true", *common])
@@ -154,6 +161,41 @@ def test_train_generate_only_writes_the_rows_a_draft_regenerates_and_stops(tmp_p
     seeded = sorted((json.loads(line) for line in (tmp_path / "seeded" / "responses.jsonl").read_text().splitlines()),
                     key=lambda row: row["index"])
     assert seeded == sorted(rows, key=lambda row: row["index"])
+
+
+def test_a_flag_that_several_subcommands_take_means_the_same_in_each():
+    import argparse
+
+    from dflash_hf.cli import SHARED_OPTIONS, build_parser
+
+    commands = next(action for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction))
+    seen: dict[str, list[tuple[str, argparse.Action]]] = {}
+    for name, parser in commands.choices.items():
+        for action in parser._actions:
+            for flag in action.option_strings:
+                if action.help != argparse.SUPPRESS and flag not in ("-h", "--help"):
+                    seen.setdefault(flag, []).append((name, action))
+    shared = {flag: actions for flag, actions in seen.items() if len(actions) > 1}
+    assert {"--block-size", "--prompts", "--draft", "--target", "--num-prompts"} <= set(shared)
+    assert set(shared) <= set(SHARED_OPTIONS), "define a flag that several subcommands take in SHARED_OPTIONS"
+    for flag, actions in shared.items():
+        described = {(action.help, action.type, tuple(action.choices or ())) for _, action in actions}
+        assert len(described) == 1, f"{flag} differs between {[name for name, _ in actions]}"
+    assert [name for name, _ in seen["--block-size"]] == ["demo", "bench"]  # train's is --draft-block-size
+
+
+def test_bench_reads_several_prompt_files_with_a_count_each(tmp_path):
+    from dflash_hf.cli import bench_datasets, build_parser
+
+    turns, question = tmp_path / "turns.jsonl", tmp_path / "questions.jsonl"
+    turns.write_text("\n".join(json.dumps({"turns": [f"a{i}", f"b{i}"]}) for i in range(3)))
+    question.write_text("\n".join(json.dumps({"question": f"q{i}"}) for i in range(3)))
+    args = build_parser().parse_args(["bench", "--prompts", str(turns), str(question), "--num-prompts", "2", "1"])
+    assert bench_datasets(args) == {"turns": [["a0", "b0"], ["a1", "b1"]], "questions": [["q0"]]}
+    args = build_parser().parse_args(["bench", "--prompts", str(turns), str(question), "--num-prompts", "2"])
+    assert {name: len(rows) for name, rows in bench_datasets(args).items()} == {"turns": 2, "questions": 2}
+    with pytest.raises(SystemExit, match="--num-prompts 1 2 3: give one count for each prompt file"):
+        bench_datasets(build_parser().parse_args(["bench", "--prompts", str(turns), "--num-prompts", "1", "2", "3"]))
 
 
 def test_version(capsys):

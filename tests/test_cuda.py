@@ -250,7 +250,7 @@ def train_argv(tmp_path: Path, output: str, *extra: str) -> list[str]:
             "\n".join(json.dumps({"question": f"w{10 + i} w{20 + i} w{30 + i}"}) for i in range(6)))
     prompts = str(tmp_path / "prompts.jsonl")
     return ["train", "--target", str(tmp_path / "target"), "--output", str(tmp_path / output), "--prompts", prompts,
-            "--num-prompts", "4", "--gen-batch-size", "2", "--gen-max-new-tokens", "12", "--block-size", "4",
+            "--num-prompts", "4", "--gen-batch-size", "2", "--gen-max-new-tokens", "12", "--draft-block-size", "4",
             "--draft-layers", "1", "--mask-token", "w127", "--epochs", "2", "--num-anchors", "6",
             "--eval-prompts", prompts, "--num-eval", "2", "--eval-max-new-tokens", "10", "--eval-dtype", "float32",
             *extra]

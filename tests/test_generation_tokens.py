@@ -65,7 +65,7 @@ def test_bench_train_and_demo_stop_on_the_same_ids(several_eos_target, tmp_path,
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"question": f"w{10 + i} w{20 + i}"}) for i in range(2)))
     main(["train", "--target", str(tmp_path / "target"), "--output", str(tmp_path / "run"), "--prompts", str(prompts),
-          "--num-prompts", "2", "--gen-max-new-tokens", "6", "--block-size", "4", "--draft-layers", "1",
+          "--num-prompts", "2", "--gen-max-new-tokens", "6", "--draft-block-size", "4", "--draft-layers", "1",
           "--mask-token", "w127", "--epochs", "1", "--num-anchors", "4", "--eval-prompts", str(prompts),
           "--num-eval", "1", "--eval-max-new-tokens", "6"])
 

@@ -238,7 +238,7 @@ def test_from_pretrained_of_a_missing_local_folder_names_it(tmp_path):
         DFlashDraftModel.from_pretrained(tmp_path / "absent")
 
 
-TRAIN = ["--num-prompts", "3", "--gen-batch-size", "3", "--gen-max-new-tokens", "8", "--block-size", "4",
+TRAIN = ["--num-prompts", "3", "--gen-batch-size", "3", "--gen-max-new-tokens", "8", "--draft-block-size", "4",
          "--draft-layers", "1", "--mask-token", "w127", "--epochs", "1", "--num-anchors", "4"]
 
 
@@ -276,7 +276,7 @@ def test_train_with_an_unusable_prompts_file_names_it(content, message, tmp_path
 
 @pytest.mark.parametrize("flag", ["--num-prompts", "--max-new-tokens"])
 def test_bench_with_nothing_to_measure_is_refused(flag):
-    with pytest.raises(SystemExit, match="--num-prompts and --max-new-tokens must be >= 1"):
+    with pytest.raises(SystemExit, match=f"{flag} must be >= 1"):
         main(["bench", flag, "0"])
 
 

@@ -43,12 +43,16 @@ def training_target_dtype(choice: str, device: torch.device) -> torch.dtype:
 
 def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> None:
     """Exit naming the first `train` argument that cannot be run (before anything is read, loaded or trained)."""
+    if args.renamed_block_size is not None:
+        raise SystemExit(f"train --block-size is now --draft-block-size {args.renamed_block_size} (the block the "
+                         "draft is trained for); --block-size in bench and demo is the block verified per step")
     if len(args.num_prompts) not in (1, len(prompt_files)):
-        raise SystemExit(f"--num-prompts {' '.join(map(str, args.num_prompts))}: give one count in all or one per "
-                         f"--prompts file ({len(prompt_files)})")
-    if not 0 <= args.first_prompt < sum(args.num_prompts):
-        raise SystemExit(f"--first-prompt {args.first_prompt}: expected 0 <= it < "
-                         f"--num-prompts {sum(args.num_prompts)}")
+        raise SystemExit(f"--num-prompts {' '.join(map(str, args.num_prompts))}: give one count for each prompt "
+                         f"file or one per file ({len(prompt_files)})")
+    most = args.num_prompts[0] * len(prompt_files) if len(args.num_prompts) == 1 else sum(args.num_prompts)
+    if not 0 <= args.first_prompt < most:
+        raise SystemExit(f"--first-prompt {args.first_prompt}: expected 0 <= it < the {most} prompts of "
+                         f"--num-prompts")
     if any(count < 1 for count in args.num_prompts) or args.num_eval < 0:
         raise SystemExit(f"--num-prompts must be >= 1 and --num-eval >= 0 (0: no evaluation), got "
                          f"{' '.join(map(str, args.num_prompts))} and {args.num_eval}")
@@ -120,9 +124,10 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
 
 
 def training_prompts(prompt_files: list[str], counts: list[int]) -> list[str]:
-    """The prompts to train on: the first `counts[0]` of the files in order, or the first `counts[i]` of file i."""
+    """The prompts to train on, the files in order: the first `counts[0]` of each (or all it holds, if fewer), or
+    exactly the first `counts[i]` of file i."""
     if len(counts) == 1:
-        return read_prompts(prompt_files, counts[0])
+        return [prompt for path in prompt_files for prompt in read_prompts([path], counts[0])]
     prompts = []
     for path, count in zip(prompt_files, counts):
         records = read_prompts([path], count)
@@ -154,7 +159,7 @@ def build_draft(args: argparse.Namespace, target: torch.nn.Module, tokenizer: An
     mask_token_id = tokenizer.convert_tokens_to_ids(mask_token)
     if mask_token_id is None or mask_token_id == tokenizer.unk_token_id:
         raise SystemExit(f"mask token {mask_token!r} is not in the target's vocabulary")
-    config = draft_config_for(target, args.draft_layers or 2, args.block_size or 8, mask_token_id,
+    config = draft_config_for(target, args.draft_layers or 2, args.draft_block_size or 8, mask_token_id,
                               args.target_layer_ids, layer_attention_settings(args))
     config.dflash_config["mask_token"] = mask_token
     return DFlashDraftModel(config), mask_token
@@ -177,7 +182,7 @@ def start_from_trained_draft(args: argparse.Namespace, target: torch.nn.Module) 
     if args.init_from_target:
         raise SystemExit("--init-from and --init-from-target both say where the weights start; pass one")
     draft = DFlashDraftModel.from_pretrained(args.init_from, dtype=torch.float32).to(target_device(target))
-    asked = {"--block-size": (args.block_size, draft.block_size),
+    asked = {"--draft-block-size": (args.draft_block_size, draft.block_size),
              "--draft-layers": (args.draft_layers, len(draft.layers)),
              "--target-layer-ids": (args.target_layer_ids, draft.target_layer_ids),
              "--mask-token": (args.mask_token, draft.config.dflash_config.get("mask_token")),
@@ -218,7 +223,8 @@ def training_facts(args: argparse.Namespace, argv: list[str], prompt_files: list
 def prompt_files_text(prompt_files: list[str], counts: list[int]) -> str:
     """The prompt files for the card, with the count taken from each when there is one per file."""
     if len(counts) == 1:
-        return ", ".join(Path(path).name for path in prompt_files)
+        names = ", ".join(Path(path).name for path in prompt_files)
+        return names if len(prompt_files) == 1 else f"{names} (the first {counts[0]} of each)"
     return ", ".join(f"{Path(path).name} (its first {count})" for path, count in zip(prompt_files, counts))
 
 
