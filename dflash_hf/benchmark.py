@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from .cost_model import measure_step_costs, resolve_block_choice, typical_context
+from .cost_model import choose_tree_size, measure_step_costs, resolve_block_choice, typical_context
 from .devices_dflash import target_device
 from .evaluation import (
     BenchSettings,
@@ -136,7 +136,8 @@ def run_benchmark(
     first_prompt = user_prompt_ids(tokenizer, next(iter(datasets.values()))[0][0], settings.thinking)
     warm_up(draft, target, [first_prompt] * settings.batch_size,
             dataclasses.replace(settings, block_size=resolve_block_size(None, draft.block_size)
-                                if settings.block_size in ("auto", "adaptive") else settings.block_size),
+                                if settings.block_size in ("auto", "adaptive") else settings.block_size,
+                                tree_size=None if settings.tree_size == "auto" else settings.tree_size),
             tokens, native_draft)  # the batch's shape
     shards = {name: conversations[process.index :: process.count] for name, conversations in datasets.items()}
     bar = tqdm(total=sum(len(turns) for shard in shards.values() for turns in shard), desc="bench",
@@ -147,7 +148,14 @@ def run_benchmark(
                                       user_prompt_ids(tokenizer, conversations[0][0], settings.thinking),
                                       settings.max_new_tokens, settings.batch_size, tokens.stop_token_ids,
                                       tokens.mask_token_id)
-        dataset_settings = dataclasses.replace(settings, block_size=choice.block_size, step_costs=choice.step_costs)
+        tree_size, tree_rates = settings.tree_size, None
+        if tree_size == "auto":  # calibrated on the same first prompt, at the block chosen for it
+            tree_size, tree_rates = choose_tree_size(draft, target, user_prompt_ids(tokenizer, conversations[0][0],
+                                                                                    settings.thinking),
+                                                     choice.block_size, settings.max_new_tokens, settings.batch_size,
+                                                     tokens.stop_token_ids, tokens.mask_token_id)
+        dataset_settings = dataclasses.replace(settings, block_size=choice.block_size, step_costs=choice.step_costs,
+                                               tree_size=tree_size)
         records, step_costs = measure_dataset(draft, target, tokenizer, shards[name], dataset_settings, tokens,
                                               on_turns=lambda records, rows, name=name: _show(bar, name,
                                                                                               records, rows),
@@ -156,8 +164,10 @@ def run_benchmark(
                                  process.gather([step_costs])[0], settings.temperature == 0, settings.batch_size,
                                  choice.step_costs))
         results[-1]["assisted_refused"] = assisted_decoding_refusal(target)
-        results[-1]["tree_size"] = settings.tree_size or 0
-        if settings.tree_size:  # the cost model times chains: its bound would price a tree's verify as a chain's
+        results[-1]["tree_size"] = tree_size or 0
+        if tree_rates is not None:  # "auto": the calibration's tokens/s per tree size (0: the chain)
+            results[-1]["tree_size_rates"] = tree_rates
+        if tree_size:  # the cost model times chains: its bound would price a tree's verify as a chain's
             results[-1]["bound"] = None
         if choice.predictions is not None:
             results[-1]["block_size_predictions"] = choice.predictions

@@ -25,6 +25,15 @@ def block_size_choice(text: str) -> int | str:
     return int(text)
 
 
+def tree_size_choice(text: str) -> int | str:
+    """A --tree-size value: 0 (a chain), a positive integer or 'auto'."""
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"tree size must be >= 0 (0: a chain) or 'auto', got {text!r}")
+    return int(text)
+
+
 # One definition of every flag that several subcommands take: the same flag means the same thing everywhere
 # (a subcommand may only change its default and whether it takes several values).
 SHARED_OPTIONS: dict[str, dict] = {
@@ -49,6 +58,10 @@ SHARED_OPTIONS: dict[str, dict] = {
                               "trained block); 'auto': the best predicted on this machine (calibrated on the first "
                               "prompt before timing); 'adaptive': draft the full block, verify per step the prefix "
                               "worth its cost timed here"),
+    "--tree-size": dict(type=tree_size_choice,
+                        help="drafted tokens verified per step as a tree (docs/sampling.md, \"Trees\"); 0: a chain; "
+                             "'auto': the size (or the chain) that decodes fastest here, timed on the first prompt "
+                             "(bench: of each dataset; several values run in turn, e.g. 0 4 8 16 auto)"),
     "--cpu-kernels": dict(choices=["auto", "on", "off"], default="auto",
                           help="few-row products of the verify and draft passes by the fastest kernel timed on "
                                "this machine (auto: on for a CPU target); the output is the same either way"),
@@ -146,9 +159,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add_shared_argument(parser, "--num-prompts", default=[10])
     add_shared_argument(parser, "--max-new-tokens")
     add_shared_argument(parser, "--block-size", nargs="+", default=[None])
-    parser.add_argument("--tree-size", type=int, nargs="+", default=[0],
-                        help="drafted tokens verified per step as a tree (docs/sampling.md, \"Trees\"); 0: a chain; "
-                             "several values run in turn, e.g. 0 4 8 16")
+    add_shared_argument(parser, "--tree-size", nargs="+", default=[0])
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1],
                         help="prompts per call (left-padded); several values run one after the other, e.g. 1 2 4 8")
     parser.add_argument("--temperature", type=float, default=0.0,
@@ -225,8 +236,6 @@ def check_bench_arguments(args: argparse.Namespace) -> None:
         raise SystemExit(f"--target {args.target} needs its --draft (the shipped draft is SmolLM2-135M-Instruct's)")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise SystemExit("--plot needs matplotlib: pip install -e '.[bench]' (or leave --plot out)")
-    if any(tree_size < 0 for tree_size in args.tree_size):
-        raise SystemExit(f"--tree-size must be >= 0 (0: a chain), got {args.tree_size}")
     if any(batch_size < 1 for batch_size in args.batch_size):
         raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.max_new_tokens < 1:
@@ -390,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_shared_argument(demo, "--dtype")
     add_shared_argument(demo, "--draft")
     add_shared_argument(demo, "--block-size", default="auto")
+    add_shared_argument(demo, "--tree-size", default="auto")
     add_shared_argument(demo, "--cpu-kernels")
     add_bench_arguments(subcommand("bench", "tau, tokens/s and speedup against plain decoding, and lossless checks",
                                    BENCH_EXAMPLES))
@@ -434,7 +444,7 @@ def main(argv: list[str] | None = None) -> None:
         from .demo import run_demo
 
         run_demo(args.max_new_tokens, bench_dtype(args.dtype, torch.device("cpu")), args.draft, args.block_size,
-                 cpu_kernels_choice(args.cpu_kernels))
+                 cpu_kernels_choice(args.cpu_kernels), args.tree_size or None)
     elif args.command == "bench":
         from .benchmark import process_context
 

@@ -25,6 +25,8 @@ from .target_dflash import last_logits_only
 
 BLOCK_SIZE_CANDIDATES = (2, 3, 4, 6, 8, 12, 16)  # what "auto" chooses among (and the draft's trained size)
 BLOCK_CHOICES = ("auto", "adaptive")
+TREE_SIZE_CANDIDATES = (4, 8, 16, 32)  # what tree_size "auto" chooses among, and the chain
+TREE_CALIBRATION_TOKENS = 64  # new tokens of each timed calibration run of tree_size "auto"
 
 
 def prime_few_row_kernels(draft: DFlashDraftModel, target: torch.nn.Module, max_rows: int) -> int:
@@ -190,6 +192,43 @@ def choose_block_size(draft: DFlashDraftModel, target: torch.nn.Module, context_
         costs = measure_step_costs(draft, target, context_ids, block_size, mask_token_id, batch_size=batch_size)
         predictions[block_size] = cost_model_bound(truncated_tau(acceptance_histogram, block_size), costs)
     return max(predictions, key=predictions.get), predictions
+
+
+@torch.no_grad()
+def choose_tree_size(draft: DFlashDraftModel, target: torch.nn.Module, prompt: list[int], block_size: int,
+                     max_new_tokens: int, batch_size: int, stop_token_ids: list[int], mask_token_id: int
+                     ) -> tuple[int | None, dict[int, float]]:
+    """tree_size "auto": the tree size (None: a chain) with the most tokens per second for `batch_size` copies of
+    `prompt` on this machine, and the tokens/s of every candidate (0: the chain).
+
+    Each candidate decodes `TREE_CALIBRATION_TOKENS` (at most `max_new_tokens`) greedily, once to warm up and twice
+    timed (its faster run counts), the candidates taking turns; the measure holds both the tree's acceptance and its
+    verify's cost. A draft or target that cannot verify trees (`spec_generate`'s refusal) gets the chain.
+    """
+    input_ids = torch.tensor([prompt] * batch_size, device=target_device(target))
+    calibration_tokens = min(TREE_CALIBRATION_TOKENS, max_new_tokens)
+    neutral = neutral_overrides(getattr(target, "generation_config", None))
+
+    def tokens_per_second(tree_size: int | None) -> float:
+        output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=calibration_tokens,
+                                     block_size=block_size, temperature=0.0, stop_token_ids=stop_token_ids,
+                                     mask_token_id=mask_token_id, tree_size=tree_size, return_stats=True, **neutral)
+        return output.tokens_per_second
+
+    candidates: list[int | None] = [None]
+    try:
+        tokens_per_second(TREE_SIZE_CANDIDATES[0])
+        candidates += list(TREE_SIZE_CANDIDATES)
+    except ValueError as error:
+        if not str(error).startswith("tree_size"):  # only spec_generate's refusal of trees means "chain only"
+            raise
+    rates = {tree_size: 0.0 for tree_size in candidates}
+    for repeat in range(3):  # a warm-up round, then two timed rounds
+        for tree_size in candidates:
+            rate = tokens_per_second(tree_size)
+            rates[tree_size] = max(rates[tree_size], rate) if repeat else 0.0
+    best = max(rates, key=rates.get)
+    return best, {tree_size or 0: rate for tree_size, rate in rates.items()}
 
 
 def typical_context(prompt: list[int], answer: list[int], device: torch.device) -> torch.Tensor:

@@ -36,14 +36,16 @@ def load_demo(dtype: torch.dtype = torch.float32, draft_path: str | Path | None 
 
 
 def run_demo(max_new_tokens: int = 256, dtype: torch.dtype = torch.float32, draft_path: str | Path | None = None,
-             block_size: int | str = "auto", cpu_kernels: bool | None = None) -> dict:
+             block_size: int | str = "auto", cpu_kernels: bool | None = None,
+             tree_size: int | str | None = "auto") -> dict:
     """Answer the demo prompts with spec_generate; print answers, tau, tokens/s and the speedup over generate.
 
     block_size "auto": the block with the best predicted speedup on this machine, chosen on the first prompt before
     anything is timed; "adaptive": draft the trained block, verify per step the prefix worth its cost
-    (`cost_model.resolve_block_choice`, as bench chooses). `cpu_kernels`: see `spec_generate`.
+    (`cost_model.resolve_block_choice`, as bench chooses). tree_size "auto": a tree of the size that decodes
+    fastest here, or the chain (`cost_model.choose_tree_size`); None: the chain. `cpu_kernels`: see `spec_generate`.
     """
-    from .cost_model import resolve_block_choice
+    from .cost_model import choose_tree_size, resolve_block_choice
     from .evaluation import evaluate_draft
     from .prompts import user_prompt_ids
     from .settings_dflash import generation_tokens
@@ -63,18 +65,28 @@ def run_demo(max_new_tokens: int = 256, dtype: torch.dtype = torch.float32, draf
               + " ".join(f"{seconds * 1000:.1f}" for seconds in choice.step_costs.verify)
               + " ms", flush=True)
 
+    if tree_size == "auto" and choice.step_costs is None:  # adaptive verify widths and trees do not combine
+        tree_size, rates = choose_tree_size(draft, target, prompts[0], choice.block_size, max_new_tokens, 1,
+                                            tokens.stop_token_ids, tokens.mask_token_id)
+        print("tokens/s per tree size on this machine: "
+              + ", ".join(f"{size or 'chain'}: {rate:.1f}" for size, rate in sorted(rates.items()))
+              + f" -> {f'a tree of {tree_size}' if tree_size else 'the chain'}", flush=True)
+    elif tree_size == "auto":
+        tree_size = None
+
     def show(index: int, record) -> None:
         new_tokens, lengths = record.new_tokens["dflash"], record.acceptance_lengths
         print(f"\n### {DEMO_PROMPTS[index]}\n{tokenizer.decode(new_tokens, skip_special_tokens=True)}")
         print(f"[tau {mean_acceptance_length(lengths):.2f}, {len(new_tokens)} tokens]", flush=True)
 
     summary = evaluate_draft(draft, target, prompts, max_new_tokens, choice.block_size, tokens=tokens, on_result=show,
-                             step_costs=choice.step_costs, cpu_kernels=cpu_kernels)
+                             step_costs=choice.step_costs, cpu_kernels=cpu_kernels, tree_size=tree_size)
     verified = "" if choice.step_costs is None else (f", adaptive: {summary['mean_verified_length']:.2f} "
                                                      "verified per step")
     rates = summary["tokens_per_s"]
     print(f"\ntau {summary['tau']:.2f} | target.generate {rates['plain']:.1f} tokens/s | spec_generate "
           f"{rates['dflash']:.1f} tokens/s | speedup {summary['speedup']:.2f}x | identical to generate: "
           f"{summary['lossless']} ({dtype}, block size {choice.block_size} of {draft.block_size}{verified}, "
+          f"{f'tree of {tree_size}' if tree_size else 'chain'}, "
           f"{torch.get_num_threads()} threads)")
     return summary

@@ -65,7 +65,9 @@ class BenchSettings:
     step_costs: StepCosts | None = None  # spec_generate's step_costs (adaptive verify)
     cpu_kernels: bool | None = None  # spec_generate's cpu_kernels (None: on for a CPU target)
     thinking: bool = False  # chat templates with a thinking switch (Qwen3) render it on; off as the paper measures
-    tree_size: int | None = None  # spec_generate's tree_size (None: a chain); the peers run with chains only
+    # spec_generate's tree_size (None: a chain; "auto": chosen per dataset on its first prompt by
+    # `cost_model.choose_tree_size`); the peers run with chains only
+    tree_size: int | str | None = None
 
 
 def assisted_decoding_refusal(target: torch.nn.Module) -> str | None:
@@ -326,7 +328,7 @@ def lossless_cell(result: dict[str, Any], method: str = "dflash") -> str:
 def markdown_table(results: list[dict[str, Any]]) -> str:
     """The results as a Markdown table (one row per dataset, and per batch size N when some N > 1)."""
     batched = any(result.get("batch_size", 1) > 1 for result in results)
-    trees = any(result.get("tree_size") for result in results)
+    trees = any(result.get("tree_size") or "tree_size_rates" in result for result in results)
     lines = [
         "| dataset | prompts |" + (" N |" if batched else "")
         + " B |" + (" tree |" if trees else "") + " tau | plain tok/s | DFlash tok/s | prompt lookup tok/s"
@@ -349,9 +351,10 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
         block = result["block_size"]
         if result.get("adaptive_verify"):  # drafted `block`, verified a worthwhile prefix of it per step
             block = f"{block} (adaptive, verified {result['mean_verified_length']:.2f})"
+        tree = f"{result.get('tree_size') or 'chain'}" + (" (auto)" if "tree_size_rates" in result else "")
         lines.append(
             f"| {result['dataset']} | {result['num_prompts']} |{batch} {block} |"
-            + (f" {result.get('tree_size') or 'chain'} |" if trees else "") + f" {result['tau']:.2f} | "
+            + (f" {tree} |" if trees else "") + f" {result['tau']:.2f} | "
             f"{rates['plain']:.1f} | {rates['dflash']:.1f} | {lookup} | {native} | "
             f"{result['speedup']:.2f}x | {bound} | "
             f"{lossless} |"
@@ -371,19 +374,20 @@ def evaluate_draft(
     on_result: Callable[[int, TurnRecord], None] | None = None,
     step_costs: StepCosts | None = None,
     cpu_kernels: bool | None = None,
+    tree_size: int | None = None,
 ) -> dict[str, Any]:
     """`dflash-hf bench`'s greedy measurement of prompts one at a time: tau, tokens/s against `target.generate`,
     lossless.
 
     `tokens`: stop, pad and mask ids (`generation_tokens`). `on_result(prompt_index, record)` sees each prompt's
     record as soon as it is measured; the method that runs first rotates from prompt to prompt. `step_costs`:
-    adaptive verify length (`spec_generate(step_costs=...)`).
+    adaptive verify length (`spec_generate(step_costs=...)`); `tree_size`: trees (`spec_generate(tree_size=...)`).
     """
     if not prompts:
         raise ValueError("evaluate_draft needs at least one prompt.")
     block_size = resolve_block_size(block_size, draft.block_size)
     settings = BenchSettings(max_new_tokens=max_new_tokens, block_size=block_size, prompt_lookup_tokens=None,
-                             step_costs=step_costs, cpu_kernels=cpu_kernels)
+                             step_costs=step_costs, cpu_kernels=cpu_kernels, tree_size=tree_size)
     warm_up(draft, target, prompts[:1], settings, tokens)
     records = []
     for index, prompt in enumerate(prompts):

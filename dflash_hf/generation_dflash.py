@@ -52,7 +52,6 @@ from .tree_dflash import (
     MAX_CANDIDATES,
     DraftTree,
     build_trees,
-    residual_samples,
     tree_attention_mask,
     walk_greedy,
     walk_sampled,
@@ -400,7 +399,7 @@ def plant_tree(state: DecodeState, step: StepPlan, proposal: Proposal, settings:
                         [min(step.width - 1, count - 1) for count in step.counts], pending)
     depths = host_to_device([[0] + depths for depths in trees.depths], state.device)  # [n, 1 + N]
     tree_step = StepPlan(1 + trees.size, step.counts, step.positions[:, :1] + depths, step.pending, trees)
-    return tree_step, Proposal(host_to_device(trees.tokens, state.device))
+    return tree_step, Proposal(host_to_device(trees.tokens, state.device), proposal.draft_probabilities)
 
 
 def verify_tree(target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal: Proposal,
@@ -419,13 +418,12 @@ def verify_tree(target: torch.nn.Module, state: DecodeState, step: StepPlan, pro
     probabilities = probabilities.softmax(dim=-1).view(logits.shape)  # [n, 1 + N, V]: p at every column
     generators = [settings.generators[row] for row in state.active]
     child_uniforms = draw_uniforms(generators, trees.size, logits.device).tolist()  # [n, N]
-    finals = residual_samples(probabilities, trees, draw_uniforms(generators, step.width, logits.device)).tolist()
-    parents = host_to_device(trees.parents, logits.device)  # [n, N]
-    node_tokens = proposal.tokens.to(logits.device)  # [n, N]
-    child_probabilities = probabilities.gather(1, parents[..., None].expand(-1, -1, probabilities.shape[-1]))
-    child_probabilities = child_probabilities.gather(2, node_tokens[..., None])[..., 0].tolist()  # [n, N]
-    paths = [walk_sampled(trees, row, child_probabilities[row], child_uniforms[row]) for row in rows]
-    return TreeOutcome(paths, [finals[row][path[-1] if path else 0] for row, path in zip(rows, paths)])
+    final_uniforms = draw_uniforms(generators, step.width, logits.device).tolist()  # [n, 1 + N]
+    draft_probabilities = proposal.draft_probabilities  # [n, b - 1, V]: q the candidates were drawn from, or None
+    walks = [walk_sampled(trees, row, probabilities[row],
+                          None if draft_probabilities is None else draft_probabilities[row].to(logits.device),
+                          child_uniforms[row], final_uniforms[row]) for row in rows]
+    return TreeOutcome([path for path, _ in walks], [final for _, final in walks])
 
 
 def commit_tree(state: DecodeState, step: StepPlan, outcome: TreeOutcome, settings: DecodingSettings) -> list[int]:

@@ -105,8 +105,12 @@ class Proposal:
     # [N, B-1]: the draft's confidence at each position, a function of its distributions only, never of a sampled
     # token: a width chosen from the sampled tokens would bias which proposals get verified (None: not scored)
     confidences: torch.Tensor | None = None
-    candidate_tokens: torch.Tensor | None = None  # [N, B-1, k]: each position's k most probable tokens (trees)
-    candidate_probabilities: torch.Tensor | None = None  # [N, B-1, k]: the draft's probabilities of them
+    # trees: each position's k candidates, in the order a node tries them: the k most probable tokens, or (with q in
+    # draft_probabilities) a draw of k distinct tokens from q without replacement
+    candidate_tokens: torch.Tensor | None = None  # [N, B-1, k]
+    # [N, B-1, k]: each position's k largest draft probabilities, which shape the tree: never the sampled tokens' own,
+    # so which candidates a node verifies does not depend on what was drawn
+    candidate_probabilities: torch.Tensor | None = None
 
     def proposal_confidences(self) -> torch.Tensor | None:
         """The draft's confidence at each position [N, B-1]: as scored, else the largest probability of q (None:
@@ -215,24 +219,33 @@ class DFlashProposer:
         if selector is not None:
             return select_candidates(selector, logits, hidden[:, 1:], block_ids[:, 0], step, sample)
         if step.num_candidates:
-            return top_candidates(logits, step)
+            return top_candidates(logits, step, sample)
         if sample:
             return sample_proposals(logits, step)
         tokens = logits.argmax(dim=-1)
         return Proposal(tokens, confidences=greedy_confidences(logits)) if step.score_proposals else tokens
 
 
-def top_candidates(logits: torch.Tensor, step: DraftStep) -> Proposal:
-    """Each position's `step.num_candidates` most probable tokens under the draft (logits [N, B-1, V], at the step's
-    temperature, top-k and top-p when sampling) and their probabilities; the proposals are the argmax."""
+def top_candidates(logits: torch.Tensor, step: DraftStep, sample: bool) -> Proposal:
+    """Each position's `step.num_candidates` candidates for a tree (logits [N, B-1, V], at the step's temperature,
+    top-k and top-p when sampling): the most probable tokens, or with `sample` distinct tokens drawn from q in turn
+    (each row with its generator; q is returned for the verify); the shape probabilities are q's largest."""
     flat = logits.flatten(0, 1).float()
     if step.temperature > 0.0:
         flat = process_logits(flat, step.temperature, step.top_k, step.top_p)
-    count = min(step.num_candidates, flat.shape[-1])
-    probabilities, tokens = flat.softmax(dim=-1).topk(count, dim=-1)  # [N * (B-1), k]
-    shape = (*logits.shape[:2], tokens.shape[-1])
-    return Proposal(tokens.view(shape)[..., 0], candidate_tokens=tokens.view(shape),
-                    candidate_probabilities=probabilities.view(shape))
+    probabilities = flat.softmax(dim=-1).view(logits.shape)  # [N, B-1, V]: q
+    count = min(step.num_candidates, logits.shape[-1])
+    largest, tokens = probabilities.topk(count, dim=-1)  # [N, B-1, k]
+    if not sample:
+        return Proposal(tokens[..., 0], candidate_tokens=tokens, candidate_probabilities=largest)
+    uniforms = draw_uniforms(step.generators, logits.shape[1] * count, logits.device).view(*logits.shape[:2], count)
+    remaining, drawn = probabilities.clone(), []
+    for rank in range(count):  # ranks past a position's support are drawn from nothing; their shape probability is 0
+        token = sample_from(remaining, uniforms[..., rank])  # [N, B-1]
+        remaining.scatter_(-1, token[..., None], 0.0)
+        drawn.append(token)
+    tokens = torch.stack(drawn, dim=-1)  # [N, B-1, k]
+    return Proposal(tokens[..., 0], probabilities, candidate_tokens=tokens, candidate_probabilities=largest)
 
 
 def greedy_confidences(logits: torch.Tensor) -> torch.Tensor:

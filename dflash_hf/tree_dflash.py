@@ -7,10 +7,12 @@ Each node is one column of the verify (column 0 is the pending token, the root);
 ancestors and itself, at the position of its depth. See docs/sampling.md, "Trees".
 
 Acceptance walks the tree from the root. Greedy: a child is kept when it is the target's argmax at its parent.
-Sampling: the children of a node are tried in turn, child x with probability p(x) / (1 - the mass of the children
-tried before it), which is the rejection rule for a candidate chosen deterministically (its q is one-hot given the
-earlier choices); when every child is refused, the token is sampled from p with the refused children removed. Both
-keep the target's distribution exactly.
+Sampling: recursive rejection sampling (SpecInfer): the children of a node are tried in turn, child x kept with
+probability min(1, r(x) / q_i(x)), where q_i is the distribution the child was drawn from (q without the earlier
+children, renormalised; one-hot for a candidate chosen deterministically) and r starts as the target's p at the node
+and becomes norm(max(r - q_i, 0)) after each refusal; when every child is refused, the token is sampled from the
+last r. This keeps the target's distribution exactly. The tree's shape comes from the draft's largest probabilities
+at each position, never from the drawn tokens, so which candidates a node tries does not depend on what was drawn.
 
 Hub remote code: imports only torch and transformers.
 """
@@ -60,7 +62,7 @@ def best_first_tree(tokens: list[list[int]], probabilities: list[list[float]], s
     order = itertools.count()  # ties: the node pushed first comes first
 
     def push(parent: int, depth: int, rank: int, base: float) -> None:
-        if depth <= max_depth and rank < len(tokens[depth - 1]):
+        if depth <= max_depth and rank < len(tokens[depth - 1]) and probabilities[depth - 1][rank] > 0.0:
             heapq.heappush(frontier, (-base * probabilities[depth - 1][rank], next(order), parent, depth, rank,
                                       base))
 
@@ -124,41 +126,45 @@ def walk_greedy(trees: DraftTree, row: int, argmax: list[int]) -> list[int]:
         column = kept
 
 
-def walk_sampled(trees: DraftTree, row: int, child_probabilities: list[float], uniforms: list[float]) -> list[int]:
-    """The accepted path of a row under sampling: at each node its children are tried best-first, child x kept when
-    its uniform < p(x) / (1 - mass of the children refused before it). `child_probabilities` [size]: p at each
-    node's parent of the node's token; `uniforms` [size]: one per node."""
+def choose_child(target_probabilities: torch.Tensor, child_tokens: list[int], draft_probabilities: torch.Tensor | None,
+                 uniforms: list[float]) -> tuple[int | None, torch.Tensor]:
+    """Recursive rejection sampling at one node: (the index of the child kept, None when all are refused; the
+    residual r [V] a refusal leaves). `target_probabilities` [V]: p at the node; `draft_probabilities` [V]: the q the
+    children were drawn from without replacement (None: chosen deterministically); one uniform per child."""
+    residual = target_probabilities.double()
+    remaining = None if draft_probabilities is None else draft_probabilities.double().clone()
+    for index, (token, uniform) in enumerate(zip(child_tokens, uniforms)):
+        if remaining is None:  # q_i is one-hot at the token
+            proposal = torch.zeros_like(residual)
+            proposal[token] = 1.0
+        else:
+            proposal = remaining / remaining.sum()
+            remaining[token] = 0.0
+        if uniform * float(proposal[token]) < float(residual[token]):  # u < r(x) / q_i(x)
+            return index, residual
+        refused = (residual - proposal).clamp_(min=0.0)
+        mass = float(refused.sum())
+        if mass <= 0.0:  # r <= q_i everywhere: r(x) / q_i(x) was 1 but for rounding
+            return index, residual
+        residual = refused / mass
+    return None, residual
+
+
+def walk_sampled(trees: DraftTree, row: int, target_probabilities: torch.Tensor,
+                 draft_probabilities: torch.Tensor | None, child_uniforms: list[float], final_uniforms: list[float]
+                 ) -> tuple[list[int], int]:
+    """A row's accepted path under sampling (its columns, root excluded) and the token after it, by `choose_child`
+    at each node. target_probabilities [1 + size, V]: p at every column; draft_probabilities [depth, V]: q at each
+    block position (None: deterministic candidates); child_uniforms [size], final_uniforms [1 + size]."""
     children, path, column = trees.children(row), [], 0
     while True:
-        refused, kept = 0.0, None
-        for child in children[column]:
-            probability = child_probabilities[child - 1]
-            remaining = 1.0 - refused
-            if remaining > 0.0 and uniforms[child - 1] < probability / remaining:
-                kept = child
-                break
-            refused += probability
+        depth = trees.depths[row][column - 1] if column else 0
+        tokens = [trees.tokens[row][child - 1] for child in children[column]]
+        draft = None if draft_probabilities is None or not tokens else draft_probabilities[depth]  # children's q
+        kept, residual = choose_child(target_probabilities[column], tokens, draft,
+                                      [child_uniforms[child - 1] for child in children[column]])
         if kept is None:
-            return path
-        path.append(kept)
-        column = kept
-
-
-def residual_samples(probabilities: torch.Tensor, trees: DraftTree, uniforms: torch.Tensor) -> torch.Tensor:
-    """At every column [n, 1 + size]: a sample of p (probabilities [n, 1 + size, V]) with that column's real
-    children's tokens removed (renormalised): the token that follows a walk ending there. Uniforms [n, 1 + size]."""
-    residual = probabilities.clone()
-    rows, columns, tokens = [], [], []
-    for row in range(len(trees.tokens)):
-        for node, (parent, real) in enumerate(zip(trees.parents[row], trees.real[row])):
-            if real:
-                rows.append(row)
-                columns.append(parent)
-                tokens.append(trees.tokens[row][node])
-    if rows:
-        device = probabilities.device
-        residual[torch.tensor(rows, device=device), torch.tensor(columns, device=device),
-                 torch.tensor(tokens, device=device)] = 0.0
-    mass = residual.sum(dim=-1, keepdim=True)
-    residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(residual.dtype).tiny), probabilities)
-    return sample_from(residual, uniforms)
+            final = sample_from(residual, torch.tensor(final_uniforms[column], dtype=torch.float64))
+            return path, int(final)
+        column = children[column][kept]
+        path.append(column)

@@ -221,8 +221,35 @@ def test_bench_command_with_several_tree_sizes(saved_models, tmp_path, capsys):
     assert set(tree["tokens_per_s"]) == {"plain", "dflash"} and "prompt_lookup" in chain["tokens_per_s"]
     table = capsys.readouterr().out
     assert "| B | tree | tau |" in table and "| 4 | chain |" in table and "| 4 | 6 |" in table
-    with pytest.raises(SystemExit, match="--tree-size must be >= 0"):
+    with pytest.raises(SystemExit):
         main(["bench", *saved_models, "--prompts", str(prompts), "--tree-size", "-1"])
+    assert "tree size must be >= 0 (0: a chain) or 'auto', got '-1'" in capsys.readouterr().err
+
+
+def test_tree_size_auto_takes_the_fastest_measured_size(saved_models, tmp_path, capsys, monkeypatch):
+    from dflash_hf.generation_dflash import DFlashGenerationMixin
+
+    calls, original = [], DFlashGenerationMixin.spec_generate
+
+    def timed(self, *args, **arguments):  # a machine where a tree of 8 decodes fastest
+        calls.append(arguments.get("tree_size"))
+        output = original(self, *args, **arguments)
+        if hasattr(output, "total_time"):
+            output.total_time = {None: 4.0, 4: 2.0, 8: 1.0, 16: 3.0, 32: 5.0}[arguments.get("tree_size")]
+        return output
+
+    monkeypatch.setattr(DFlashGenerationMixin, "spec_generate", timed)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"turns": ["w5 w6 w7"]}\n')
+    out = tmp_path / "bench.json"
+    main(["bench", *saved_models, "--prompts", str(prompts), "--tree-size", "auto", "--max-new-tokens", "6",
+          "--block-size", "4", "--prompt-lookup-tokens", "0", "--json", str(out)])
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["tree_size"] == 8 and result["lossless"] is True
+    assert set(result["tree_size_rates"]) == {"0", "4", "8", "16", "32"}
+    assert max(result["tree_size_rates"], key=result["tree_size_rates"].get) == "8"
+    assert calls.count(8) >= 4  # calibrated (three rounds, after the first tree probe) and then measured
+    assert "| 4 | 8 (auto) |" in capsys.readouterr().out
 
 
 def test_truncated_tau_and_the_block_size_choice(tiny_models):

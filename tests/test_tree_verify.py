@@ -20,8 +20,9 @@ from test_sampling import NUM_NEW, NUM_SAMPLES, VOCAB, exact_joint
 from dflash_hf import speculative_decode
 from dflash_hf.cache_dflash import left_pad
 from dflash_hf.proposer_dflash import DFlashProposer
+from dflash_hf.sampling_dflash import sample_from
 from dflash_hf.settings_dflash import StepCosts
-from dflash_hf.tree_dflash import build_trees, tree_attention_mask, walk_greedy, walk_sampled
+from dflash_hf.tree_dflash import build_trees, choose_child, tree_attention_mask, walk_greedy, walk_sampled
 
 # --- The tree itself -------------------------------------------------------------------------------------------------
 
@@ -60,11 +61,48 @@ def test_each_column_sees_its_context_its_ancestors_and_itself():
 
 
 def test_the_sampled_walk_tries_children_against_the_residual():
-    trees = build_trees([[[10, 11], [20, 21]]], [[[0.6, 0.4], [0.7, 0.3]]], 2, [1], [0])  # 10, 11 under the root
-    # p(10) = 0.5, p(11) = 0.25: 10 is refused (u 0.6 >= 0.5), 11 kept if u < 0.25 / (1 - 0.5) = 0.5
-    assert walk_sampled(trees, 0, [0.5, 0.25], [0.6, 0.49]) == [2]
-    assert walk_sampled(trees, 0, [0.5, 0.25], [0.6, 0.51]) == []
-    assert walk_sampled(trees, 0, [0.5, 0.25], [0.4, 0.0]) == [1]
+    trees = build_trees([[[1, 2], [3, 0]]], [[[0.6, 0.4], [0.7, 0.3]]], 2, [1], [0])  # 1, 2 under the root
+    p = torch.tensor([[0.25, 0.5, 0.25, 0.0]] * 3)  # [1 + size, V]
+    # deterministic candidates: p(1) = 0.5, so 1 is refused at u 0.6; 2 is kept if u < 0.25 / (1 - 0.5) = 0.5
+    assert walk_sampled(trees, 0, p, None, [0.6, 0.49], [0.0] * 3)[0] == [2]
+    assert walk_sampled(trees, 0, p, None, [0.4, 0.0], [0.0] * 3)[0] == [1]
+    path, final = walk_sampled(trees, 0, p, None, [0.6, 0.51], [0.99] * 3)  # both refused: p without 1 and 2
+    assert path == [] and final == 0
+    # drawn from q = (0, 0.8, 0.2, 0): 1 is kept if u < p(1) / q(1) = 0.625; after its refusal
+    # r = norm(max(p - q, 0)) = (5/6, 0, 1/6, 0) and q_2 = (0, 0, 1, 0): 2 is kept if u < 1/6
+    q = torch.tensor([[0.0, 0.8, 0.2, 0.0]])
+    assert walk_sampled(trees, 0, p, q, [0.62, 0.0], [0.0] * 3)[0] == [1]
+    assert walk_sampled(trees, 0, p, q, [0.63, 0.16], [0.0] * 3)[0] == [2]
+    assert walk_sampled(trees, 0, p, q, [0.63, 0.17], [0.5] * 3) == ([], 0)
+
+
+@pytest.mark.parametrize("num_children", [1, 2, 4])
+def test_recursive_rejection_at_a_node_keeps_the_target_distribution(num_children):
+    """Children drawn from q without replacement, tried by `choose_child`, then the residual: the token that follows
+    a node is distributed as p, with q or with one-hot q (a candidate taken as chosen); a refusal that samples p
+    itself, not the residual, is not."""
+    generator = torch.Generator().manual_seed(7)
+    p = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
+    q = torch.tensor([0.3, 0.1, 0.35, 0.05, 0.2])
+    counts, one_hot, biased = torch.zeros(5), torch.zeros(5), torch.zeros(5)
+    num_samples = 20000
+    for _ in range(num_samples):
+        uniforms = torch.rand(2 * num_children + 1, generator=generator, dtype=torch.float64).tolist()
+        remaining, children = q.clone(), []
+        for rank in range(num_children):
+            token = int(sample_from(remaining, torch.tensor(uniforms[rank], dtype=torch.float64)))
+            remaining[token] = 0.0
+            children.append(token)
+        final = torch.tensor(uniforms[-1], dtype=torch.float64)
+        for q_of_children, tally in ((q, counts), (None, one_hot)):
+            kept, residual = choose_child(p, children, q_of_children, uniforms[num_children:-1])
+            tally[children[kept] if kept is not None else int(sample_from(residual, final))] += 1
+        kept, _ = choose_child(p, children, q, uniforms[num_children:-1])
+        biased[children[kept] if kept is not None else int(sample_from(p, final))] += 1
+    expected = {(token,): float(p[token]) for token in range(5)}
+    for tally in (counts, one_hot):
+        assert chi_square_p_value({(t,): int(tally[t]) for t in range(5)}, expected, num_samples) > 1e-3
+    assert chi_square_p_value({(t,): int(biased[t]) for t in range(5)}, expected, num_samples) < 1e-3
 
 
 # --- Greedy: the target's own output ---------------------------------------------------------------------------------
@@ -135,15 +173,19 @@ def small_vocabulary():
     return target, draft, torch.tensor([[1, 4, 2, 5]])
 
 
-@pytest.mark.parametrize("tree_size,temperature,top_k", [(3, 1.0, None), (10, 0.8, 3)])
-def test_sampled_trees_keep_the_target_distribution(small_vocabulary, tree_size, temperature, top_k):
+@pytest.mark.parametrize("tree_size,temperature,top_k,sampled_candidates", [(3, 1.0, None, True), (10, 0.8, 3, True),
+                                                                          (5, 1.0, None, False)])
+def test_sampled_trees_keep_the_target_distribution(small_vocabulary, tree_size, temperature, top_k,
+                                                    sampled_candidates):
+    """Candidates drawn from q (rejection) or the draft's most probable ones (equality: sample_proposals False)."""
     target, draft, input_ids = small_vocabulary
     generator = torch.Generator().manual_seed(4321)
     counts: dict[tuple[int, ...], int] = {}
     accepted = 0
     with torch.no_grad():
         for _ in range(NUM_SAMPLES):
-            result = speculative_decode(target, DFlashProposer(draft, target, VOCAB - 1), input_ids,
+            proposer = DFlashProposer(draft, target, VOCAB - 1, sample_proposals=sampled_candidates)
+            result = speculative_decode(target, proposer, input_ids,
                                         max_new_tokens=NUM_NEW, block_size=4, temperature=temperature, top_k=top_k,
                                         generator=generator, tree_size=tree_size, cpu_kernels=False)
             cell = tuple(result.new_token_ids[0].tolist())
@@ -187,3 +229,12 @@ def test_a_sliding_window_target_is_refused_with_trees():
                                               head_dim=16, sliding_window=8)).eval()
     with pytest.raises(ValueError, match="sliding-window layers"):
         make_draft(0).spec_generate(target=target, input_ids=random_prompt(0, 4), max_new_tokens=4, tree_size=4)
+
+
+def test_tree_size_auto_gives_the_chain_where_trees_are_refused(target):
+    from dflash_hf.cost_model import choose_tree_size
+
+    dflash2 = make_variant_draft("dflash2")
+    tree_size, rates = choose_tree_size(dflash2, target, random_prompt(0, 6)[0].tolist(), 4, 8, 1, [],
+                                        dflash2.mask_token_id)
+    assert tree_size is None and list(rates) == [0] and rates[0] > 0
