@@ -201,8 +201,8 @@ def choose_tree_size(draft: DFlashDraftModel, target: torch.nn.Module, prompt: l
     """tree_size "auto": the tree size (None: a chain) with the most tokens per second for `batch_size` copies of
     `prompt` on this machine, and the tokens/s of every candidate (0: the chain).
 
-    Each candidate decodes `TREE_CALIBRATION_TOKENS` (at most `max_new_tokens`) greedily, once to warm up and twice
-    timed (its faster run counts), the candidates taking turns; the measure holds both the tree's acceptance and its
+    Each candidate decodes `TREE_CALIBRATION_TOKENS` (at most `max_new_tokens`) greedily, once to warm up and once
+    timed, the candidates taking turns; the measure holds both the tree's acceptance and its
     verify's cost. A draft or target that cannot verify trees (`spec_generate`'s refusal) gets the chain.
     """
     input_ids = torch.tensor([prompt] * batch_size, device=target_device(target))
@@ -223,10 +223,10 @@ def choose_tree_size(draft: DFlashDraftModel, target: torch.nn.Module, prompt: l
         if not str(error).startswith("tree_size"):  # only spec_generate's refusal of trees means "chain only"
             raise
     rates = {tree_size: 0.0 for tree_size in candidates}
-    for repeat in range(3):  # a warm-up round, then two timed rounds
+    for timed in (False, True):  # a warm-up round, then the timed one
         for tree_size in candidates:
             rate = tokens_per_second(tree_size)
-            rates[tree_size] = max(rates[tree_size], rate) if repeat else 0.0
+            rates[tree_size] = rate if timed else 0.0
     best = max(rates, key=rates.get)
     return best, {tree_size or 0: rate for tree_size, rate in rates.items()}
 

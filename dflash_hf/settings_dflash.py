@@ -518,6 +518,10 @@ def check_tree_size(tree_size: Any, target: torch.nn.Module, draft: DFlashDraft 
     """Raise when `tree_size` is not a positive int (or None), or when the call cannot verify a tree."""
     if tree_size is None:
         return
+    if tree_size == "auto":
+        raise ValueError("tree_size='auto' is a choice timed on this machine, made once and not per call: pass the "
+                         "size that dflash_hf.cost_model.choose_tree_size(draft, target, prompt, ...) returns (bench "
+                         "and demo do this; docs/sampling.md, \"Trees\").")
     if isinstance(tree_size, bool) or not isinstance(tree_size, int) or tree_size < 1:
         raise ValueError(f"tree_size must be a positive int (drafted tokens per step) or None (a chain), got "
                          f"{tree_size!r}.")

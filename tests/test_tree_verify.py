@@ -201,7 +201,8 @@ def test_sampled_trees_keep_the_target_distribution(small_vocabulary, tree_size,
 # --- Refusals --------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tree_size,message", [(0, "positive int"), (2.5, "positive int"), (True, "positive int")])
+@pytest.mark.parametrize("tree_size,message", [(0, "positive int"), (2.5, "positive int"), (True, "positive int"),
+                                               ("auto", "choose_tree_size")])
 def test_bad_tree_sizes_are_refused(target, draft, tree_size, message):
     with pytest.raises(ValueError, match=message):
         draft.spec_generate(target=target, input_ids=random_prompt(0, 4), max_new_tokens=4, tree_size=tree_size)
