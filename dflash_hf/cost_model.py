@@ -202,8 +202,8 @@ def choose_tree_size(draft: DFlashDraftModel, target: torch.nn.Module, prompt: l
     `prompt` on this machine, and the tokens/s of every candidate (0: the chain).
 
     Each candidate decodes `TREE_CALIBRATION_TOKENS` (at most `max_new_tokens`) greedily, once to warm up and once
-    timed, the candidates taking turns; the measure holds both the tree's acceptance and its
-    verify's cost. A draft or target that cannot verify trees (`spec_generate`'s refusal) gets the chain.
+    timed, the candidates taking turns; the measure holds both the tree's acceptance and its verify's cost. A draft
+    or target that cannot verify trees (`spec_generate`'s refusal) gets the chain.
     """
     input_ids = torch.tensor([prompt] * batch_size, device=target_device(target))
     calibration_tokens = min(TREE_CALIBRATION_TOKENS, max_new_tokens)
@@ -222,11 +222,9 @@ def choose_tree_size(draft: DFlashDraftModel, target: torch.nn.Module, prompt: l
     except ValueError as error:
         if not str(error).startswith("tree_size"):  # only spec_generate's refusal of trees means "chain only"
             raise
-    rates = {tree_size: 0.0 for tree_size in candidates}
-    for timed in (False, True):  # a warm-up round, then the timed one
-        for tree_size in candidates:
-            rate = tokens_per_second(tree_size)
-            rates[tree_size] = rate if timed else 0.0
+    for tree_size in candidates:  # the warm-up round
+        tokens_per_second(tree_size)
+    rates = {tree_size: tokens_per_second(tree_size) for tree_size in candidates}  # the timed round
     best = max(rates, key=rates.get)
     return best, {tree_size or 0: rate for tree_size, rate in rates.items()}
 
