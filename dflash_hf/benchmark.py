@@ -144,15 +144,14 @@ def run_benchmark(
                disable=not progress or not process.is_main)
     results = []
     for name, conversations in datasets.items():
-        choice = resolve_block_choice(settings.block_size, draft, target,
-                                      user_prompt_ids(tokenizer, conversations[0][0], settings.thinking),
+        calibration_prompt = user_prompt_ids(tokenizer, conversations[0][0], settings.thinking)
+        choice = resolve_block_choice(settings.block_size, draft, target, calibration_prompt,
                                       settings.max_new_tokens, settings.batch_size, tokens.stop_token_ids,
                                       tokens.mask_token_id)
         tree_size, tree_rates = settings.tree_size, None
         if tree_size == "auto":  # calibrated on the same first prompt, at the block chosen for it
-            tree_size, tree_rates = choose_tree_size(draft, target, user_prompt_ids(tokenizer, conversations[0][0],
-                                                                                    settings.thinking),
-                                                     choice.block_size, settings.max_new_tokens, settings.batch_size,
+            tree_size, tree_rates = choose_tree_size(draft, target, calibration_prompt, choice.block_size,
+                                                     settings.max_new_tokens, settings.batch_size,
                                                      tokens.stop_token_ids, tokens.mask_token_id)
         dataset_settings = dataclasses.replace(settings, block_size=choice.block_size, step_costs=choice.step_costs,
                                                tree_size=tree_size)
