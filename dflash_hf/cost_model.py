@@ -94,7 +94,8 @@ def time_step_stages(
             shortened = Proposal(proposal.tokens[:, : width - 1])
             if recurrent is None:
                 return lambda: session.verify(step, shortened)
-            return lambda: (session.verify(step, shortened), recurrent.advance([max(1, width // 2)] * batch_size))
+            half = list(range(max(1, width // 2)))
+            return lambda: (session.verify(step, shortened), recurrent.advance([half] * batch_size))
 
         def seconds(run: Callable[[], Any]) -> float:
             synchronize(input_ids.device)

@@ -29,7 +29,6 @@ from .cache_dflash import (
     full_history_cache,
     host_to_device,
     left_padded_positions,
-    recurrent_layers,
     reorder_cache_columns,
     returned_cache,
     select_cache_rows,
@@ -241,9 +240,6 @@ def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
 
 def check_tree_target(target: torch.nn.Module, windowed: bool) -> None:
     """Raise, before any forward, when the target cannot verify a tree in one pass."""
-    if recurrent_layers(target_text_config(target)):
-        raise ValueError(f"tree_size is not supported with {type(target).__name__}: its recurrent layers read the "
-                         "verified columns in sequence, so one pass cannot verify branches; pass tree_size=None.")
     if windowed:
         raise ValueError(f"tree_size is not supported with {type(target).__name__}: its sliding-window layers count "
                          "their window in cache columns, which a tree's branches break; pass tree_size=None.")
@@ -362,7 +358,8 @@ def target_pass(target: torch.nn.Module, state: DecodeState, step: StepPlan, pro
     """The target over [pending, proposals] [n, b] with `attention` (mask and positions, or none): its logits
     [n, b, V]; the features of every verified column become `state.context`. The cache grows in place."""
     capture = FeatureCapture(target, state.layer_ids, state.device)
-    with state.recurrent.recording() if state.recurrent is not None else nullcontext():
+    tree_paths = None if step.tree is None else [step.tree.paths(row) for row in range(len(state.active))]
+    with state.recurrent.recording(tree_paths) if state.recurrent is not None else nullcontext():
         logits, outputs = verify_forward(
             target, capture,
             input_ids=torch.cat((step.pending, proposal.tokens), dim=1),  # [n, b]
@@ -433,15 +430,6 @@ def commit_tree(state: DecodeState, step: StepPlan, outcome: TreeOutcome, settin
                        settings)
 
 
-def path_columns(outcome: TreeOutcome, width: int, device: torch.device) -> torch.Tensor:
-    """The verify columns each row keeps [n, width] (the root and its accepted path)."""
-    kept = torch.zeros(len(outcome.paths), width, dtype=torch.bool)
-    kept[:, 0] = True
-    for row, path in enumerate(outcome.paths):
-        kept[row, path] = True
-    return kept.to(device)
-
-
 def target_tokens(logits: torch.Tensor, proposal: Proposal, state: DecodeState, step: StepPlan,
                   settings: DecodingSettings) -> torch.Tensor:
     """The target's token at each verified position [n, b], from its logits [n, b, V].
@@ -490,21 +478,25 @@ def commit_rows(state: DecodeState, step: StepPlan, proposed: list[list[int]], t
 
 
 def keep_context(state: DecodeState, step: StepPlan, accepted_counts: list[int],
-                 kept_columns: torch.Tensor | None = None) -> None:
+                 tree_paths: list[list[int]] | None = None) -> None:
     """Keep the verify columns of each row's pending token and accepted proposals: in the cache (a hybrid target's
-    recurrent states advance over exactly those columns), and as new features. `kept_columns` [n, b]: a tree's
-    (the root and the accepted path; default: each row's first accepted + 1 columns)."""
-    if kept_columns is None:
-        kept_width = max(accepted_counts) + 1
+    recurrent states advance over exactly those columns), and as new features. `tree_paths`: a tree's accepted
+    columns per row (root excluded; default: a chain's, each row's first accepted + 1 columns)."""
+    if tree_paths is None:
+        kept_columns = [list(range(count + 1)) for count in accepted_counts]
         accepted = host_to_device(accepted_counts, state.device)
-        kept = torch.arange(kept_width, device=state.device)[None, :] <= accepted[:, None]  # [n, kept_width]
+        kept = torch.arange(max(accepted_counts) + 1, device=state.device)[None, :] <= accepted[:, None]  # [n, w]
     else:
-        kept_width = int(kept_columns.nonzero()[:, 1].max()) + 1
-        kept = kept_columns[:, :kept_width]
+        kept_columns = [[0] + path for path in tree_paths]
+        kept_rows = torch.zeros(len(tree_paths), step.width, dtype=torch.bool)
+        for row, columns in enumerate(kept_columns):
+            kept_rows[row, columns] = True
+        kept = kept_rows[:, : max(max(columns) for columns in kept_columns) + 1].to(state.device)  # [n, w]
+    kept_width = kept.shape[1]
     state.columns.append(kept, [count + 1 for count in accepted_counts])
     crop_cache(state.cache, state.columns.width)
     if state.recurrent is not None:
-        state.recurrent.advance([count + 1 for count in accepted_counts])
+        state.recurrent.advance(kept_columns)
     if state.context is None:
         return  # no proposer reads features, or this was the last step
     holes = kept_width * len(accepted_counts) != sum(accepted_counts) + len(accepted_counts)
@@ -616,7 +608,7 @@ class DecodeSession:
             step, proposal = plant_tree(state, step, proposal, settings)
             outcome = verify_tree(self.target, state, step, proposal, settings)
             accepted_counts = commit_tree(state, step, outcome, settings)
-            keep_context(state, step, accepted_counts, path_columns(outcome, step.width, state.device))
+            keep_context(state, step, accepted_counts, outcome.paths)
             return True
         step, proposal = shorten_step(step, proposal, settings)
         tokens_of_target = verify(self.target, state, step, proposal, settings)

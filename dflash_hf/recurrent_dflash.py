@@ -5,10 +5,16 @@ b. Keys and values per position can be cut back; a recurrent state cannot. So ar
 
 1. `recording()` keeps each recurrent layer's convolution and recurrent state as they were before the verify, and,
    through a forward pre-hook, the hidden states the layer's mixer receives for the verified columns [n, b, H];
-2. `advance(kept_counts)` puts the states back and runs only the mixers again over each row's kept columns, through
+2. `advance(kept_columns)` puts the states back and runs only the mixers again over each row's kept columns, through
    the mixer's own forward and the cache API of the installed Transformers (no copy of their code); rows that keep
    different counts are advanced in one chain of calls: columns [0, c1), then [c1, c2), ..., each row's state taken
-   where its count ends. Rows that kept every column keep the verify's state.
+   where its count ends. Rows that kept every column of a chain keep the verify's state.
+
+A tree verify (`recording(tree_paths=...)`) also needs each column's mixer output to depend on its ancestors only,
+which a recurrence over the columns in order does not give. A forward hook replaces each mixer's output: the mixer
+runs again from the states before the verify along every root-to-leaf path of the tree (one call per path, all rows
+at once) and each column takes its output from the first path through it. After acceptance the kept columns are the
+root and the accepted path, replayed as above.
 
 Why inputs and not per-column states: a column's input is H numbers per layer, its state Hv * Dk * Dv (about 16,000
 times more at Qwen3.5-27B's shapes), and Transformers' chunked kernel yields only the final state. The price is the
@@ -71,6 +77,7 @@ class RecurrentStates:
         # layer -> (conv, recurrent) before the last verify: kept until the next one, so it can still be discarded
         self.before: dict[int, tuple[torch.Tensor, ...]] = {}
         self.inputs: dict[int, torch.Tensor] = {}  # layer -> its mixer's input over the verified columns [n, b, H]
+        self.tree = False  # whether the last verify was a tree's (then no row keeps its states as they are)
 
     def states(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
         """The layer's live state tensors in the cache: convolution [n, C, K] and recurrent [n, ...] (a short
@@ -79,14 +86,21 @@ class RecurrentStates:
         return tuple(state for state in states if state is not None)
 
     @contextmanager
-    def recording(self) -> Iterator[None]:
-        """Around a verify forward: keep the states it starts from and the mixers' inputs it feeds them."""
+    def recording(self, tree_paths: list[list[list[int]]] | None = None) -> Iterator[None]:
+        """Around a verify forward: keep the states it starts from and the mixers' inputs it feeds them. `tree_paths`
+        (a tree verify): per row, the columns of each root-to-leaf path; each mixer's output then follows them."""
         self.before = {mixer.layer_idx: tuple(state.clone() for state in self.states(mixer.layer_idx))
                        for mixer in self.mixers}
-        self.inputs = {}
+        self.inputs, self.tree = {}, tree_paths is not None
+        thread = threading.get_ident()
         # first of the pre-hooks: the input as the layer passed it, which a user's pre-hook sees again at the replay
-        handles = [mixer.module.register_forward_pre_hook(self._recorder(mixer.layer_idx, threading.get_ident()),
-                                                          with_kwargs=True, prepend=True) for mixer in self.mixers]
+        handles = [mixer.module.register_forward_pre_hook(self._recorder(mixer.layer_idx, thread), with_kwargs=True,
+                                                          prepend=True) for mixer in self.mixers]
+        if tree_paths is not None:
+            plans: dict[int, PathPlan] = {}  # by verify width: one plan for all the mixers
+            # first of the forward hooks: a user's forward hook sees the output along the paths
+            handles += [mixer.module.register_forward_hook(self._along_paths(mixer, tree_paths, plans, thread),
+                                                           with_kwargs=True, prepend=True) for mixer in self.mixers]
         try:
             yield
         finally:
@@ -98,6 +112,28 @@ class RecurrentStates:
             if threading.get_ident() == thread:  # another thread's forward of the same model is not this verify
                 self.inputs[layer_idx] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         return record
+
+    def _along_paths(self, mixer: Mixer, tree_paths: list[list[list[int]]], plans: dict[int, PathPlan],
+                     thread: int) -> Any:
+        def replace(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            if threading.get_ident() != thread:
+                return None
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [n, b, H]
+            width = hidden.shape[1]
+            plan = plans.get(width) or plans.setdefault(width, PathPlan.of(tree_paths, width, hidden.device))
+            first = output[0] if isinstance(output, tuple) else output  # [n, b, H']
+            scratch = hidden.new_zeros(hidden.shape[0], 1, hidden.shape[2])  # column b: padding reads and writes
+            hidden = torch.cat((hidden, scratch), dim=1)
+            result = torch.cat((first, first.new_zeros(first.shape[0], 1, first.shape[2])), dim=1)  # [n, b + 1, H']
+            for reads, writes in zip(plan.reads, plan.writes):  # [n, D]: one path per row
+                self.put_back(mixer.layer_idx)
+                along = module.forward(hidden_states=columns_of(hidden, reads), attention_mask=None,
+                                       **{mixer.cache_argument: self.cache})
+                along = along[0] if isinstance(along, tuple) else along  # [n, D, H']
+                result.scatter_(1, writes[..., None].expand(-1, -1, result.shape[2]), along)
+            self.put_back(mixer.layer_idx)  # until `advance`: the states before the verify
+            return (result[:, :-1], *output[1:]) if isinstance(output, tuple) else result[:, :-1]
+        return replace
 
     def put_back(self, layer_idx: int) -> None:
         """The layer's states as they were before the last verify."""
@@ -111,20 +147,31 @@ class RecurrentStates:
         self.inputs = {}
 
     @torch.no_grad()
-    def advance(self, kept_counts: list[int]) -> None:
-        """Leave each row's states after its first `kept_counts[row]` verified columns (the rows in cache order)."""
+    def advance(self, kept_columns: list[list[int]]) -> None:
+        """Leave each row's states after its kept verify columns (the rows in cache order; a chain: 0 .. c - 1, a
+        tree: the root and the accepted path)."""
         missing = [mixer.layer_idx for mixer in self.mixers if mixer.layer_idx not in self.inputs]
         if missing:
             raise RuntimeError(f"The verify did not run the recurrent mixers of layers {missing} (a patched "
                                "forward?): their states cannot be rolled back. See README, \"Hybrid targets\".")
         width = next(iter(self.inputs.values())).shape[1]
-        if any(count < width for count in kept_counts):  # else the verify's states are the ones to keep
+        kept_counts = [len(columns) for columns in kept_columns]
+        complete = None if self.tree else width  # rows keeping that many columns keep the verify's states
+        prefixes = all(columns == list(range(len(columns))) for columns in kept_columns)
+        if any(count != complete for count in kept_counts):
+            index = None if prefixes else host_to_device(
+                [columns + [0] * (max(kept_counts) - len(columns)) for columns in kept_columns],
+                next(iter(self.inputs.values())).device)  # [n, c]
             for mixer in self.mixers:
-                self._advance_layer(mixer, kept_counts, width)
+                inputs = self.inputs[mixer.layer_idx]  # [n, b, H]
+                inputs = inputs if index is None else columns_of(inputs, index)
+                self._advance_layer(mixer, inputs, kept_counts, complete)
         self.inputs = {}
 
-    def _advance_layer(self, mixer: Mixer, kept_counts: list[int], width: int) -> None:
-        inputs = self.inputs[mixer.layer_idx]
+    def _advance_layer(self, mixer: Mixer, inputs: torch.Tensor, kept_counts: list[int], complete: int | None
+                       ) -> None:
+        """Replay the mixer over `inputs` [n, c, H] (each row's kept columns first); rows keeping `complete` columns
+        keep the live states."""
         counts = sorted(set(kept_counts))
         if len(counts) == 1:  # every row keeps the same count (one row, say): put back, run the mixer over them
             self.put_back(mixer.layer_idx)
@@ -133,10 +180,10 @@ class RecurrentStates:
             return
         rows_keeping = {count: host_to_device([row for row, kept in enumerate(kept_counts) if kept == count],
                                               inputs.device) for count in counts}
-        results = [state.clone() for state in self.states(mixer.layer_idx)]  # rows keeping `width`: as verified
+        results = [state.clone() for state in self.states(mixer.layer_idx)]  # rows keeping `complete`: as verified
         self.put_back(mixer.layer_idx)
         start = 0
-        for count in (count for count in counts if count < width):
+        for count in (count for count in counts if count != complete):
             mixer.module(hidden_states=inputs[:, start:count], attention_mask=None,
                          **{mixer.cache_argument: self.cache})
             for result, live in zip(results, self.states(mixer.layer_idx)):
@@ -144,6 +191,41 @@ class RecurrentStates:
             start = count
         for live, result in zip(self.states(mixer.layer_idx), results):
             live.copy_(result)
+
+
+def columns_of(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """values [n, b, H] at the columns `index` [n, c] of each row: [n, c, H]."""
+    return values.gather(1, index[..., None].expand(-1, -1, values.shape[2]))
+
+
+@dataclass
+class PathPlan:
+    """A tree verify's mixer calls: call i runs row r along its i-th root-to-leaf path (its last again when it has
+    fewer). reads [n, D]: the verify column of each place (b: padding); writes [n, D]: the column that takes its
+    output (b where padding, or where an earlier path already gave it)."""
+
+    reads: list[torch.Tensor]
+    writes: list[torch.Tensor]
+
+    @staticmethod
+    def of(tree_paths: list[list[list[int]]], width: int, device: torch.device) -> PathPlan:
+        """The calls for `tree_paths` (per row, the columns of each root-to-leaf path, all starting at column 0) in a
+        verify of `width` columns."""
+        depth = max(len(path) for paths in tree_paths for path in paths)
+        reads, writes = [], []
+        owned: list[set[int]] = [set() for _ in tree_paths]
+        for call in range(max(len(paths) for paths in tree_paths)):
+            call_reads, call_writes = [], []
+            for row, paths in enumerate(tree_paths):
+                path = paths[min(call, len(paths) - 1)]
+                call_reads.append(path + [width] * (depth - len(path)))
+                call_writes.append([width if column in owned[row] else column for column in path]
+                                   + [width] * (depth - len(path)))
+                owned[row].update(path)
+            reads.append(call_reads)
+            writes.append(call_writes)
+        return PathPlan([host_to_device(value, device) for value in reads],
+                        [host_to_device(value, device) for value in writes])
 
 
 def recurrent_states(target: torch.nn.Module, cache: Any) -> RecurrentStates | None:

@@ -52,6 +52,17 @@ class DraftTree:
                 children[parent].append(node + 1)
         return children
 
+    def paths(self, row: int) -> list[list[int]]:
+        """The row's root-to-leaf paths over its real nodes, each as its columns from the root (column 0) on."""
+        children, paths, stack = self.children(row), [], [[0]]
+        while stack:
+            path = stack.pop()
+            if children[path[-1]]:
+                stack.extend(path + [child] for child in reversed(children[path[-1]]))
+            else:
+                paths.append(path)
+        return paths
+
 
 def best_first_tree(tokens: list[list[int]], probabilities: list[list[float]], size: int, max_depth: int
                     ) -> tuple[list[int], list[int], list[int]]:

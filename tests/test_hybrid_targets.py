@@ -12,6 +12,7 @@ from helpers import (
     HYBRID_FAMILIES,
     RECURRENT_FAMILIES,
     ReferenceProposer,
+    TreeReferenceProposer,
     chi_square_p_value,
     make_draft,
     make_hybrid_target,
@@ -170,15 +171,18 @@ def plain_states(target: torch.nn.Module, tokens: list[int]) -> dict[int, tuple[
 
 
 @needs_hybrid
-@pytest.mark.parametrize("batch", [False, True])
-def test_after_every_step_each_state_equals_a_plain_forwards(hybrid_targets, batch):
+@pytest.mark.parametrize("batch,tree_size", [(False, None), (True, None), (False, 9), (True, 9)])
+def test_after_every_step_each_state_equals_a_plain_forwards(hybrid_targets, batch, tree_size):
+    """A chain's rows keep different prefixes; a tree's rows keep different root-to-leaf paths."""
     target = hybrid(hybrid_targets, "qwen3_5")
     prompts = [random_prompt(7, 9)[0].tolist()] + ([random_prompt(8, 3)[0].tolist()] if batch else [])
     references = [plain_greedy(target, torch.tensor([prompt]), 24) for prompt in prompts]
     input_ids, attention_mask = left_pad(prompts, 0)
     settings = resolve_settings(target, input_ids, None, attention_mask=attention_mask, max_new_tokens=24,
-                                block_size=7)
-    session = DecodeSession(target, ReferenceProposer(references, corrupt_seed=7), settings)
+                                block_size=7, tree_size=tree_size)
+    proposer = (ReferenceProposer(references, corrupt_seed=7) if tree_size is None
+                else TreeReferenceProposer(references, 3, 7))
+    session = DecodeSession(target, proposer, settings)
     steps = 0
     with session.running():
         session.prefill(input_ids, attention_mask)
@@ -236,6 +240,69 @@ def test_sampling_keeps_the_hybrid_targets_distribution():
     assert accepted > NUM_SAMPLES // 10  # proposals were accepted and rejected: the rollback ran
     assert chi_square_p_value(counts, exact_joint(target, input_ids, 1.0, None, None), NUM_SAMPLES) > 1e-3
     # power: the same counts reject a nearby wrong distribution
+    assert chi_square_p_value(counts, exact_joint(target, input_ids, 1.5, None, None), NUM_SAMPLES) < 1e-3
+
+
+# --- Trees on hybrid targets: each column's mixer output from its ancestors only; states along the accepted path ----
+
+
+@needs_hybrid
+@pytest.mark.parametrize("family", [*HYBRID_FAMILIES, *OTHER_FAMILIES])
+def test_greedy_trees_equal_generate_through_the_rollback(hybrid_targets, family):
+    """The tree's best candidate is often not the target's token, so paths through later siblings are kept (a
+    recurrence over the columns in order would feed a kept node its earlier siblings: that fails here)."""
+    target = hybrid(hybrid_targets, family)
+    for seed, length, block_size, tree_size in ((1, 9, 8, 8), (3, 5, 8, 24)):
+        prompt = random_prompt(seed, length)
+        expected = plain_greedy(target, prompt, 30)
+        result = speculative_decode(target, TreeReferenceProposer(expected, 4, seed), prompt, 30, block_size,
+                                    tree_size=tree_size)
+        assert torch.equal(result.output_ids, expected), (seed, length, block_size, tree_size)
+        assert len(set(result.acceptance_lengths[0])) > 1
+
+
+@needs_hybrid
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_a_left_padded_batch_of_trees_on_a_hybrid_target(hybrid_targets, family):
+    target = hybrid(hybrid_targets, family)
+    prompts = [random_prompt(seed, length)[0].tolist() for seed, length in ((1, 5), (2, 17), (3, 11))]
+    references = [plain_greedy(target, torch.tensor([prompt]), 24) for prompt in prompts]
+    input_ids, attention_mask = left_pad(prompts, 0)
+    result = speculative_decode(target, TreeReferenceProposer(references, 3, 4), input_ids, 24, 6,
+                                attention_mask=attention_mask, tree_size=10)
+    for row, (prompt, reference) in enumerate(zip(prompts, references)):
+        assert result.new_tokens(row) == reference[0, len(prompt):].tolist(), row
+    assert len({tuple(lengths[:3]) for lengths in result.acceptance_lengths}) > 1  # rows kept different paths
+
+
+@needs_hybrid
+def test_spec_generate_with_a_tree_on_the_multimodal_wrapper_equals_generate(hybrid_targets):
+    target = hybrid(hybrid_targets, "qwen3_5_vl")
+    draft = make_draft(3, block_size=8)
+    for seed, length in ((0, 5), (1, 21)):
+        prompt = random_prompt(seed, length)
+        output = draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=20, tree_size=8)
+        assert torch.equal(output, plain_greedy(target, prompt, 20))
+
+
+@needs_hybrid
+def test_sampled_trees_keep_the_hybrid_targets_distribution():
+    target = make_hybrid_target("qwen3_5", seed=11, vocab_size=VOCAB, init_std=0.4)
+    draft = make_draft(12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
+    input_ids = torch.tensor([[1, 4, 2, 5]])
+    generator = torch.Generator().manual_seed(99)
+    counts: dict[tuple[int, ...], int] = {}
+    accepted = 0
+    with torch.no_grad():
+        for _ in range(NUM_SAMPLES):
+            proposer = DFlashProposer(draft, target, VOCAB - 1, sample_proposals=True)
+            result = speculative_decode(target, proposer, input_ids, max_new_tokens=NUM_NEW, block_size=4,
+                                        temperature=1.0, generator=generator, tree_size=5, cpu_kernels=False)
+            cell = tuple(result.new_token_ids[0].tolist())
+            counts[cell] = counts.get(cell, 0) + 1
+            accepted += sum(length - 1 for length in result.acceptance_lengths[0])
+    assert accepted > NUM_SAMPLES // 5  # drafted tokens were accepted and refused: paths and rollbacks ran
+    assert chi_square_p_value(counts, exact_joint(target, input_ids, 1.0, None, None), NUM_SAMPLES) > 1e-3
     assert chi_square_p_value(counts, exact_joint(target, input_ids, 1.5, None, None), NUM_SAMPLES) < 1e-3
 
 

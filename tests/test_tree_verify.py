@@ -9,7 +9,6 @@ from helpers import (
     TreeReferenceProposer,
     chi_square_p_value,
     make_draft,
-    make_hybrid_target,
     make_target,
     make_variant_draft,
     plain_greedy,
@@ -46,6 +45,13 @@ def test_trees_stop_at_the_rows_depth_and_fill_up_with_nodes_never_accepted():
     assert trees.depths[0] == [1, 2, 1, 2] and trees.real[0] == [True] * 4
     assert trees.tokens[1] == [10, 11, 8, 8] and trees.real[1] == [True, True, False, False]
     assert walk_greedy(trees, 1, [8, 0, 0, 0, 0]) == []  # a filler node is never accepted
+
+
+def test_a_trees_paths_run_from_the_root_to_each_leaf_over_real_nodes_only():
+    trees = build_trees([[[10, 11], [20, 21]]] * 2, [[[0.6, 0.4], [0.7, 0.3]]] * 2, 4, [2, 1], [7, 8])
+    assert trees.parents[0] == [0, 1, 0, 3]  # 10, 10-20, 11, 11-20
+    assert trees.paths(0) == [[0, 1, 2], [0, 3, 4]]
+    assert trees.paths(1) == [[0, 1], [0, 2]]  # its filler nodes (columns 3 and 4) are on no path
 
 
 def test_each_column_sees_its_context_its_ancestors_and_itself():
@@ -215,10 +221,6 @@ def test_trees_are_refused_where_they_cannot_be_verified_exactly(target, draft):
     with pytest.raises(ValueError, match="step_costs"):
         draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=4, tree_size=4,
                             step_costs=StepCosts(0.01, tuple([0.01] * 8)))
-    if hasattr(__import__("transformers"), "Qwen3_5ForCausalLM"):
-        with pytest.raises(ValueError, match="recurrent layers read the verified columns in sequence"):
-            draft.spec_generate(target=make_hybrid_target("qwen3_5"), input_ids=prompt, max_new_tokens=4,
-                                tree_size=4)
 
 
 def test_a_sliding_window_target_is_refused_with_trees():
