@@ -166,6 +166,12 @@ def _config_cache(config: Any) -> Any:
         return None
 
 
+def has_windowed_layers(config: Any) -> bool:
+    """Whether the target's cache (from its decoder config) has sliding-window layers, which count their window in
+    cache columns."""
+    return any(_is_windowed(layer) for layer in getattr(_config_cache(config), "layers", None) or ())
+
+
 def _is_windowed(layer: Any) -> bool:
     """A plain sliding-window (or chunked) layer: it drops positions older than its window."""
     from transformers.cache_utils import DynamicSlidingWindowLayer

@@ -311,10 +311,13 @@ def run_synthetic(args: argparse.Namespace) -> dict:
     shrink = (1 if device.type == "cuda" else CPU_SHRINK) if args.shrink == "auto" else int(args.shrink)
     if "auto" in args.block_size or "adaptive" in args.block_size:
         raise SystemExit("--synthetic times given block sizes; pass integers (or none: the draft's block size)")
+    if "auto" in args.tree_size:
+        raise SystemExit("--synthetic times given tree sizes; pass integers (0: the chain, which is always timed)")
     try:
         spec = synthetic_spec(args.synthetic, args.draft_config)
         result = run_synthetic_bench(spec, device, dtype, args.block_size, args.batch_size, args.context_length,
-                                     args.tau, shrink, seed=args.seed)
+                                     args.tau, shrink, seed=args.seed,
+                                     tree_sizes=tuple(size for size in args.tree_size if size))
     except ValueError as error:
         raise SystemExit(f"dflash-hf bench --synthetic: {error}") from error
     print(synthetic_table(result))
@@ -379,7 +382,8 @@ TRAIN_EXAMPLES = """\
 BENCH_EXAMPLES = """\
   dflash-hf bench --block-size auto 8
   dflash-hf bench --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 --dataset gsm8k math500
-  dflash-hf bench --synthetic Qwen3-8B --batch-size 1 4 16 --block-size 8 16"""
+  dflash-hf bench --synthetic Qwen3-8B --batch-size 1 4 16 --block-size 8 16
+  dflash-hf bench --synthetic Qwen3-8B --tree-size 8 16 32 64"""
 
 
 def build_parser() -> argparse.ArgumentParser:

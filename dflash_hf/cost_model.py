@@ -20,7 +20,7 @@ from .generation_dflash import DecodeSession, dflash_proposer, synchronize
 from .kernels_dflash import MAX_FEW_ROWS, cpu_kernels, few_row_product, is_plain_linear
 from .modeling_dflash import DFlashDraftModel
 from .proposer_dflash import DraftVocabulary, Proposal, draft_vocab_ids
-from .settings_dflash import StepCosts, neutral_overrides, resolve_block_size, resolve_settings
+from .settings_dflash import StepCosts, neutral_overrides, resolve_block_size, resolve_settings, tree_refusal
 from .target_dflash import last_logits_only
 
 BLOCK_SIZE_CANDIDATES = (2, 3, 4, 6, 8, 12, 16)  # what "auto" chooses among (and the draft's trained size)
@@ -64,13 +64,16 @@ def time_step_stages(
     verify_widths: list[int],
     repeats: int = 5,
     batch_size: int = 1,
+    tree_sizes: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     """Median seconds after a context [1, T] copied to `batch_size` rows: "target_1" (one token of plain decoding per
-    row), "draft" (a draft pass over a `block_size` block) and "verify" {w: a w-token verify per row}.
+    row), "draft" (a draft pass over a `block_size` block), "verify" {w: a w-token verify per row} and "tree_verify"
+    {N: the verify of a tree of N drafted nodes per row, planted from the draft's candidates, with its greedy walk}.
 
     The verify and the draft pass are the loop's own stages (`DecodeSession`); the stages take turns, so that a slow
     spell of the machine spreads over all of them. After each, the session discards what it added. A hybrid target's
-    verify includes its state rollback over half the verified columns (`recurrent_dflash`).
+    verify includes its state rollback over half the verified columns (a tree's: half its first root-to-leaf path;
+    `recurrent_dflash`).
     """
     input_ids = context_ids.repeat(batch_size, 1)
     settings = resolve_settings(target, input_ids, draft, block_size=block_size, max_new_tokens=block_size + 1,
@@ -97,6 +100,16 @@ def time_step_stages(
             half = list(range(max(1, width // 2)))
             return lambda: (session.verify(step, shortened), recurrent.advance([half] * batch_size))
 
+        def tree_verify_pass(tree_size: int) -> Callable[[], Any]:
+            tree_step, tree_proposal = session.plant_tree(block, session.propose(block, tree_size), tree_size)
+
+            def run() -> None:
+                session.verify_tree(tree_step, tree_proposal)
+                if recurrent is not None:
+                    paths = [tree_step.tree.paths(row)[0] for row in range(batch_size)]
+                    recurrent.advance([path[: max(1, len(path) // 2)] for path in paths])
+            return run
+
         def seconds(run: Callable[[], Any]) -> float:
             synchronize(input_ids.device)
             started = time.perf_counter()
@@ -107,7 +120,8 @@ def time_step_stages(
             return elapsed
 
         stages: dict[Any, Callable[[], Any]] = {"target_1": plain_step,
-                                                **{width: verify_pass(width) for width in verify_widths}}
+                                                **{width: verify_pass(width) for width in verify_widths},
+                                                **{("tree", size): tree_verify_pass(size) for size in tree_sizes}}
         if block_size > 1:  # a block of 1 drafts nothing
             stages["draft"] = lambda: session.propose(block)  # over the cached context and the block
         for run in stages.values():
@@ -118,7 +132,8 @@ def time_step_stages(
                 samples[name].append(seconds(run))
     medians = {name: statistics.median(values) for name, values in samples.items()}
     return {"target_1": medians["target_1"], "draft": medians.get("draft", 0.0),
-            "verify": {width: medians[width] for width in verify_widths}}
+            "verify": {width: medians[width] for width in verify_widths},
+            "tree_verify": {size: medians[("tree", size)] for size in tree_sizes}}
 
 
 def measure_step_costs(draft: DFlashDraftModel, target: torch.nn.Module, context_ids: torch.Tensor, block_size: int,
@@ -216,13 +231,7 @@ def choose_tree_size(draft: DFlashDraftModel, target: torch.nn.Module, prompt: l
                                      mask_token_id=mask_token_id, tree_size=tree_size, return_stats=True, **neutral)
         return output.tokens_per_second
 
-    candidates: list[int | None] = [None]
-    try:
-        tokens_per_second(TREE_SIZE_CANDIDATES[0])
-        candidates += list(TREE_SIZE_CANDIDATES)
-    except ValueError as error:
-        if not str(error).startswith("tree_size"):  # only spec_generate's refusal of trees means "chain only"
-            raise
+    candidates = [None, *(TREE_SIZE_CANDIDATES if tree_refusal(target, draft) is None else ())]
     for tree_size in candidates:  # the warm-up round
         tokens_per_second(tree_size)
     rates = {tree_size: tokens_per_second(tree_size) for tree_size in candidates}  # the timed round

@@ -16,7 +16,7 @@ import threading
 import time
 import weakref
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -197,8 +197,6 @@ def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
             layer_ids: list[int] | None, settings: DecodingSettings) -> DecodeState:
     """Run the target over the prompts [N, T]: its cache, the first token of every row, the features of the prompts."""
     cache = full_history_cache(target, target_text_config(target))  # None: the target's own cache can be cropped
-    if settings.tree_size is not None:
-        check_tree_target(target, windowed=cache is not None)
     cache_argument = cache_keyword(target)
     device = target_device(target)
     input_ids = input_ids.to(device)
@@ -236,13 +234,6 @@ def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     for token, streamer in zip(first_tokens, settings.streamers or ()):
         streamer.put(torch.tensor([token]))
     return state
-
-
-def check_tree_target(target: torch.nn.Module, windowed: bool) -> None:
-    """Raise, before any forward, when the target cannot verify a tree in one pass."""
-    if windowed:
-        raise ValueError(f"tree_size is not supported with {type(target).__name__}: its sliding-window layers count "
-                         "their window in cache columns, which a tree's branches break; pass tree_size=None.")
 
 
 def drop_finished(state: DecodeState, proposer: Proposer | None) -> bool:
@@ -577,16 +568,26 @@ class DecodeSession:
 
     def plan(self, width: int | None = None) -> StepPlan:
         """The next step's block (at most `width` tokens per row; default: the call's block size)."""
-        settings = self.settings if width is None else _with_block_size(self.settings, width)
+        settings = self.settings if width is None else replace(self.settings, block_size=width)
         return plan_step(self.state, settings)
 
-    def propose(self, step: StepPlan) -> Proposal:
-        """The proposer's tokens for the step; it reads the features it has not seen (none after a draft pass)."""
-        return propose(self.proposer, self.state, step, self.settings)
+    def propose(self, step: StepPlan, tree_size: int | None = None) -> Proposal:
+        """The proposer's tokens for the step (with each position's candidates for a tree of `tree_size`, default:
+        the call's); it reads the features it has not seen (none after a draft pass)."""
+        settings = self.settings if tree_size is None else replace(self.settings, tree_size=tree_size)
+        return propose(self.proposer, self.state, step, settings)
 
     def verify(self, step: StepPlan, proposal: Proposal) -> torch.Tensor:
         """The target's tokens [n, b] over [pending, proposals]; the cache holds the verified columns meanwhile."""
         return verify(self.target, self.state, step, proposal, self.settings)
+
+    def plant_tree(self, step: StepPlan, proposal: Proposal, tree_size: int) -> tuple[StepPlan, Proposal]:
+        """The step as a tree of `tree_size` nodes from the proposal's candidates (`propose(step, tree_size)`)."""
+        return plant_tree(self.state, step, proposal, replace(self.settings, tree_size=tree_size))
+
+    def verify_tree(self, step: StepPlan, proposal: Proposal) -> TreeOutcome:
+        """One target pass over a planted tree and each row's accepted path; the cache holds its columns meanwhile."""
+        return verify_tree(self.target, self.state, step, proposal, self.settings)
 
     def discard_verify(self) -> None:
         """Forget the last verify (or any forward over the cache): the cache holds the committed columns again."""
@@ -619,12 +620,6 @@ class DecodeSession:
     def finish(self) -> SpecGenerateOutput:
         """The output ids and statistics of the call."""
         return finish(self.state, self.settings)
-
-
-def _with_block_size(settings: DecodingSettings, block_size: int) -> DecodingSettings:
-    from dataclasses import replace
-
-    return replace(settings, block_size=block_size)
 
 
 @torch.no_grad()

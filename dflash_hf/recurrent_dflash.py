@@ -12,8 +12,9 @@ b. Keys and values per position can be cut back; a recurrent state cannot. So ar
 
 A tree verify (`recording(tree_paths=...)`) also needs each column's mixer output to depend on its ancestors only,
 which a recurrence over the columns in order does not give. A forward hook replaces each mixer's output: the mixer
-runs again from the states before the verify along every root-to-leaf path of the tree (one call per path, all rows
-at once) and each column takes its output from the first path through it. After acceptance the kept columns are the
+runs again from the states before the verify along every root-to-leaf path of the tree (one call, each path a row
+of its batch, the cache layer's states repeated for them) and each column takes its output from the first path
+through it. After acceptance the kept columns are the
 root and the accepted path, replayed as above.
 
 Why inputs and not per-column states: a column's input is H numbers per layer, its state Hv * Dk * Dv (about 16,000
@@ -119,19 +120,22 @@ class RecurrentStates:
             if threading.get_ident() != thread:
                 return None
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [n, b, H]
-            width = hidden.shape[1]
+            num_rows, width, _ = hidden.shape
             plan = plans.get(width) or plans.setdefault(width, PathPlan.of(tree_paths, width, hidden.device))
             first = output[0] if isinstance(output, tuple) else output  # [n, b, H']
-            scratch = hidden.new_zeros(hidden.shape[0], 1, hidden.shape[2])  # column b: padding reads and writes
-            hidden = torch.cat((hidden, scratch), dim=1)
-            result = torch.cat((first, first.new_zeros(first.shape[0], 1, first.shape[2])), dim=1)  # [n, b + 1, H']
-            for reads, writes in zip(plan.reads, plan.writes):  # [n, D]: one path per row
-                self.put_back(mixer.layer_idx)
-                along = module.forward(hidden_states=columns_of(hidden, reads), attention_mask=None,
-                                       **{mixer.cache_argument: self.cache})
-                along = along[0] if isinstance(along, tuple) else along  # [n, D, H']
-                result.scatter_(1, writes[..., None].expand(-1, -1, result.shape[2]), along)
-            self.put_back(mixer.layer_idx)  # until `advance`: the states before the verify
+            scratch = hidden.new_zeros(num_rows, 1, hidden.shape[2])  # column b: padding reads and writes
+            path_inputs = columns_of(torch.cat((hidden, scratch), dim=1)[plan.rows], plan.reads)  # [n * P, D, H]
+            layer = self.cache.layers[mixer.layer_idx]
+            self.put_back(mixer.layer_idx)
+            layer.reorder_cache(plan.rows)  # each path starts from its row's states
+            along = module.forward(hidden_states=path_inputs, attention_mask=None,
+                                   **{mixer.cache_argument: self.cache})
+            along = along[0] if isinstance(along, tuple) else along  # [n * P, D, H']
+            layer.reorder_cache(plan.first_paths)  # n rows again, then the states before the verify until `advance`
+            self.put_back(mixer.layer_idx)
+            result = torch.cat((first, first.new_zeros(num_rows, 1, first.shape[2])), dim=1)  # [n, b + 1, H']
+            along = along.reshape(num_rows, -1, along.shape[2])  # [n, P * D, H']: each row's paths side by side
+            result.scatter_(1, plan.writes.reshape(num_rows, -1)[..., None].expand(-1, -1, result.shape[2]), along)
             return (result[:, :-1], *output[1:]) if isinstance(output, tuple) else result[:, :-1]
         return replace
 
@@ -200,32 +204,35 @@ def columns_of(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class PathPlan:
-    """A tree verify's mixer calls: call i runs row r along its i-th root-to-leaf path (its last again when it has
-    fewer). reads [n, D]: the verify column of each place (b: padding); writes [n, D]: the column that takes its
-    output (b where padding, or where an earlier path already gave it)."""
+    """A tree verify's mixer call: every row's P root-to-leaf paths (its last again when it has fewer) as rows of one
+    batch, row r's paths at r * P .. r * P + P - 1. rows [n * P]: the cache row each path starts from;
+    reads [n * P, D]: the verify column of each place (b: padding); writes [n * P, D]: the column that takes its
+    output (b where padding, or where an earlier path of the row already gave it); first_paths [n]: each row's first
+    path."""
 
-    reads: list[torch.Tensor]
-    writes: list[torch.Tensor]
+    rows: torch.Tensor
+    reads: torch.Tensor
+    writes: torch.Tensor
+    first_paths: torch.Tensor
 
     @staticmethod
     def of(tree_paths: list[list[list[int]]], width: int, device: torch.device) -> PathPlan:
-        """The calls for `tree_paths` (per row, the columns of each root-to-leaf path, all starting at column 0) in a
+        """The call for `tree_paths` (per row, the columns of each root-to-leaf path, all starting at column 0) in a
         verify of `width` columns."""
+        num_paths = max(len(paths) for paths in tree_paths)
         depth = max(len(path) for paths in tree_paths for path in paths)
-        reads, writes = [], []
-        owned: list[set[int]] = [set() for _ in tree_paths]
-        for call in range(max(len(paths) for paths in tree_paths)):
-            call_reads, call_writes = [], []
-            for row, paths in enumerate(tree_paths):
-                path = paths[min(call, len(paths) - 1)]
-                call_reads.append(path + [width] * (depth - len(path)))
-                call_writes.append([width if column in owned[row] else column for column in path]
-                                   + [width] * (depth - len(path)))
-                owned[row].update(path)
-            reads.append(call_reads)
-            writes.append(call_writes)
-        return PathPlan([host_to_device(value, device) for value in reads],
-                        [host_to_device(value, device) for value in writes])
+        rows, reads, writes = [], [], []
+        for row, paths in enumerate(tree_paths):
+            owned: set[int] = set()
+            for index in range(num_paths):
+                path = paths[min(index, len(paths) - 1)]
+                rows.append(row)
+                padding = [width] * (depth - len(path))
+                reads.append(path + padding)
+                writes.append([width if column in owned else column for column in path] + padding)
+                owned.update(path)
+        return PathPlan(*(host_to_device(value, device) for value in (rows, reads, writes)),
+                        host_to_device(list(range(0, len(rows), num_paths)), device))
 
 
 def recurrent_states(target: torch.nn.Module, cache: Any) -> RecurrentStates | None:

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .cache_dflash import has_windowed_layers
 from .devices_dflash import execution_device, target_device, target_text_config
 from .proposer_dflash import DFlashDraft, draft_vocab_ids
 
@@ -525,12 +526,25 @@ def check_tree_size(tree_size: Any, target: torch.nn.Module, draft: DFlashDraft 
     if isinstance(tree_size, bool) or not isinstance(tree_size, int) or tree_size < 1:
         raise ValueError(f"tree_size must be a positive int (drafted tokens per step) or None (a chain), got "
                          f"{tree_size!r}.")
+    refusal = tree_refusal(target, draft, step_costs)
+    if refusal is not None:
+        raise ValueError(refusal)
+
+
+def tree_refusal(target: torch.nn.Module, draft: DFlashDraft | None, step_costs: StepCosts | None = None
+                 ) -> str | None:
+    """Why calls with this target and draft cannot verify trees (`spec_generate(tree_size=N)` raises it), or None."""
     if getattr(draft, "candidate_selector", None) is not None:
-        raise ValueError("tree_size is not supported with DFlash2 drafts: their candidate selector chooses each token "
-                         "given the ones before it, so it proposes one path; pass tree_size=None.")
+        return ("tree_size is not supported with DFlash2 drafts: their candidate selector chooses each token given "
+                "the ones before it, so it proposes one path; pass tree_size=None.")
     if step_costs is not None:
-        raise ValueError("tree_size and step_costs (verify widths chosen per step) cannot be combined; pass one.")
-    implementation = getattr(target_text_config(target), "_attn_implementation", None)
+        return "tree_size and step_costs (verify widths chosen per step) cannot be combined; pass one."
+    config = target_text_config(target)
+    implementation = getattr(config, "_attn_implementation", None)
     if implementation not in TREE_ATTENTION:
-        raise ValueError(f"tree_size needs the target's attention to take a 4-D mask ({', '.join(TREE_ATTENTION)}); "
-                         f"this target uses {implementation!r}: load it with attn_implementation=\"sdpa\".")
+        return (f"tree_size needs the target's attention to take a 4-D mask ({', '.join(TREE_ATTENTION)}); this "
+                f"target uses {implementation!r}: load it with attn_implementation=\"sdpa\".")
+    if has_windowed_layers(config):
+        return (f"tree_size is not supported with {type(target).__name__}: its sliding-window layers count their "
+                "window in cache columns, which a tree's branches break; pass tree_size=None.")
+    return None

@@ -1,9 +1,11 @@
 """`dflash-hf bench --synthetic`: what a target and draft pair's steps cost on this device, with no weights to fetch.
 
 Target and draft are built from their configs with random weights (a step costs the same whatever the weights), a
-random context is prefilled, and t(1 token), t(B-token verify) and t(draft pass) are timed with the loop's own stages
-(`cost_model.measure_step_costs`). The projected speedup is the cost model's bound at a tau (default: the paper's tau
-for that pair). `shrink` divides the widths (hidden size, FFN, heads, vocabulary) so a CPU can run the same code.
+random context is prefilled, and t(1 token), t(B-token verify), t(draft pass) and, with tree sizes, t(verify of a tree
+of N drafted nodes) are timed with the loop's own stages (`cost_model.time_step_stages`). The projected speedup is the
+cost model's bound at a tau (default: the paper's tau for that pair, a chain's at the trained block; trees are
+projected only at a `--tau` passed). `shrink` divides the widths (hidden size, FFN, heads, vocabulary) so a CPU can
+run the same code.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from typing import Any, Iterator
 import torch
 
 from .configuration_dflash import DFlashConfig, is_dflash2
-from .cost_model import cost_model_bound, measure_step_costs
+from .cost_model import cost_model_bound, time_step_stages
 from .loading import PUBLISHED_CONFIGS, device_description
 from .modeling_dflash import DFlash2DraftModel, DFlashDraftModel
-from .settings_dflash import resolve_block_size
+from .settings_dflash import resolve_block_size, tree_refusal
 
 PACKAGE = Path(__file__).resolve().parent
 TARGET_CONFIGS = PACKAGE / "target_configs"
@@ -176,8 +178,10 @@ def parameter_count(model: torch.nn.Module) -> int:
 @torch.no_grad()
 def run_synthetic_bench(spec: SyntheticSpec, device: torch.device, dtype: torch.dtype, block_sizes: list[int | None],
                         batch_sizes: list[int], context_length: int = 512, tau: float | None = None,
-                        shrink: int = 1, repeats: int = 5, seed: int = 0) -> dict[str, Any]:
-    """Step costs and projected speedups of the pair for every (batch size, block size), as a JSON-ready dict."""
+                        shrink: int = 1, repeats: int = 5, seed: int = 0, tree_sizes: tuple[int, ...] = ()
+                        ) -> dict[str, Any]:
+    """Step costs and projected speedups of the pair for every (batch size, block size), and for each of those every
+    tree of `tree_sizes` drafted nodes, as a JSON-ready dict."""
     paper_tau = tau is None  # the paper's tau holds at the draft's own block size only
     tau = tau if tau is not None else spec.tau
     if tau is not None and tau < 1:
@@ -189,16 +193,24 @@ def run_synthetic_bench(spec: SyntheticSpec, device: torch.device, dtype: torch.
     generator = torch.Generator().manual_seed(seed)
     context = torch.randint(0, target_config["vocab_size"], (1, context_length), generator=generator)  # [1, T]
     rows = []
+    refusal = tree_refusal(target, draft) if tree_sizes else None
+    if refusal is not None:
+        raise ValueError(refusal)
     for batch_size in batch_sizes:
         for block_size in block_sizes:
             block = resolve_block_size(block_size, draft.block_size)
-            costs = measure_step_costs(draft, target, context.to(device), block, draft.mask_token_id,
-                                       repeats=repeats, batch_size=batch_size)
-            projected = None if tau is None or (paper_tau and block != draft.block_size) else \
-                cost_model_bound(min(tau, block), costs)
-            rows.append({"batch_size": batch_size, "block_size": block, **costs,
-                         "verify_over_one_token": costs["target_block"] / costs["target_1"],
-                         "projected_speedup": projected})
+            timings = time_step_stages(draft, target, context.to(device), block, draft.mask_token_id, [block],
+                                       repeats, batch_size, tuple(tree_sizes) if block > 1 else ())
+            verifies = {None: timings["verify"][block], **timings["tree_verify"]}  # None: the chain
+            for tree_size, verify_seconds in verifies.items():
+                costs = {"target_1": timings["target_1"], "target_block": verify_seconds, "draft": timings["draft"]}
+                projected = None if tau is None or (paper_tau and (block != draft.block_size or tree_size)) else \
+                    cost_model_bound(min(tau, block), costs)
+                drafted = tree_size or block - 1  # the tokens the verify checks after the pending one
+                rows.append({"batch_size": batch_size, "block_size": block, "tree_size": tree_size, **costs,
+                             "verify_over_one_token": verify_seconds / timings["target_1"],
+                             "seconds_per_drafted_token": (verify_seconds - timings["target_1"]) / max(drafted, 1),
+                             "projected_speedup": projected})
     return {"model": spec.name, "device": device_description(target), "dtype": str(dtype).removeprefix("torch."),
             "shrink": shrink, "context_length": context_length, "tau": tau,
             "tau_source": spec.tau_source if paper_tau else "", "trained_block_size": draft.block_size,
@@ -207,22 +219,26 @@ def run_synthetic_bench(spec: SyntheticSpec, device: torch.device, dtype: torch.
 
 def synthetic_table(result: dict[str, Any]) -> str:
     """The result as a markdown table with a line saying what was measured."""
-    lines = ["| batch | block | t(1 token) ms | t(block verify) ms | t(draft) ms | verify / 1 token | projected |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| batch | block | tree | t(1 token) ms | t(verify) ms | t(draft) ms | verify / 1 token | "
+             "ms per drafted token | projected |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in result["rows"]:
-        lines.append(f"| {row['batch_size']} | {row['block_size']} | {row['target_1'] * 1e3:.2f} | "
-                     f"{row['target_block'] * 1e3:.2f} | {row['draft'] * 1e3:.2f} | "
-                     f"{row['verify_over_one_token']:.2f} | {_times(row['projected_speedup'])} |")
+        lines.append(f"| {row['batch_size']} | {row['block_size']} | {row.get('tree_size') or 'chain'} | "
+                     f"{row['target_1'] * 1e3:.2f} | {row['target_block'] * 1e3:.2f} | {row['draft'] * 1e3:.2f} | "
+                     f"{row['verify_over_one_token']:.2f} | {row['seconds_per_drafted_token'] * 1e3:.2f} | "
+                     f"{_times(row['projected_speedup'])} |")
     widths = "" if result["shrink"] == 1 else f", widths / {result['shrink']}"
     source = f" ({result['tau_source']})" if result["tau_source"] else ""
     lines.append(f"\n{result['model']} with random weights{widths}: "
                  f"target {result['parameters']['target'] / 1e9:.3f}B "
                  f"and draft {result['parameters']['draft'] / 1e9:.3f}B parameters, {result['dtype']} on "
                  f"{result['device']}, context {result['context_length']} tokens; projected = tau * t(1) / "
-                 + (f"(t(verify) + t(draft)) at tau {result['tau']}{source}, capped at the block size"
+                 + (f"(t(verify) + t(draft)) at tau {result['tau']}{source}, capped at the block size; a tree "
+                    "verifies its N drafted nodes and the pending token, each node at the position of its depth"
                     if result["tau"] is not None else "(t(verify) + t(draft)): no published tau for this pair, "
                     "pass --tau to project")
-                 + (f"; the paper's tau is for blocks of {result['trained_block_size']} only (other rows: pass --tau)."
+                 + (f"; the paper's tau is for chains of {result['trained_block_size']} only (other rows: pass "
+                    "--tau)."
                     if result["tau_source"] else "."))
     return "\n".join(lines)
 

@@ -122,3 +122,45 @@ def test_a_target_config_file_pairs_with_a_draft_config(tmp_path):
 def test_bad_synthetic_arguments_are_refused_with_the_fix(arguments, message):
     with pytest.raises(SystemExit, match=message):
         main(["bench", *arguments])
+
+
+def test_tree_rows_time_a_verify_of_the_tree_and_project_only_at_a_given_tau(tmp_path, capsys):
+    path = tmp_path / "trees.json"
+    main(["bench", "--synthetic", "Qwen3-4B", "--shrink", "32", "--context-length", "16", "--block-size", "8",
+          "--tree-size", "0", "4", "12", "--json", str(path)])
+    rows = json.loads(path.read_text())["rows"]
+    assert [(row["block_size"], row["tree_size"]) for row in rows] == [(8, None), (8, 4), (8, 12)]
+    assert all(row["projected_speedup"] is None for row in rows)  # the paper's tau is a chain's at block 16
+    for row in rows:
+        drafted = row["tree_size"] or 7
+        assert row["seconds_per_drafted_token"] == pytest.approx((row["target_block"] - row["target_1"]) / drafted)
+    assert "| 1 | 8 | 12 |" in capsys.readouterr().out
+    main(["bench", "--synthetic", "Qwen3-4B", "--shrink", "32", "--context-length", "16", "--block-size", "8",
+          "--tree-size", "4", "--tau", "3", "--json", str(path)])
+    tree = json.loads(path.read_text())["rows"][1]
+    assert tree["projected_speedup"] == pytest.approx(3 * tree["target_1"] / (tree["target_block"] + tree["draft"]))
+    with pytest.raises(SystemExit, match="given tree sizes"):
+        main(["bench", "--synthetic", "Qwen3-4B", "--tree-size", "auto"])
+
+
+def test_the_tree_stage_verifies_the_root_and_the_trees_nodes_at_the_depths_positions():
+    from dflash_hf.cost_model import time_step_stages
+    from dflash_hf.settings_dflash import tree_refusal
+
+    spec = synthetic_spec("Qwen3-8B")
+    target_config, draft_config = shrink_configs(spec.target_config, spec.draft_config, 32)
+    target, draft = build_synthetic_pair(target_config, draft_config, torch.device("cpu"), torch.float32)
+    assert tree_refusal(target, draft) is None
+    seen = []
+    handle = target.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append((kwargs["input_ids"].shape[1], kwargs.get("position_ids"))),
+        with_kwargs=True)
+    try:
+        timings = time_step_stages(draft, target, torch.arange(10, 30)[None], 8, draft.mask_token_id, [8], repeats=1,
+                                   tree_sizes=(5,))
+    finally:
+        handle.remove()
+    assert set(timings["tree_verify"]) == {5} and timings["tree_verify"][5] > 0
+    trees = [positions for width, positions in seen if width == 6]  # the root and 5 nodes
+    assert trees and all(positions[0, 0] == 20 and positions[0, 1:].min() == 21 for positions in trees)
+    assert any(len(set(positions[0, 1:].tolist())) < 5 for positions in trees)  # siblings share a depth
