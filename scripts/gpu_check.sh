@@ -87,6 +87,10 @@ elif timeout 30 "$PY" -m dflash_hf.cli bench --help 2>/dev/null | grep -q -- --s
     timeout "${BENCH_TIMEOUT:-150}" "$PY" -m dflash_hf.cli bench --synthetic Qwen3-8B --batch-size 1 4 16 \
         --block-size 8 16 --context-length 1024 --json "$RESULTS/bench_synthetic.json" ${BENCH_ARGS:-}
     echo "bench exit status: $?"
+    # Tree verifies at the same shapes: the cost per drafted node of trees of 16, 32 and 64 against the chain of 15
+    timeout "${TREE_BENCH_TIMEOUT:-90}" "$PY" -m dflash_hf.cli bench --synthetic Qwen3-8B --block-size 16 \
+        --tree-size 16 32 64 --tau 6.5 --context-length 1024 --json "$RESULTS/bench_synthetic_trees.json"
+    echo "tree bench exit status: $?"
 else
     echo "skipped: this version of dflash-hf bench has no --synthetic"
 fi
