@@ -230,10 +230,7 @@ def top_candidates(logits: torch.Tensor, step: DraftStep, sample: bool) -> Propo
     """Each position's `step.num_candidates` candidates for a tree (logits [N, B-1, V], at the step's temperature,
     top-k and top-p when sampling): the most probable tokens, or with `sample` distinct tokens drawn from q in turn
     (each row with its generator; q is returned for the verify); the shape probabilities are q's largest."""
-    flat = logits.flatten(0, 1).float()
-    if step.temperature > 0.0:
-        flat = process_logits(flat, step.temperature, step.top_k, step.top_p)
-    probabilities = flat.softmax(dim=-1).view(logits.shape)  # [N, B-1, V]: q
+    probabilities = draft_distribution(logits, step)  # [N, B-1, V]: q
     count = min(step.num_candidates, logits.shape[-1])
     largest, tokens = probabilities.topk(count, dim=-1)  # [N, B-1, k]
     if not sample:
@@ -246,6 +243,15 @@ def top_candidates(logits: torch.Tensor, step: DraftStep, sample: bool) -> Propo
         drawn.append(token)
     tokens = torch.stack(drawn, dim=-1)  # [N, B-1, k]
     return Proposal(tokens[..., 0], probabilities, candidate_tokens=tokens, candidate_probabilities=largest)
+
+
+def draft_distribution(logits: torch.Tensor, step: DraftStep) -> torch.Tensor:
+    """The draft's q [N, B-1, V] (float32) for its logits [N, B-1, V]: the softmax after the step's temperature, top-k
+    and top-p (a plain softmax when greedy)."""
+    flat = logits.flatten(0, 1).float()
+    if step.temperature > 0.0:
+        flat = process_logits(flat, step.temperature, step.top_k, step.top_p)
+    return flat.softmax(dim=-1).view(logits.shape)
 
 
 def greedy_confidences(logits: torch.Tensor) -> torch.Tensor:
@@ -322,7 +328,6 @@ def select_candidates(selector: CandidateSelector, logits: torch.Tensor, hidden_
 def sample_proposals(logits: torch.Tensor, step: DraftStep) -> Proposal:
     """Proposals sampled from the draft's q (logits [N, B-1, V] after the step's temperature, top-k, top-p), per row
     with that row's generator."""
-    probabilities = process_logits(logits.flatten(0, 1), step.temperature, step.top_k, step.top_p).softmax(dim=-1)
-    probabilities = probabilities.view(logits.shape)  # [N, B-1, V]
+    probabilities = draft_distribution(logits, step)  # [N, B-1, V]
     tokens = sample_from(probabilities, draw_uniforms(step.generators, logits.shape[1], logits.device))  # [N, B-1]
     return Proposal(tokens, probabilities)
