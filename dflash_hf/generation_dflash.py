@@ -383,8 +383,10 @@ def plant_tree(state: DecodeState, step: StepPlan, proposal: Proposal, settings:
     candidate_tokens = proposal.candidate_tokens.tolist()  # [n, b - 1, k]
     candidate_probabilities = proposal.candidate_probabilities.float().tolist()
     pending = step.pending[:, 0].tolist()
+    transitions = proposal.candidate_transitions  # [n, b - 1, k, k] (DFlash2) or None
     trees = build_trees(candidate_tokens, candidate_probabilities, settings.tree_size,
-                        [min(step.width - 1, count - 1) for count in step.counts], pending)
+                        [min(step.width - 1, count - 1) for count in step.counts], pending,
+                        None if transitions is None else transitions.float().tolist())
     depths = host_to_device([[0] + depths for depths in trees.depths], state.device)  # [n, 1 + N]
     tree_step = StepPlan(1 + trees.size, step.counts, step.positions[:, :1] + depths, step.pending, trees)
     return tree_step, Proposal(host_to_device(trees.tokens, state.device), proposal.draft_probabilities)

@@ -339,6 +339,19 @@ class DFlashCandidateSelector(nn.Module):
                                                * config.initializer_range)
         self.hidden_projection = nn.Linear(config.hidden_size, config.selector_rank, bias=False)
 
+    def transitions(self, logits: torch.Tensor, hidden_states: torch.Tensor, anchor_tokens: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each proposal position's K candidates [N, P, K] (the head's top-K) and the score of candidate j at
+        position p after candidate i at position p - 1, [N, P, K, K] (position 0: after the anchor token [N], the
+        same for every i); over logits [N, P, V] and hidden states [N, P, H] of the P proposal positions."""
+        unary, candidates = logits.float().topk(min(self.top_k, logits.shape[-1]), dim=-1)  # [N, P, K]
+        projected = self.hidden_projection(hidden_states.to(self.hidden_projection.weight.dtype)).float()  # [N, P, r]
+        successors = F.embedding(candidates, self.successor_codebook).float()  # [N, P, K, r]
+        anchors = anchor_tokens[:, None, None].expand(-1, 1, candidates.shape[2])  # [N, 1, K]
+        predecessors = torch.cat((anchors, candidates[:, :-1]), dim=1)  # [N, P, K]: what may stand before position p
+        queries = F.embedding(predecessors, self.predecessor_codebook).float() * projected[:, :, None]  # [N, P, K, r]
+        return candidates, unary[:, :, None, :] + torch.einsum("npir,npjr->npij", queries, successors)
+
     def walk(
         self,
         logits: torch.Tensor,
@@ -351,16 +364,13 @@ class DFlashCandidateSelector(nn.Module):
         `choose(scores [N, K], candidate_ids [N, K])` returns the index [N] of each row's choice among its K
         candidates at one position (greedy: the argmax); the first predecessor is the anchor token [N].
         """
-        unary, candidates = logits.float().topk(min(self.top_k, logits.shape[-1]), dim=-1)  # [N, P, K]
-        projected = self.hidden_projection(hidden_states.to(self.hidden_projection.weight.dtype)).float()  # [N, P, r]
-        successors = F.embedding(candidates, self.successor_codebook).float()  # [N, P, K, r]
-        predecessor, chosen = anchor_tokens, []
+        candidates, scores = self.transitions(logits, hidden_states, anchor_tokens)  # [N, P, K], [N, P, K, K]
+        previous = torch.zeros_like(anchor_tokens)  # [N]: the index of the predecessor (position 0: any row)
+        chosen = []
         for position in range(logits.shape[1]):
-            query = F.embedding(predecessor, self.predecessor_codebook).float() * projected[:, position]  # [N, r]
-            scores = unary[:, position] + torch.einsum("nr,nkr->nk", query, successors[:, position])  # [N, K]
-            choice = choose(scores, candidates[:, position])  # [N]
-            predecessor = candidates[:, position].gather(1, choice[:, None]).squeeze(1)
-            chosen.append(predecessor)
+            row_scores = scores[:, position].gather(1, previous[:, None, None].expand(-1, 1, scores.shape[3]))
+            previous = choose(row_scores[:, 0], candidates[:, position])  # [N]
+            chosen.append(candidates[:, position].gather(1, previous[:, None]).squeeze(1))
         return torch.stack(chosen, dim=1)
 
 

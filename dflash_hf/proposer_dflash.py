@@ -28,6 +28,11 @@ class CandidateSelector(Protocol):
         """Chosen tokens [N, P] along the block (see `DFlashCandidateSelector.walk`)."""
         ...
 
+    def transitions(self, logits: torch.Tensor, hidden_states: torch.Tensor, anchor_tokens: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidates [N, P, K] and the scores of each after each [N, P, K, K] (see `transitions` there)."""
+        ...
+
 
 class DFlashDraft(Protocol):
     """What the loop needs of a DFlash draft (`modeling_dflash.DFlashDraftModel` is one)."""
@@ -111,6 +116,9 @@ class Proposal:
     # [N, B-1, k]: each position's k largest draft probabilities, which shape the tree: never the sampled tokens' own,
     # so which candidates a node verifies does not depend on what was drawn
     candidate_probabilities: torch.Tensor | None = None
+    # [N, B-1, k, k] (DFlash2's selector): the probability of candidate j at position p after candidate i at position
+    # p - 1; a node's children are then ranked by it (position 0 by candidate_probabilities, after the pending token)
+    candidate_transitions: torch.Tensor | None = None
 
     def proposal_confidences(self) -> torch.Tensor | None:
         """The draft's confidence at each position [N, B-1]: as scored, else the largest probability of q (None:
@@ -216,6 +224,8 @@ class DFlashProposer:
         else:
             logits = self.draft.scale_logits(few_row_logits(self.lm_head, proposal_states))  # [N * (B-1), V]
         logits = logits.view(len(step.row_ids), block_size - 1, -1)  # [N, B-1, V]
+        if selector is not None and step.num_candidates:
+            return selector_candidates(selector, logits, hidden[:, 1:], block_ids[:, 0], step)
         if selector is not None:
             return select_candidates(selector, logits, hidden[:, 1:], block_ids[:, 0], step, sample)
         if step.num_candidates:
@@ -323,6 +333,18 @@ def select_candidates(selector: CandidateSelector, logits: torch.Tensor, hidden_
 
     tokens = selector.walk(logits, hidden_states, anchor_tokens, sample_choice)
     return Proposal(tokens, torch.stack(distributions, dim=1))
+
+
+def selector_candidates(selector: CandidateSelector, logits: torch.Tensor, hidden_states: torch.Tensor,
+                        anchor_tokens: torch.Tensor, step: DraftStep) -> Proposal:
+    """DFlash2's candidates for a tree: each position's K candidates, the selector's probability of each after each
+    candidate of the position before (softmax of its scores, at the step's temperature when sampling), and its
+    greedy path as the proposal. Chosen, not drawn: a node tries its children in that order, each with a one-hot q."""
+    candidates, scores = selector.transitions(logits, hidden_states, anchor_tokens)  # [N, P, K], [N, P, K, K]
+    transitions = (scores / (step.temperature if step.temperature > 0.0 else 1.0)).softmax(dim=-1)
+    tokens = selector.walk(logits, hidden_states, anchor_tokens, lambda scores, candidates: scores.argmax(dim=-1))
+    return Proposal(tokens, candidate_tokens=candidates, candidate_probabilities=transitions[:, :, 0],
+                    candidate_transitions=transitions)
 
 
 def sample_proposals(logits: torch.Tensor, step: DraftStep) -> Proposal:

@@ -534,9 +534,6 @@ def check_tree_size(tree_size: Any, target: torch.nn.Module, draft: DFlashDraft 
 def tree_refusal(target: torch.nn.Module, draft: DFlashDraft | None, step_costs: StepCosts | None = None
                  ) -> str | None:
     """Why calls with this target and draft cannot verify trees (`spec_generate(tree_size=N)` raises it), or None."""
-    if getattr(draft, "candidate_selector", None) is not None:
-        return ("tree_size is not supported with DFlash2 drafts: their candidate selector chooses each token given "
-                "the ones before it, so it proposes one path; pass tree_size=None.")
     if step_costs is not None:
         return "tree_size and step_costs (verify widths chosen per step) cannot be combined; pass one."
     config = target_text_config(target)

@@ -64,40 +64,59 @@ class DraftTree:
         return paths
 
 
-def best_first_tree(tokens: list[list[int]], probabilities: list[list[float]], size: int, max_depth: int
-                    ) -> tuple[list[int], list[int], list[int]]:
+def best_first_tree(tokens: list[list[int]], probabilities: list[list[float]], size: int, max_depth: int,
+                    transitions: list[list[list[float]]] | None = None) -> tuple[list[int], list[int], list[int]]:
     """One row's tree: (tokens, parent columns, depths) of its at most `size` nodes of highest path probability,
-    best-first, at most `max_depth` deep; `tokens` / `probabilities`: per block position, its candidates
-    (descending)."""
-    frontier: list[tuple[float, int, int, int, int, float]] = []  # (-path prob, order, parent, depth, rank, base)
+    best-first, at most `max_depth` deep. `tokens` / `probabilities`: per block position, its candidates (the
+    probabilities descending); `transitions` (DFlash2): per position p >= 1, the probability of each candidate after
+    each candidate of position p - 1, by which a node's children are then ranked."""
+    orders: dict[tuple[int, int], list[tuple[float, int]]] = {}
+
+    def children_of(depth: int, parent_rank: int) -> list[tuple[float, int]]:
+        """The candidates under a node of rank `parent_rank` at depth - 1: (probability, rank), most probable first."""
+        if (depth, parent_rank) not in orders:
+            after_parent = transitions is not None and depth > 1
+            row = transitions[depth - 1][parent_rank] if after_parent else probabilities[depth - 1]
+            orders[depth, parent_rank] = sorted(((probability, rank) for rank, probability in enumerate(row)),
+                                                key=lambda item: -item[0])  # stable: ties keep the candidates' order
+        return orders[depth, parent_rank]
+
+    # frontier: (-path prob, order, parent column, depth, sibling index, parent's path prob, parent's rank)
+    frontier: list[tuple[float, int, int, int, int, float, int]] = []
     order = itertools.count()  # ties: the node pushed first comes first
 
-    def push(parent: int, depth: int, rank: int, base: float) -> None:
-        if depth <= max_depth and rank < len(tokens[depth - 1]) and probabilities[depth - 1][rank] > 0.0:
-            heapq.heappush(frontier, (-base * probabilities[depth - 1][rank], next(order), parent, depth, rank,
-                                      base))
+    def push(parent: int, depth: int, sibling: int, base: float, parent_rank: int) -> None:
+        if depth > max_depth:
+            return
+        siblings = children_of(depth, parent_rank)
+        if sibling < len(siblings) and siblings[sibling][0] > 0.0:
+            heapq.heappush(frontier, (-base * siblings[sibling][0], next(order), parent, depth, sibling, base,
+                                      parent_rank))
 
     nodes: list[tuple[int, int, int]] = []  # (token, parent column, depth)
-    push(0, 1, 0, 1.0)
+    push(0, 1, 0, 1.0, 0)
     while frontier and len(nodes) < size:
-        negative, _, parent, depth, rank, base = heapq.heappop(frontier)
+        negative, _, parent, depth, sibling, base, parent_rank = heapq.heappop(frontier)
+        rank = children_of(depth, parent_rank)[sibling][1]
         nodes.append((tokens[depth - 1][rank], parent, depth))
-        push(parent, depth, rank + 1, base)  # the next sibling
-        push(len(nodes), depth + 1, 0, -negative)  # the first child
+        push(parent, depth, sibling + 1, base, parent_rank)  # the next sibling
+        push(len(nodes), depth + 1, 0, -negative, rank)  # the first child
     return [node[0] for node in nodes], [node[1] for node in nodes], [node[2] for node in nodes]
 
 
 def build_trees(candidate_tokens: list[list[list[int]]], candidate_probabilities: list[list[list[float]]],
-                size: int, max_depths: list[int], filler_token: list[int]) -> DraftTree:
+                size: int, max_depths: list[int], filler_token: list[int],
+                candidate_transitions: list[list[list[list[float]]]] | None = None) -> DraftTree:
     """Per row, the `size` nodes of highest draft path probability, best-first; at most `max_depths[row]` deep.
 
     candidate_tokens / candidate_probabilities: per row, per block position, the draft's top tokens and their
-    probabilities (descending). A row with fewer possible nodes is filled with `filler_token[row]` nodes under the
-    root that the walk never accepts.
+    probabilities (descending); candidate_transitions (DFlash2): per row, `best_first_tree`'s transitions. A row with
+    fewer possible nodes is filled with `filler_token[row]` nodes under the root that the walk never accepts.
     """
     trees = DraftTree([], [], [], [])
     for row, (tokens, probabilities) in enumerate(zip(candidate_tokens, candidate_probabilities)):
-        node_tokens, parents, depths = best_first_tree(tokens, probabilities, size, max_depths[row])
+        transitions = None if candidate_transitions is None else candidate_transitions[row]
+        node_tokens, parents, depths = best_first_tree(tokens, probabilities, size, max_depths[row], transitions)
         filler = size - len(node_tokens)
         trees.tokens.append(node_tokens + [filler_token[row]] * filler)
         trees.parents.append(parents + [0] * filler)

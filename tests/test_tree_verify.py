@@ -204,6 +204,69 @@ def test_sampled_trees_keep_the_target_distribution(small_vocabulary, tree_size,
     assert chi_square_p_value(counts, wrong, NUM_SAMPLES) < 1e-3
 
 
+# --- DFlash2: the candidate selector ranks each node's children after the node's own token ---------------------------
+
+
+def test_dflash2_trees_rank_a_nodes_children_by_the_selectors_transitions():
+    tokens, probabilities = [[[10, 11], [20, 21]]], [[[0.6, 0.4], [0.9, 0.1]]]
+    transitions = [[[[0.6, 0.4], [0.6, 0.4]], [[0.9, 0.1], [0.2, 0.8]]]]  # position 1: after 10, after 11
+    independent = build_trees(tokens, probabilities, 4, [2], [0])
+    selected = build_trees(tokens, probabilities, 4, [2], [0], transitions)
+    assert independent.tokens[0] == [10, 20, 11, 20]  # 11-20: .4 * .9
+    assert selected.tokens[0] == [10, 20, 11, 21] and selected.parents[0] == [0, 1, 0, 3]  # 11-21: .4 * .8
+
+
+@pytest.mark.parametrize("seed,length,tree_size", [(0, 3, 4), (1, 12, 8), (2, 25, 16)])
+def test_dflash2_greedy_trees_equal_generate(target, seed, length, tree_size):
+    draft = make_variant_draft("dflash2", seed=seed)
+    with torch.no_grad():
+        for codebook in (draft.candidate_selector.predecessor_codebook, draft.candidate_selector.successor_codebook):
+            codebook.mul_(10.0)  # the selector's pair scores matter: children are ranked differently per parent
+    prompt = random_prompt(seed, length)
+    result = draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=24, tree_size=tree_size,
+                                 return_stats=True)
+    assert torch.equal(result.output_ids, plain_greedy(target, prompt, 24))
+    assert set(result.verified_lengths[0][:-1]) <= {tree_size + 1}
+
+
+def test_dflash2_tree_candidates_are_the_selectors_transitions(target):
+    from dflash_hf.proposer_dflash import DraftStep
+
+    draft = make_variant_draft("dflash2", seed=3)
+    sequence = random_prompt(3, 9)[0].tolist()
+    with torch.no_grad():
+        outputs = target(torch.tensor([sequence]), output_hidden_states=True)
+        features = torch.cat([outputs.hidden_states[layer + 1] for layer in draft.target_layer_ids], dim=-1)
+        step = DraftStep(prompts=[sequence[:8]], generated=[sequence[8:]], target_hidden=features[:, :8],
+                         context_position_ids=torch.arange(8)[None], context_valid=None, block_size=5, row_ids=[0],
+                         num_candidates=4)
+        proposal = DFlashProposer(draft, target, draft.mask_token_id).propose(step)
+    transitions = proposal.candidate_transitions[0]  # [4, K, K]
+    assert transitions.shape == (4, 4, 4) and proposal.draft_probabilities is None  # chosen: one-hot q
+    torch.testing.assert_close(transitions.sum(-1), torch.ones(4, 4))
+    assert torch.equal(proposal.candidate_probabilities[0], transitions[:, 0])
+    assert not torch.allclose(transitions[1, 0], transitions[1, 1])  # a child's rank depends on its parent
+
+
+def test_dflash2_sampled_trees_keep_the_target_distribution(small_vocabulary):
+    target, _, input_ids = small_vocabulary
+    draft = make_variant_draft("dflash2", seed=12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
+    generator = torch.Generator().manual_seed(77)
+    counts: dict[tuple[int, ...], int] = {}
+    accepted = 0
+    with torch.no_grad():
+        for _ in range(NUM_SAMPLES):
+            result = speculative_decode(target, DFlashProposer(draft, target, VOCAB - 1), input_ids,
+                                        max_new_tokens=NUM_NEW, block_size=4, temperature=1.0, generator=generator,
+                                        tree_size=5, cpu_kernels=False)
+            cell = tuple(result.new_token_ids[0].tolist())
+            counts[cell] = counts.get(cell, 0) + 1
+            accepted += sum(length - 1 for length in result.acceptance_lengths[0])
+    assert accepted > NUM_SAMPLES // 5
+    assert chi_square_p_value(counts, exact_joint(target, input_ids, 1.0, None, None), NUM_SAMPLES) > 1e-3
+    assert chi_square_p_value(counts, exact_joint(target, input_ids, 1.5, None, None), NUM_SAMPLES) < 1e-3
+
+
 # --- Refusals --------------------------------------------------------------------------------------------------------
 
 
@@ -216,28 +279,31 @@ def test_bad_tree_sizes_are_refused(target, draft, tree_size, message):
 
 def test_trees_are_refused_where_they_cannot_be_verified_exactly(target, draft):
     prompt = random_prompt(0, 4)
-    with pytest.raises(ValueError, match="DFlash2 drafts"):
-        make_variant_draft("dflash2").spec_generate(target=target, input_ids=prompt, max_new_tokens=4, tree_size=4)
     with pytest.raises(ValueError, match="step_costs"):
         draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=4, tree_size=4,
                             step_costs=StepCosts(0.01, tuple([0.01] * 8)))
 
 
-def test_a_sliding_window_target_is_refused_with_trees():
+def sliding_window_target() -> torch.nn.Module:
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    target = MistralForCausalLM(MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                              head_dim=16, sliding_window=8)).eval()
+    return MistralForCausalLM(MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                            head_dim=16, sliding_window=8)).eval()
+
+
+def test_a_sliding_window_target_is_refused_with_trees():
     with pytest.raises(ValueError, match="sliding-window layers"):
-        make_draft(0).spec_generate(target=target, input_ids=random_prompt(0, 4), max_new_tokens=4, tree_size=4)
+        make_draft(0).spec_generate(target=sliding_window_target(), input_ids=random_prompt(0, 4), max_new_tokens=4,
+                                    tree_size=4)
 
 
-def test_tree_size_auto_gives_the_chain_where_trees_are_refused(target):
+def test_tree_size_auto_gives_the_chain_where_trees_are_refused():
     from dflash_hf.cost_model import choose_tree_size
 
-    dflash2 = make_variant_draft("dflash2")
-    tree_size, rates = choose_tree_size(dflash2, target, random_prompt(0, 6)[0].tolist(), 4, 8, 1, [],
-                                        dflash2.mask_token_id)
+    sliding = sliding_window_target()
+    draft = make_draft(0)
+    tree_size, rates = choose_tree_size(draft, sliding, random_prompt(0, 6)[0].tolist(), 4, 8, 1, [],
+                                        draft.mask_token_id)
     assert tree_size is None and list(rates) == [0] and rates[0] > 0
