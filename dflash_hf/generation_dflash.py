@@ -36,7 +36,7 @@ from .cache_dflash import (
 from .devices_dflash import target_device, target_text_config
 from .kernels_dflash import cpu_kernels, grouped_query_attention
 from .proposer_dflash import DFlashDraft, DFlashProposer, DraftStep, Proposal, Proposer
-from .recurrent_dflash import RecurrentStates, recurrent_states
+from .recurrent_dflash import PathPlan, RecurrentStates, recurrent_states
 from .sampling_dflash import (
     commit_block,
     draw_uniforms,
@@ -349,8 +349,12 @@ def target_pass(target: torch.nn.Module, state: DecodeState, step: StepPlan, pro
     """The target over [pending, proposals] [n, b] with `attention` (mask and positions, or none): its logits
     [n, b, V]; the features of every verified column become `state.context`. The cache grows in place."""
     capture = FeatureCapture(target, state.layer_ids, state.device)
-    tree_paths = None if step.tree is None else [step.tree.paths(row) for row in range(len(state.active))]
-    with state.recurrent.recording(tree_paths) if state.recurrent is not None else nullcontext():
+    recording = nullcontext()
+    if state.recurrent is not None:  # a hybrid target: its mixers run along a tree's paths
+        tree_paths = None if step.tree is None else PathPlan.of(
+            [step.tree.paths(row) for row in range(len(state.active))], step.width, state.device)
+        recording = state.recurrent.recording(tree_paths)
+    with recording:
         logits, outputs = verify_forward(
             target, capture,
             input_ids=torch.cat((step.pending, proposal.tokens), dim=1),  # [n, b]

@@ -11,11 +11,10 @@ b. Keys and values per position can be cut back; a recurrent state cannot. So ar
    where its count ends. Rows that kept every column of a chain keep the verify's state.
 
 A tree verify (`recording(tree_paths=...)`) also needs each column's mixer output to depend on its ancestors only,
-which a recurrence over the columns in order does not give. A forward hook replaces each mixer's output: the mixer
-runs again from the states before the verify along every root-to-leaf path of the tree (one call, each path a row
-of its batch, the cache layer's states repeated for them) and each column takes its output from the first path
-through it. After acceptance the kept columns are the
-root and the accepted path, replayed as above.
+which a recurrence over the columns in order does not give. So the mixer runs along every root-to-leaf path of the
+tree instead: a forward pre-hook hands it the paths as the rows of one batch (the cache layer's states repeated for
+them), and a forward hook gives each column the output of the first path through it. After acceptance the kept
+columns are the root and the accepted path, replayed as above.
 
 Why inputs and not per-column states: a column's input is H numbers per layer, its state Hv * Dk * Dv (about 16,000
 times more at Qwen3.5-27B's shapes), and Transformers' chunked kernel yields only the final state. The price is the
@@ -45,6 +44,7 @@ class Mixer:
     layer_idx: int
     module: torch.nn.Module
     cache_argument: str  # the forward keyword that takes the cache (`cache`, or `cache_params` on older versions)
+    signature: inspect.Signature  # of its forward: a tree verify rebinds its arguments
 
 
 def cache_argument_of(module: torch.nn.Module) -> str | None:
@@ -66,7 +66,8 @@ def find_mixers(target: torch.nn.Module, layer_ids: list[int]) -> list[Mixer] | 
         if len(found) != 1:
             return (f"decoder layer {layer_idx} has {len(found)} modules that take the cache (one recurrent mixer "
                     "expected)")
-        mixers.append(Mixer(layer_idx, *found[0]))
+        module, argument = found[0]
+        mixers.append(Mixer(layer_idx, module, argument, inspect.signature(module.forward)))
     return mixers
 
 
@@ -87,9 +88,9 @@ class RecurrentStates:
         return tuple(state for state in states if state is not None)
 
     @contextmanager
-    def recording(self, tree_paths: list[list[list[int]]] | None = None) -> Iterator[None]:
+    def recording(self, tree_paths: PathPlan | None = None) -> Iterator[None]:
         """Around a verify forward: keep the states it starts from and the mixers' inputs it feeds them. `tree_paths`
-        (a tree verify): per row, the columns of each root-to-leaf path; each mixer's output then follows them."""
+        (a tree verify): each mixer runs along the tree's root-to-leaf paths instead of its columns."""
         self.before = {mixer.layer_idx: tuple(state.clone() for state in self.states(mixer.layer_idx))
                        for mixer in self.mixers}
         self.inputs, self.tree = {}, tree_paths is not None
@@ -98,10 +99,13 @@ class RecurrentStates:
         handles = [mixer.module.register_forward_pre_hook(self._recorder(mixer.layer_idx, thread), with_kwargs=True,
                                                           prepend=True) for mixer in self.mixers]
         if tree_paths is not None:
-            plans: dict[int, PathPlan] = {}  # by verify width: one plan for all the mixers
-            # first of the forward hooks: a user's forward hook sees the output along the paths
-            handles += [mixer.module.register_forward_hook(self._along_paths(mixer, tree_paths, plans, thread),
-                                                           with_kwargs=True, prepend=True) for mixer in self.mixers]
+            for mixer in self.mixers:
+                # the last pre-hook (after a user's) turns the columns into paths; the first forward hook turns the
+                # paths' outputs back into columns, which a user's forward hook then sees
+                handles.append(mixer.module.register_forward_pre_hook(self._into_paths(mixer, tree_paths, thread),
+                                                                      with_kwargs=True))
+                handles.append(mixer.module.register_forward_hook(self._from_paths(mixer, tree_paths, thread),
+                                                                  with_kwargs=True, prepend=True))
         try:
             yield
         finally:
@@ -114,30 +118,35 @@ class RecurrentStates:
                 self.inputs[layer_idx] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         return record
 
-    def _along_paths(self, mixer: Mixer, tree_paths: list[list[list[int]]], plans: dict[int, PathPlan],
-                     thread: int) -> Any:
-        def replace(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    def _into_paths(self, mixer: Mixer, plan: PathPlan, thread: int) -> Any:
+        def into_paths(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             if threading.get_ident() != thread:
                 return None
-            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [n, b, H]
-            num_rows, width, _ = hidden.shape
-            plan = plans.get(width) or plans.setdefault(width, PathPlan.of(tree_paths, width, hidden.device))
-            first = output[0] if isinstance(output, tuple) else output  # [n, b, H']
-            scratch = hidden.new_zeros(num_rows, 1, hidden.shape[2])  # column b: padding reads and writes
-            path_inputs = columns_of(torch.cat((hidden, scratch), dim=1)[plan.rows], plan.reads)  # [n * P, D, H]
-            layer = self.cache.layers[mixer.layer_idx]
-            self.put_back(mixer.layer_idx)
-            layer.reorder_cache(plan.rows)  # each path starts from its row's states
-            along = module.forward(hidden_states=path_inputs, attention_mask=None,
-                                   **{mixer.cache_argument: self.cache})
-            along = along[0] if isinstance(along, tuple) else along  # [n * P, D, H']
-            layer.reorder_cache(plan.first_paths)  # n rows again, then the states before the verify until `advance`
-            self.put_back(mixer.layer_idx)
-            result = torch.cat((first, first.new_zeros(num_rows, 1, first.shape[2])), dim=1)  # [n, b + 1, H']
+            call = mixer.signature.bind_partial(*args, **kwargs)
+            name = next(iter(mixer.signature.parameters))  # its first: the hidden states
+            hidden = call.arguments[name]  # [n, b, H]
+            num_rows, _, size = hidden.shape
+            scratch = hidden.new_zeros(num_rows, 1, size)  # column b: what padding reads
+            call.arguments[name] = columns_of(torch.cat((hidden, scratch), dim=1)[plan.rows], plan.reads)
+            if "attention_mask" in call.arguments:
+                call.arguments["attention_mask"] = None  # the verified columns are never padding
+            self.cache.layers[mixer.layer_idx].reorder_cache(plan.rows)  # each path starts from its row's states
+            return call.args, call.kwargs
+        return into_paths
+
+    def _from_paths(self, mixer: Mixer, plan: PathPlan, thread: int) -> Any:
+        def from_paths(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            if threading.get_ident() != thread:
+                return None
+            along = output[0] if isinstance(output, tuple) else output  # [n * P, D, H']
+            self.cache.layers[mixer.layer_idx].reorder_cache(plan.first_paths)  # n rows again
+            self.put_back(mixer.layer_idx)  # the states before the verify, until `advance`
+            num_rows = plan.first_paths.shape[0]
             along = along.reshape(num_rows, -1, along.shape[2])  # [n, P * D, H']: each row's paths side by side
-            result.scatter_(1, plan.writes.reshape(num_rows, -1)[..., None].expand(-1, -1, result.shape[2]), along)
-            return (result[:, :-1], *output[1:]) if isinstance(output, tuple) else result[:, :-1]
-        return replace
+            columns = along.new_zeros(num_rows, plan.width + 1, along.shape[2])  # [n, b + 1, H'] (b: padding's)
+            columns.scatter_(1, plan.writes.reshape(num_rows, -1)[..., None].expand(-1, -1, along.shape[2]), along)
+            return (columns[:, :-1], *output[1:]) if isinstance(output, tuple) else columns[:, :-1]
+        return from_paths
 
     def put_back(self, layer_idx: int) -> None:
         """The layer's states as they were before the last verify."""
@@ -210,6 +219,7 @@ class PathPlan:
     output (b where padding, or where an earlier path of the row already gave it); first_paths [n]: each row's first
     path."""
 
+    width: int  # b: the verify's columns
     rows: torch.Tensor
     reads: torch.Tensor
     writes: torch.Tensor
@@ -231,7 +241,7 @@ class PathPlan:
                 reads.append(path + padding)
                 writes.append([width if column in owned else column for column in path] + padding)
                 owned.update(path)
-        return PathPlan(*(host_to_device(value, device) for value in (rows, reads, writes)),
+        return PathPlan(width, *(host_to_device(value, device) for value in (rows, reads, writes)),
                         host_to_device(list(range(0, len(rows), num_paths)), device))
 
 
