@@ -286,6 +286,29 @@ def test_spec_generate_with_a_tree_on_the_multimodal_wrapper_equals_generate(hyb
 
 
 @needs_hybrid
+def test_a_users_hooks_on_a_mixer_see_the_trees_columns_and_shape_the_output():
+    """A pre-hook (before the loop's own, which turns columns into paths) and a forward hook (after the loop's, which
+    turns paths back into columns) change what the target computes: the tree's output is still the hooked target's."""
+    target = make_hybrid_target("qwen3_5", seed=4)
+    mixer = target.model.layers[0].linear_attn
+    shapes: list[tuple[int, ...]] = []
+    handles = [mixer.register_forward_pre_hook(lambda module, args, kwargs: (args, {
+        **kwargs, "hidden_states": kwargs["hidden_states"] * 1.5}), with_kwargs=True),
+        mixer.register_forward_hook(lambda module, args, output: shapes.append(tuple(output.shape[:2])) or output * 0.5)]
+    try:
+        prompt = random_prompt(5, 7)
+        expected = plain_greedy(target, prompt, 20)
+        shapes.clear()
+        result = speculative_decode(target, TreeReferenceProposer(expected, 3, 5), prompt, 20, 6, tree_size=7)
+        assert torch.equal(result.output_ids, expected)
+        assert (1, 8) in shapes and {rows for rows, _ in shapes} == {1}  # the tree's columns, never the paths
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert not torch.equal(plain_greedy(target, prompt, 20), expected)  # the hooks changed the target's output
+
+
+@needs_hybrid
 def test_sampled_trees_keep_the_hybrid_targets_distribution():
     target = make_hybrid_target("qwen3_5", seed=11, vocab_size=VOCAB, init_std=0.4)
     draft = make_draft(12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
