@@ -292,9 +292,15 @@ def test_a_users_hooks_on_a_mixer_see_the_trees_columns_and_shape_the_output():
     target = make_hybrid_target("qwen3_5", seed=4)
     mixer = target.model.layers[0].linear_attn
     shapes: list[tuple[int, ...]] = []
-    handles = [mixer.register_forward_pre_hook(lambda module, args, kwargs: (args, {
-        **kwargs, "hidden_states": kwargs["hidden_states"] * 1.5}), with_kwargs=True),
-        mixer.register_forward_hook(lambda module, args, output: shapes.append(tuple(output.shape[:2])) or output * 0.5)]
+
+    def scale_input(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, {**kwargs, "hidden_states": kwargs["hidden_states"] * 1.5}
+
+    def halve_output(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(output.shape[:2]))
+        return output * 0.5
+
+    handles = [mixer.register_forward_pre_hook(scale_input, with_kwargs=True), mixer.register_forward_hook(halve_output)]
     try:
         prompt = random_prompt(5, 7)
         expected = plain_greedy(target, prompt, 20)
