@@ -300,7 +300,8 @@ def test_a_users_hooks_on_a_mixer_see_the_trees_columns_and_shape_the_output():
         shapes.append(tuple(output.shape[:2]))
         return output * 0.5
 
-    handles = [mixer.register_forward_pre_hook(scale_input, with_kwargs=True), mixer.register_forward_hook(halve_output)]
+    handles = [mixer.register_forward_pre_hook(scale_input, with_kwargs=True),
+               mixer.register_forward_hook(halve_output)]
     try:
         prompt = random_prompt(5, 7)
         expected = plain_greedy(target, prompt, 20)
