@@ -19,7 +19,7 @@ from helpers import (
     plain_greedy,
     random_prompt,
 )
-from test_sampling import NUM_NEW, NUM_SAMPLES, VOCAB, exact_joint
+from test_sampling import NUM_NEW, NUM_SAMPLES, VOCAB, exact_joint, sampled_counts
 
 from dflash_hf import speculative_decode
 from dflash_hf.cache_dflash import (
@@ -226,17 +226,9 @@ def test_sampling_keeps_the_hybrid_targets_distribution():
     target = make_hybrid_target("qwen3_5", seed=11, vocab_size=VOCAB, init_std=0.4)
     draft = make_draft(12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
     input_ids = torch.tensor([[1, 4, 2, 5]])
-    generator = torch.Generator().manual_seed(1234)
-    counts: dict[tuple[int, ...], int] = {}
-    accepted = 0
-    with torch.no_grad():
-        for _ in range(NUM_SAMPLES):
-            proposer = DFlashProposer(draft, target, VOCAB - 1, sample_proposals=True)
-            result = speculative_decode(target, proposer, input_ids, max_new_tokens=NUM_NEW, block_size=4,
-                                        temperature=1.0, generator=generator)
-            cell = tuple(result.new_token_ids[0].tolist())
-            counts[cell] = counts.get(cell, 0) + 1
-            accepted += sum(length - 1 for length in result.acceptance_lengths[0])
+    counts, accepted = sampled_counts(target, lambda: DFlashProposer(draft, target, VOCAB - 1, sample_proposals=True),
+                                      input_ids, max_new_tokens=NUM_NEW, block_size=4, temperature=1.0,
+                                      generator=torch.Generator().manual_seed(1234))
     assert accepted > NUM_SAMPLES // 10  # proposals were accepted and rejected: the rollback ran
     assert chi_square_p_value(counts, exact_joint(target, input_ids, 1.0, None, None), NUM_SAMPLES) > 1e-3
     # power: the same counts reject a nearby wrong distribution
@@ -320,17 +312,9 @@ def test_sampled_trees_keep_the_hybrid_targets_distribution():
     target = make_hybrid_target("qwen3_5", seed=11, vocab_size=VOCAB, init_std=0.4)
     draft = make_draft(12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
     input_ids = torch.tensor([[1, 4, 2, 5]])
-    generator = torch.Generator().manual_seed(99)
-    counts: dict[tuple[int, ...], int] = {}
-    accepted = 0
-    with torch.no_grad():
-        for _ in range(NUM_SAMPLES):
-            proposer = DFlashProposer(draft, target, VOCAB - 1, sample_proposals=True)
-            result = speculative_decode(target, proposer, input_ids, max_new_tokens=NUM_NEW, block_size=4,
-                                        temperature=1.0, generator=generator, tree_size=5, cpu_kernels=False)
-            cell = tuple(result.new_token_ids[0].tolist())
-            counts[cell] = counts.get(cell, 0) + 1
-            accepted += sum(length - 1 for length in result.acceptance_lengths[0])
+    counts, accepted = sampled_counts(target, lambda: DFlashProposer(draft, target, VOCAB - 1, sample_proposals=True),
+                                      input_ids, max_new_tokens=NUM_NEW, block_size=4, temperature=1.0,
+                                      generator=torch.Generator().manual_seed(99), tree_size=5, cpu_kernels=False)
     assert accepted > NUM_SAMPLES // 5  # drafted tokens were accepted and refused: paths and rollbacks ran
     assert chi_square_p_value(counts, exact_joint(target, input_ids, 1.0, None, None), NUM_SAMPLES) > 1e-3
     assert chi_square_p_value(counts, exact_joint(target, input_ids, 1.5, None, None), NUM_SAMPLES) < 1e-3

@@ -46,6 +46,20 @@ def warpers(temperature, top_k, top_p) -> LogitsProcessorList:
 
 
 @torch.no_grad()
+def sampled_counts(target, make_proposer, input_ids, **decode_arguments) -> tuple[dict[tuple[int, ...], int], int]:
+    """NUM_SAMPLES decodes of `input_ids` [1, T] by `speculative_decode`, each with a fresh `make_proposer()`: how
+    often each continuation came out, and the drafted tokens accepted in all of them."""
+    counts: dict[tuple[int, ...], int] = {}
+    accepted = 0
+    for _ in range(NUM_SAMPLES):
+        result = speculative_decode(target, make_proposer(), input_ids, **decode_arguments)
+        cell = tuple(result.new_token_ids[0].tolist())
+        counts[cell] = counts.get(cell, 0) + 1
+        accepted += sum(length - 1 for length in result.acceptance_lengths[0])
+    return counts, accepted
+
+
+@torch.no_grad()
 def exact_joint(target, input_ids, temperature, top_k, top_p) -> dict[tuple[int, ...], float]:
     """P(x1, x2, x3) under plain sampling from the target with Transformers' own warpers."""
     process = warpers(temperature, top_k, top_p)
@@ -80,18 +94,11 @@ def setup():
 def test_sampled_sequences_follow_the_target_distribution(setup, proposer_kind, temperature, top_k, top_p):
     target, input_ids = setup
     draft = make_draft(12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
-    generator = torch.Generator().manual_seed(1234)
-    counts: dict[tuple[int, ...], int] = {}
-    accepted_drafts = 0
-    with torch.no_grad():
-        for _ in range(NUM_SAMPLES):
-            proposer = TargetGreedyProposer(target) if proposer_kind == "target_greedy" else \
-                DFlashProposer(draft, target, VOCAB - 1, sample_proposals=proposer_kind == "dflash")
-            result = speculative_decode(target, proposer, input_ids, max_new_tokens=NUM_NEW, block_size=4,
-                                        temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-            cell = tuple(result.new_token_ids[0].tolist())
-            counts[cell] = counts.get(cell, 0) + 1
-            accepted_drafts += sum(a - 1 for a in result.acceptance_lengths[0])
+    counts, accepted_drafts = sampled_counts(
+        target, lambda: TargetGreedyProposer(target) if proposer_kind == "target_greedy" else
+        DFlashProposer(draft, target, VOCAB - 1, sample_proposals=proposer_kind == "dflash"), input_ids,
+        max_new_tokens=NUM_NEW, block_size=4, temperature=temperature, top_k=top_k, top_p=top_p,
+        generator=torch.Generator().manual_seed(1234))
     assert accepted_drafts > NUM_SAMPLES // 10  # proposals were accepted: the acceptance path was tested
     expected = exact_joint(target, input_ids, temperature, top_k, top_p)
     p_value = chi_square_p_value(counts, expected, NUM_SAMPLES)

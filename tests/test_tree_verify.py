@@ -14,7 +14,7 @@ from helpers import (
     plain_greedy,
     random_prompt,
 )
-from test_sampling import NUM_NEW, NUM_SAMPLES, VOCAB, exact_joint
+from test_sampling import NUM_NEW, NUM_SAMPLES, VOCAB, exact_joint, sampled_counts
 
 from dflash_hf import speculative_decode
 from dflash_hf.cache_dflash import left_pad
@@ -185,18 +185,10 @@ def test_sampled_trees_keep_the_target_distribution(small_vocabulary, tree_size,
                                                     sampled_candidates):
     """Candidates drawn from q (rejection) or the draft's most probable ones (equality: sample_proposals False)."""
     target, draft, input_ids = small_vocabulary
-    generator = torch.Generator().manual_seed(4321)
-    counts: dict[tuple[int, ...], int] = {}
-    accepted = 0
-    with torch.no_grad():
-        for _ in range(NUM_SAMPLES):
-            proposer = DFlashProposer(draft, target, VOCAB - 1, sample_proposals=sampled_candidates)
-            result = speculative_decode(target, proposer, input_ids,
-                                        max_new_tokens=NUM_NEW, block_size=4, temperature=temperature, top_k=top_k,
-                                        generator=generator, tree_size=tree_size, cpu_kernels=False)
-            cell = tuple(result.new_token_ids[0].tolist())
-            counts[cell] = counts.get(cell, 0) + 1
-            accepted += sum(length - 1 for length in result.acceptance_lengths[0])
+    counts, accepted = sampled_counts(
+        target, lambda: DFlashProposer(draft, target, VOCAB - 1, sample_proposals=sampled_candidates), input_ids,
+        max_new_tokens=NUM_NEW, block_size=4, temperature=temperature, top_k=top_k,
+        generator=torch.Generator().manual_seed(4321), tree_size=tree_size, cpu_kernels=False)
     assert accepted > NUM_SAMPLES // 5  # drafted tokens were accepted, and some refused: both paths ran
     assert chi_square_p_value(counts, exact_joint(target, input_ids, temperature, top_k, None), NUM_SAMPLES) > 1e-3
     # power: the same counts reject a nearby wrong distribution
@@ -251,17 +243,9 @@ def test_dflash2_tree_candidates_are_the_selectors_transitions(target):
 def test_dflash2_sampled_trees_keep_the_target_distribution(small_vocabulary):
     target, _, input_ids = small_vocabulary
     draft = make_variant_draft("dflash2", seed=12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
-    generator = torch.Generator().manual_seed(77)
-    counts: dict[tuple[int, ...], int] = {}
-    accepted = 0
-    with torch.no_grad():
-        for _ in range(NUM_SAMPLES):
-            result = speculative_decode(target, DFlashProposer(draft, target, VOCAB - 1), input_ids,
-                                        max_new_tokens=NUM_NEW, block_size=4, temperature=1.0, generator=generator,
-                                        tree_size=5, cpu_kernels=False)
-            cell = tuple(result.new_token_ids[0].tolist())
-            counts[cell] = counts.get(cell, 0) + 1
-            accepted += sum(length - 1 for length in result.acceptance_lengths[0])
+    counts, accepted = sampled_counts(target, lambda: DFlashProposer(draft, target, VOCAB - 1), input_ids,
+                                      max_new_tokens=NUM_NEW, block_size=4, temperature=1.0,
+                                      generator=torch.Generator().manual_seed(77), tree_size=5, cpu_kernels=False)
     assert accepted > NUM_SAMPLES // 5
     assert chi_square_p_value(counts, exact_joint(target, input_ids, 1.0, None, None), NUM_SAMPLES) > 1e-3
     assert chi_square_p_value(counts, exact_joint(target, input_ids, 1.5, None, None), NUM_SAMPLES) < 1e-3
