@@ -222,13 +222,15 @@ def test_a_discarded_verify_leaves_the_states_as_they_were(hybrid_targets):
 
 
 @needs_hybrid
-def test_sampling_keeps_the_hybrid_targets_distribution():
+@pytest.mark.parametrize("tree_size", [None, 5])
+def test_sampling_keeps_the_hybrid_targets_distribution(tree_size):
+    """A chain, and a tree (its mixers along the tree's paths, the states along the accepted one)."""
     target = make_hybrid_target("qwen3_5", seed=11, vocab_size=VOCAB, init_std=0.4)
     draft = make_draft(12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
     input_ids = torch.tensor([[1, 4, 2, 5]])
     counts, accepted = sampled_counts(target, lambda: DFlashProposer(draft, target, VOCAB - 1, sample_proposals=True),
                                       input_ids, max_new_tokens=NUM_NEW, block_size=4, temperature=1.0,
-                                      generator=torch.Generator().manual_seed(1234))
+                                      generator=torch.Generator().manual_seed(1234), tree_size=tree_size)
     assert accepted > NUM_SAMPLES // 10  # proposals were accepted and rejected: the rollback ran
     assert chi_square_p_value(counts, exact_joint(target, input_ids, 1.0, None, None), NUM_SAMPLES) > 1e-3
     # power: the same counts reject a nearby wrong distribution
@@ -251,20 +253,6 @@ def test_greedy_trees_equal_generate_through_the_rollback(hybrid_targets, family
                                     tree_size=tree_size)
         assert torch.equal(result.output_ids, expected), (seed, length, block_size, tree_size)
         assert len(set(result.acceptance_lengths[0])) > 1
-
-
-@needs_hybrid
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
-def test_a_left_padded_batch_of_trees_on_a_hybrid_target(hybrid_targets, family):
-    target = hybrid(hybrid_targets, family)
-    prompts = [random_prompt(seed, length)[0].tolist() for seed, length in ((1, 5), (2, 17), (3, 11))]
-    references = [plain_greedy(target, torch.tensor([prompt]), 24) for prompt in prompts]
-    input_ids, attention_mask = left_pad(prompts, 0)
-    result = speculative_decode(target, TreeReferenceProposer(references, 3, 4), input_ids, 24, 6,
-                                attention_mask=attention_mask, tree_size=10)
-    for row, (prompt, reference) in enumerate(zip(prompts, references)):
-        assert result.new_tokens(row) == reference[0, len(prompt):].tolist(), row
-    assert len({tuple(lengths[:3]) for lengths in result.acceptance_lengths}) > 1  # rows kept different paths
 
 
 @needs_hybrid
@@ -305,19 +293,6 @@ def test_a_users_hooks_on_a_mixer_see_the_trees_columns_and_shape_the_output():
         for handle in handles:
             handle.remove()
     assert not torch.equal(plain_greedy(target, prompt, 20), expected)  # the hooks changed the target's output
-
-
-@needs_hybrid
-def test_sampled_trees_keep_the_hybrid_targets_distribution():
-    target = make_hybrid_target("qwen3_5", seed=11, vocab_size=VOCAB, init_std=0.4)
-    draft = make_draft(12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
-    input_ids = torch.tensor([[1, 4, 2, 5]])
-    counts, accepted = sampled_counts(target, lambda: DFlashProposer(draft, target, VOCAB - 1, sample_proposals=True),
-                                      input_ids, max_new_tokens=NUM_NEW, block_size=4, temperature=1.0,
-                                      generator=torch.Generator().manual_seed(99), tree_size=5, cpu_kernels=False)
-    assert accepted > NUM_SAMPLES // 5  # drafted tokens were accepted and refused: paths and rollbacks ran
-    assert chi_square_p_value(counts, exact_joint(target, input_ids, 1.0, None, None), NUM_SAMPLES) > 1e-3
-    assert chi_square_p_value(counts, exact_joint(target, input_ids, 1.5, None, None), NUM_SAMPLES) < 1e-3
 
 
 # --- Refusals --------------------------------------------------------------------------------------------------------

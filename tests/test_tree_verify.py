@@ -9,6 +9,7 @@ from helpers import (
     TreeReferenceProposer,
     chi_square_p_value,
     make_draft,
+    make_hybrid_target,
     make_target,
     make_variant_draft,
     plain_greedy,
@@ -129,7 +130,13 @@ def test_greedy_tree_equals_generate_and_accepts_more_than_the_chain(target, see
         assert tree.tau > chain.tau, (tree.tau, chain.tau)  # the tree accepted tokens the argmax chain missed
 
 
-def test_a_left_padded_batch_of_trees(target):
+@pytest.mark.parametrize("hybrid_family", [None, "qwen3_5", "qwen3_next"])
+def test_a_left_padded_batch_of_trees(target, hybrid_family):
+    """Also on hybrid targets, whose recurrent mixers run along each row's paths (tests/test_hybrid_targets.py)."""
+    if hybrid_family is not None:
+        if not hasattr(__import__("transformers"), "Qwen3_5ForCausalLM"):
+            pytest.skip("hybrid targets run on Transformers 5.x only")
+        target = make_hybrid_target(hybrid_family, seed=0)
     prompts = [random_prompt(seed, length)[0].tolist() for seed, length in ((1, 5), (2, 17), (3, 11))]
     references = [plain_greedy(target, torch.tensor([prompt]), 30) for prompt in prompts]
     input_ids, attention_mask = left_pad(prompts, 0)
