@@ -480,20 +480,21 @@ def keep_context(state: DecodeState, step: StepPlan, accepted_counts: list[int],
     recurrent states advance over exactly those columns), and as new features. `tree_paths`: a tree's accepted
     columns per row (root excluded; default: a chain's, each row's first accepted + 1 columns)."""
     if tree_paths is None:
-        kept_columns = [list(range(count + 1)) for count in accepted_counts]
         accepted = host_to_device(accepted_counts, state.device)
         kept = torch.arange(max(accepted_counts) + 1, device=state.device)[None, :] <= accepted[:, None]  # [n, w]
     else:
-        kept_columns = [[0] + path for path in tree_paths]
         kept_rows = torch.zeros(len(tree_paths), step.width, dtype=torch.bool)
-        for row, columns in enumerate(kept_columns):
-            kept_rows[row, columns] = True
-        kept = kept_rows[:, : max(max(columns) for columns in kept_columns) + 1].to(state.device)  # [n, w]
+        kept_rows[:, 0] = True
+        for row, path in enumerate(tree_paths):
+            kept_rows[row, path] = True
+        kept = kept_rows[:, : max((max(path, default=0) for path in tree_paths), default=0) + 1]
+        kept = kept.to(state.device)  # [n, w]
     kept_width = kept.shape[1]
     state.columns.append(kept, [count + 1 for count in accepted_counts])
     crop_cache(state.cache, state.columns.width)
     if state.recurrent is not None:
-        state.recurrent.advance(kept_columns)
+        state.recurrent.advance([list(range(count + 1)) for count in accepted_counts] if tree_paths is None
+                                else [[0] + path for path in tree_paths])
     if state.context is None:
         return  # no proposer reads features, or this was the last step
     holes = kept_width * len(accepted_counts) != sum(accepted_counts) + len(accepted_counts)

@@ -364,10 +364,16 @@ class DFlashCandidateSelector(nn.Module):
         `choose(scores [N, K], candidate_ids [N, K])` returns the index [N] of each row's choice among its K
         candidates at one position (greedy: the argmax); the first predecessor is the anchor token [N].
         """
-        candidates, scores = self.transitions(logits, hidden_states, anchor_tokens)  # [N, P, K], [N, P, K, K]
-        previous = torch.zeros_like(anchor_tokens)  # [N]: the index of the predecessor (position 0: any row)
+        return self.path(*self.transitions(logits, hidden_states, anchor_tokens), choose)
+
+    @staticmethod
+    def path(candidates: torch.Tensor, scores: torch.Tensor,
+             choose: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Chosen tokens [N, P] along candidates [N, P, K] and their `transitions` scores [N, P, K, K], each position
+        chosen by `choose` (see `walk`) among the scores after the previous choice."""
+        previous = torch.zeros(candidates.shape[0], dtype=torch.long, device=candidates.device)  # position 0: any row
         chosen = []
-        for position in range(logits.shape[1]):
+        for position in range(candidates.shape[1]):
             row_scores = scores[:, position].gather(1, previous[:, None, None].expand(-1, 1, scores.shape[3]))
             previous = choose(row_scores[:, 0], candidates[:, position])  # [N]
             chosen.append(candidates[:, position].gather(1, previous[:, None]).squeeze(1))

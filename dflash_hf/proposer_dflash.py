@@ -33,6 +33,11 @@ class CandidateSelector(Protocol):
         """Candidates [N, P, K] and the scores of each after each [N, P, K, K] (see `transitions` there)."""
         ...
 
+    def path(self, candidates: torch.Tensor, scores: torch.Tensor,
+             choose: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Chosen tokens [N, P] along `transitions`' candidates and scores (see `path` there)."""
+        ...
+
 
 class DFlashDraft(Protocol):
     """What the loop needs of a DFlash draft (`modeling_dflash.DFlashDraftModel` is one)."""
@@ -342,7 +347,7 @@ def selector_candidates(selector: CandidateSelector, logits: torch.Tensor, hidde
     greedy path as the proposal. Chosen, not drawn: a node tries its children in that order, each with a one-hot q."""
     candidates, scores = selector.transitions(logits, hidden_states, anchor_tokens)  # [N, P, K], [N, P, K, K]
     transitions = (scores / (step.temperature if step.temperature > 0.0 else 1.0)).softmax(dim=-1)
-    tokens = selector.walk(logits, hidden_states, anchor_tokens, lambda scores, candidates: scores.argmax(dim=-1))
+    tokens = selector.path(candidates, scores, lambda row_scores, row_candidates: row_scores.argmax(dim=-1))
     return Proposal(tokens, candidate_tokens=candidates, candidate_probabilities=transitions[:, :, 0],
                     candidate_transitions=transitions)
 

@@ -167,14 +167,14 @@ class RecurrentStates:
         if missing:
             raise RuntimeError(f"The verify did not run the recurrent mixers of layers {missing} (a patched "
                                "forward?): their states cannot be rolled back. See README, \"Hybrid targets\".")
-        width = next(iter(self.inputs.values())).shape[1]
+        verified = next(iter(self.inputs.values()))  # [n, b, H]
         kept_counts = [len(columns) for columns in kept_columns]
-        complete = None if self.tree else width  # rows keeping that many columns keep the verify's states
+        complete = None if self.tree else verified.shape[1]  # rows keeping that many columns keep the verify's states
         prefixes = all(columns == list(range(len(columns))) for columns in kept_columns)
         if any(count != complete for count in kept_counts):
             index = None if prefixes else host_to_device(
                 [columns + [0] * (max(kept_counts) - len(columns)) for columns in kept_columns],
-                next(iter(self.inputs.values())).device)  # [n, c]
+                verified.device)  # [n, c]
             for mixer in self.mixers:
                 inputs = self.inputs[mixer.layer_idx]  # [n, b, H]
                 inputs = inputs if index is None else columns_of(inputs, index)

@@ -200,7 +200,7 @@ def run_synthetic_bench(spec: SyntheticSpec, device: torch.device, dtype: torch.
         for block_size in block_sizes:
             block = resolve_block_size(block_size, draft.block_size)
             timings = time_step_stages(draft, target, context.to(device), block, draft.mask_token_id, [block],
-                                       repeats, batch_size, tuple(tree_sizes) if block > 1 else ())
+                                       repeats, batch_size, tree_sizes if block > 1 else ())
             verifies = {None: timings["verify"][block], **timings["tree_verify"]}  # None: the chain
             for tree_size, verify_seconds in verifies.items():
                 costs = {"target_1": timings["target_1"], "target_block": verify_seconds, "draft": timings["draft"]}
@@ -223,7 +223,7 @@ def synthetic_table(result: dict[str, Any]) -> str:
              "ms per drafted token | projected |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in result["rows"]:
-        lines.append(f"| {row['batch_size']} | {row['block_size']} | {row.get('tree_size') or 'chain'} | "
+        lines.append(f"| {row['batch_size']} | {row['block_size']} | {row['tree_size'] or 'chain'} | "
                      f"{row['target_1'] * 1e3:.2f} | {row['target_block'] * 1e3:.2f} | {row['draft'] * 1e3:.2f} | "
                      f"{row['verify_over_one_token']:.2f} | {row['seconds_per_drafted_token'] * 1e3:.2f} | "
                      f"{_times(row['projected_speedup'])} |")
