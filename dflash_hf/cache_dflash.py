@@ -16,10 +16,11 @@ Hub remote code: imports only torch and transformers.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Sequence
 
 import torch
+
+from .versions_dflash import TRANSFORMERS_VERSION, is_linear_attention_layer, refuses_crop
 
 # A cache is compacted when its width exceeds the longest row's real positions by more than this.
 CACHE_HOLE_BUDGET = 32
@@ -114,20 +115,6 @@ class CacheColumns:
 # --- The target's KV cache: a Transformers DynamicCache ---------------------------------------------------------
 
 
-def cache_keyword(target: torch.nn.Module) -> str:
-    """The forward argument that takes the KV cache: `cache` on Transformers 5.x, `past_key_values` on 4.x."""
-    decoder = target.get_decoder() if hasattr(target, "get_decoder") else target
-    forwards = (target.forward, decoder.forward)  # a subclass may take **kwargs; its decoder names the argument
-    return "cache" if any("cache" in inspect.signature(forward).parameters
-                          for forward in forwards) else "past_key_values"
-
-
-def returned_cache(outputs: Any) -> Any:
-    """The KV cache of a forward's outputs (`cache` on 5.x, `past_key_values` on 4.x)."""
-    cache = getattr(outputs, "cache", None)
-    return outputs.past_key_values if cache is None else cache
-
-
 # Words in a layer type (`layer_types`, `layers_block_type`) that mark a layer whose cache is a recurrent state
 # (linear attention, gated delta rule, state space, short convolution) rather than keys and values per position.
 RECURRENT_LAYER_WORDS = ("linear", "mamba", "ssm", "conv", "recurrent", "rwkv", "delta", "lstm", "hybrid", "retention")
@@ -156,7 +143,7 @@ def recurrent_layers(config: Any) -> dict[str, list[int]]:
     return {RECURRENT_MODEL_TYPES[model_type]: []} if model_type in RECURRENT_MODEL_TYPES else {}
 
 
-def _config_cache(config: Any) -> Any:
+def config_cache(config: Any) -> Any:
     """The DynamicCache a model builds from its config (Transformers picks each layer's class), or None."""
     from transformers import DynamicCache
 
@@ -169,7 +156,7 @@ def _config_cache(config: Any) -> Any:
 def has_windowed_layers(config: Any) -> bool:
     """Whether the target's cache (from its decoder config) has sliding-window layers, which count their window in
     cache columns."""
-    return any(_is_windowed(layer) for layer in getattr(_config_cache(config), "layers", None) or ())
+    return any(_is_windowed(layer) for layer in getattr(config_cache(config), "layers", None) or ())
 
 
 def _is_windowed(layer: Any) -> bool:
@@ -198,16 +185,9 @@ RECURRENT_REFUSALS = {
 }
 
 
-try:
-    from transformers.cache_utils import LinearAttentionCacheLayerMixin
-except ImportError:  # Transformers 4.x: recurrent states live in model-specific caches
-    LinearAttentionCacheLayerMixin = None
-
-
 def is_recurrent_layer(layer: Any) -> bool:
     """A cache layer that holds a linear-attention (recurrent and convolution) state and no keys or values."""
-    return (LinearAttentionCacheLayerMixin is not None and isinstance(layer, LinearAttentionCacheLayerMixin)
-            and not hasattr(layer, "keys"))
+    return is_linear_attention_layer(layer) and not hasattr(layer, "keys")
 
 
 def recurrent_cache_layers(cache: Any) -> list[int]:
@@ -217,12 +197,10 @@ def recurrent_cache_layers(cache: Any) -> list[int]:
 
 def recurrent_refusal(config: Any, cache: Any) -> str | None:
     """Why a target with recurrent layers cannot run (None: it has none, or they can be rolled back)."""
-    import transformers
-
     recurrent = recurrent_layers(config)
     uncroppable = sorted({type(layer).__name__ for layer in getattr(cache, "layers", ())
                           if not _is_windowed(layer) and not is_recurrent_layer(layer)
-                          and getattr(layer, "is_croppable", True) is False})
+                          and refuses_crop(layer)})
     if not recurrent and not uncroppable:
         return None
     model_type = str(getattr(config, "model_type", "")).removesuffix("_text")
@@ -237,7 +215,7 @@ def recurrent_refusal(config: Any, cache: Any) -> str | None:
     if model_type in RECURRENT_REFUSALS:
         return f"its layers of type {named} keep a recurrent state, and {RECURRENT_REFUSALS[model_type]}"
     if model_type in ROLLBACK_MODEL_TYPES:
-        return (f"its layers of type {named} keep a recurrent state, which Transformers {transformers.__version__} "
+        return (f"its layers of type {named} keep a recurrent state, which Transformers {TRANSFORMERS_VERSION} "
                 f"holds in a model-specific cache that dflash-hf cannot roll back; install {HYBRID_TRANSFORMERS}")
     return (f"its layers of type {named} keep a recurrent state that dflash-hf does not roll back for "
             f"{model_type or 'this architecture'} (hybrid targets run for {', '.join(ROLLBACK_MODEL_TYPES)})")
@@ -247,10 +225,10 @@ def check_croppable_target(target: torch.nn.Module, config: Any, cache: Any = No
     """Raise a ValueError, before any forward, when the target's cache cannot be cut back to a prefix.
 
     `config`: the target's decoder config. Recurrent layers are found by their layer type (Transformers 4.57 and 5.x)
-    and, where Transformers says so (5.x `is_croppable`), by the cache layer class it would use (`cache`: the one
-    `_config_cache` built, if at hand). Those of `ROLLBACK_MODEL_TYPES` pass where they can be rolled back.
+    and, where Transformers says so (`versions_dflash.refuses_crop`), by the cache layer class it would use (`cache`:
+    the one `config_cache` built, if at hand). Those of `ROLLBACK_MODEL_TYPES` pass where they can be rolled back.
     """
-    cache = _config_cache(config) if cache is None else cache
+    cache = config_cache(config) if cache is None else cache
     refusal = recurrent_refusal(config, cache)
     if refusal is not None:
         raise ValueError(
@@ -269,7 +247,7 @@ def full_history_cache(target: torch.nn.Module, config: Any) -> Any:
     """
     from transformers.cache_utils import DynamicLayer
 
-    cache = _config_cache(config)
+    cache = config_cache(config)
     check_croppable_target(target, config, cache)
     layers = getattr(cache, "layers", None)
     if not layers or not any(_is_windowed(layer) for layer in layers):
@@ -284,7 +262,7 @@ def check_cache(cache: Any, target: torch.nn.Module, num_rows: int) -> None:
         raise ValueError(f"Target {type(target).__name__} returned no croppable KV cache; "
                          "DFlash needs a DynamicCache.")
     layers = [type(layer).__name__ for layer in getattr(cache, "layers", ()) if _is_windowed(layer)
-              or (getattr(layer, "is_croppable", True) is False and not is_recurrent_layer(layer))]
+              or (refuses_crop(layer) and not is_recurrent_layer(layer))]
     if layers:
         raise ValueError(f"Target {type(target).__name__} returned a cache with {', '.join(sorted(set(layers)))} "
                          "layers, which cannot be cut back to the accepted prefix.")
@@ -306,8 +284,10 @@ def crop_cache(cache: Any, length: int) -> None:
             cache.crop(-excess)  # a negative count removes that many positions on 4.57 and 5.x alike
         return
     for layer in cache.layers:  # a hybrid cache: recurrent layers are rolled back by `recurrent_dflash`, not cropped
-        excess = layer.get_seq_length() - length if hasattr(layer, "get_seq_length") else 0
-        if not is_recurrent_layer(layer) and excess > 0:
+        if is_recurrent_layer(layer) or not hasattr(layer, "get_seq_length"):
+            continue
+        excess = layer.get_seq_length() - length
+        if excess > 0:
             layer.crop(-excess)
 
 

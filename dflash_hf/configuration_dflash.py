@@ -16,6 +16,7 @@ DFLASH_HF_VERSION = "0.2.0"  # the package version; exported folders record it (
 REMOTE_CODE_FILES = (
     "configuration_dflash.py",
     "modeling_dflash.py",
+    "versions_dflash.py",
     "cache_dflash.py",
     "sampling_dflash.py",
     "devices_dflash.py",

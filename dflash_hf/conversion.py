@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 
 from .configuration_dflash import (
     NATIVE_DEFAULTS,
@@ -25,19 +24,9 @@ from .configuration_dflash import (
     read_rope_parameters,
 )
 from .modeling_dflash import NATIVE_PREFIXES, DFlashDraftModel, check_draft_source
+from .versions_dflash import native_draft_classes
 
 CONVERSION_TARGETS = ("transformers", "dflash")
-
-
-def native_classes() -> tuple[type, type]:
-    """(MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel), or a ValueError saying this Transformers lacks them."""
-    try:
-        from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
-    except ImportError:
-        raise ValueError(f"The installed Transformers {transformers.__version__} has no native DFlash draft class "
-                         "(MuseGlimmerAssistantModel, Transformers >= 5.24); upgrade Transformers to convert to it. "
-                         "Native folders still load here with DFlashDraftModel.from_pretrained.") from None
-    return MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 
 
 def inexpressible_in_native(config: DFlashConfig) -> list[str]:
@@ -88,7 +77,7 @@ def renamed(name: str, prefixes: dict[str, str]) -> str:
 def to_native(draft: DFlashDraftModel) -> torch.nn.Module:
     """The same draft as a `MuseGlimmerAssistantModel` (same weights and dtype), or a ValueError naming what the
     native class cannot express."""
-    config_class, model_class = native_classes()
+    config_class, model_class = native_draft_classes()
     problems = inexpressible_in_native(draft.config)
     if problems:
         raise ValueError("This draft cannot be expressed as Transformers' native DFlash draft: " + "; ".join(problems))
@@ -121,7 +110,7 @@ def convert(source: str | Path, destination: str | Path, to: str, vocab_size: in
         raise ValueError(f"{destination} is an existing file; pass a folder to write the draft into.")
     check_draft_source(source)  # a missing or empty local folder first, whatever the direction
     if to == "transformers":
-        native_classes()  # refuse before loading anything
+        native_draft_classes()  # refuse before loading anything
     draft = DFlashDraftModel.from_pretrained(source, dtype="auto")
     if draft.config.dflash_config.get("vocab_size_unknown"):
         if vocab_size is None:

@@ -98,7 +98,8 @@ def time_step_stages(
             if recurrent is None:
                 return lambda: session.verify(step, shortened)
             half = list(range(max(1, width // 2)))
-            return lambda: (session.verify(step, shortened), recurrent.advance([half] * batch_size))
+            columns = session.state.columns.width
+            return lambda: (session.verify(step, shortened), recurrent.advance([half] * batch_size, columns))
 
         def tree_verify_pass(tree_size: int) -> Callable[[], Any]:
             tree_step, tree_proposal = session.plant_tree(block, session.propose(block, tree_size), tree_size)
@@ -107,7 +108,8 @@ def time_step_stages(
                 session.verify_tree(tree_step, tree_proposal)
                 if recurrent is not None:
                     paths = [tree_step.tree.paths(row)[0] for row in range(batch_size)]
-                    recurrent.advance([path[: max(1, len(path) // 2)] for path in paths])
+                    recurrent.advance([path[: max(1, len(path) // 2)] for path in paths],
+                                      session.state.columns.width)
             return run
 
         def seconds(run: Callable[[], Any]) -> float:

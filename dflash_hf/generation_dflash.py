@@ -23,20 +23,19 @@ import torch
 
 from .cache_dflash import (
     CacheColumns,
-    cache_keyword,
     check_cache,
+    config_cache,
     crop_cache,
     full_history_cache,
     host_to_device,
     left_padded_positions,
     reorder_cache_columns,
-    returned_cache,
     select_cache_rows,
 )
 from .devices_dflash import target_device, target_text_config
 from .kernels_dflash import cpu_kernels, grouped_query_attention
 from .proposer_dflash import DFlashDraft, DFlashProposer, DraftStep, Proposal, Proposer
-from .recurrent_dflash import PathPlan, RecurrentStates, recurrent_states
+from .recurrent_dflash import PathPlan, RecurrentStates, recurrent_states, rollback_mixers
 from .sampling_dflash import (
     commit_block,
     draw_uniforms,
@@ -55,6 +54,7 @@ from .tree_dflash import (
     walk_greedy,
     walk_sampled,
 )
+from .versions_dflash import cache_keyword, returned_cache
 
 
 @dataclass
@@ -196,7 +196,9 @@ def pick_block(logits: torch.Tensor, rows: list[int], settings: DecodingSettings
 def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
             layer_ids: list[int] | None, settings: DecodingSettings) -> DecodeState:
     """Run the target over the prompts [N, T]: its cache, the first token of every row, the features of the prompts."""
-    cache = full_history_cache(target, target_text_config(target))  # None: the target's own cache can be cropped
+    config = target_text_config(target)
+    rollback_mixers(target, config_cache(config))  # refuses, before any forward, a target it could not roll back
+    cache = full_history_cache(target, config)  # None: the target's own cache can be cropped
     cache_argument = cache_keyword(target)
     device = target_device(target)
     input_ids = input_ids.to(device)
@@ -208,7 +210,7 @@ def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
         streamer.put(torch.tensor([prompt]))
     synchronize(device)
     started = time.perf_counter()
-    positions = {"attention_mask": valid.long(), "position_ids": left_padded_positions(valid)} if padded else {}
+    positions = {"position_ids": left_padded_positions(valid), **({"attention_mask": valid.long()} if padded else {})}
     with FeatureCapture(target, layer_ids, device) as capture:
         outputs = target(input_ids=input_ids, use_cache=True, **positions, **last_logits_only(target),
                          **capture.forward_arguments(), **({} if cache is None else {cache_argument: cache}))
@@ -335,12 +337,14 @@ def verify(target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal
     """One target pass over [pending, proposals]: the target's tokens [n, b]; the features of every verified column
     become `state.context` (`keep_context` keeps the accepted ones). The cache grows in place.
 
-    Positions are passed only where columns are not positions (padding, holes): without them, Transformers'
-    flash-attention path checks the position ids for packed sequences in every layer, which waits for the device.
+    Positions are always passed: a cache's token counter is no source of positions (Transformers 5.25 reports a
+    recurrent layer's count for the whole cache). The mask is passed only where columns are not positions (padding,
+    holes).
     """
     mask = state.columns.attention_mask(step.width)
-    holes = {} if mask is None else {"attention_mask": mask.long(), "position_ids": step.positions}
-    logits = target_pass(target, state, step, proposal, holes)
+    attention = {"position_ids": step.positions} if mask is None else {"attention_mask": mask.long(),
+                                                                        "position_ids": step.positions}
+    logits = target_pass(target, state, step, proposal, attention)
     return target_tokens(logits, proposal, state, step, settings)
 
 
@@ -494,7 +498,7 @@ def keep_context(state: DecodeState, step: StepPlan, accepted_counts: list[int],
     crop_cache(state.cache, state.columns.width)
     if state.recurrent is not None:
         state.recurrent.advance([list(range(count + 1)) for count in accepted_counts] if tree_paths is None
-                                else [[0] + path for path in tree_paths])
+                                else [[0] + path for path in tree_paths], state.columns.width)
     if state.context is None:
         return  # no proposer reads features, or this was the last step
     holes = kept_width * len(accepted_counts) != sum(accepted_counts) + len(accepted_counts)

@@ -40,7 +40,7 @@ from .configuration_dflash import (
     layer_attention,
     read_rope_parameters,
 )
-from .devices_dflash import target_device  # noqa: F401
+from .devices_dflash import materialized_weight, target_device  # noqa: F401
 from .generation_dflash import DFlashGenerationMixin
 from .kernels_dflash import cpu_kernels  # noqa: F401
 from .proposer_dflash import DFlashProposer  # noqa: F401
@@ -49,6 +49,7 @@ from .sampling_dflash import process_logits  # noqa: F401
 from .settings_dflash import resolve_settings  # noqa: F401
 from .target_dflash import verify_forward  # noqa: F401
 from .tree_dflash import build_trees  # noqa: F401
+from .versions_dflash import cache_keyword  # noqa: F401
 
 # Weight name prefixes of Transformers' native DFlash draft (`MuseGlimmerAssistantModel`) -> ours; the rest is shared.
 NATIVE_PREFIXES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
@@ -58,6 +59,10 @@ NATIVE_KEY_MAPPING = {"^" + re.escape(native): ours for native, ours in NATIVE_P
 # The first line of every remote-code file that `save_pretrained` writes.
 REMOTE_CODE_HEADER = ("# Exported by dflash-hf {version}: a copy of the package's module; "
                       "change the package, not this file.\n")
+
+# Draft dtypes whose range cannot hold target features (Qwen3 has hidden-state outliers over float16's 65,504): the
+# draft fuses its context in float32 there (`DFlashDraftModel.fuse_context`). bfloat16 has float32's exponent range.
+NARROW_RANGE_DTYPES = (torch.float16,)
 
 
 def without_export_header(text: str) -> str:
@@ -533,7 +538,7 @@ class DFlashDraftModel(PreTrainedModel, DFlashGenerationMixin):
         other blocks; each layer adds its causal / sliding-window restriction by position. block_length: rows per block
         when T holds several blocks (training; DFlash2's convolutions stay inside each block), else T.
         """
-        context = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))  # [B, C, H]
+        context = self.fuse_context(target_hidden)  # [B, C, H]
         hidden_states = block_embeddings.to(self.fc.weight.dtype)
         block_rope = self.rotary_emb(block_position_ids, hidden_states.dtype)
         context_rope = self.rotary_emb(context_position_ids, hidden_states.dtype)
@@ -546,6 +551,19 @@ class DFlashDraftModel(PreTrainedModel, DFlashGenerationMixin):
             hidden_states = layer(hidden_states, context, block_rope, context_rope, cache, masks[layer.attention_kind],
                                   block_length)
         return self.norm(hidden_states)
+
+    def fuse_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """Fused context `hidden_norm(fc(features))` [B, C, H] in the draft's dtype, of features [B, C, L*H].
+
+        A float16 draft (`NARROW_RANGE_DTYPES`) projects and normalises in float32 and casts the normalised rows
+        back, so that features beyond its range stay finite; other drafts compute in their own dtype, as before.
+        """
+        dtype = self.fc.weight.dtype
+        if dtype not in NARROW_RANGE_DTYPES:
+            return self.hidden_norm(self.fc(target_hidden.to(dtype)))
+        with materialized_weight(self.fc) as weight:  # an offloaded draft's weight is loaded meanwhile
+            projected = F.linear(target_hidden.float(), weight.float())  # [B, C, H], float32
+        return self.hidden_norm(projected).to(dtype)  # normalised in float32 (the norm keeps its input's dtype)
 
     def _layer_masks(self, attention_mask: torch.Tensor | None, query_positions: torch.Tensor,
                      key_positions: torch.Tensor) -> dict[tuple[bool, int | None], torch.Tensor | None]:

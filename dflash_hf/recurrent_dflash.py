@@ -3,12 +3,14 @@
 A verify runs the target over b columns, so each Gated DeltaNet (or other recurrent) layer leaves the state after all
 b. Keys and values per position can be cut back; a recurrent state cannot. So around every verify:
 
-1. `recording()` keeps each recurrent layer's convolution and recurrent state as they were before the verify, and,
+1. `recording()` keeps everything each recurrent cache layer holds as it was before the verify (`snapshot`: every
+   attribute, so convolution and recurrent states, token counters and whatever a later Transformers adds), and,
    through a forward pre-hook, the hidden states the layer's mixer receives for the verified columns [n, b, H];
-2. `advance(kept_columns)` puts the states back and runs only the mixers again over each row's kept columns, through
-   the mixer's own forward and the cache API of the installed Transformers (no copy of their code); rows that keep
-   different counts are advanced in one chain of calls: columns [0, c1), then [c1, c2), ..., each row's state taken
-   where its count ends. Rows that kept every column of a chain keep the verify's state.
+2. `advance(kept_columns, num_columns)` puts the layers back and runs only the mixers again over each row's kept
+   columns, through the mixer's own forward and the cache API of the installed Transformers (no copy of their code);
+   rows that keep different counts are advanced in one chain of calls: columns [0, c1), then [c1, c2), ..., each
+   row's state taken where its count ends. Rows that kept every column of a chain keep the verify's state. A token
+   count is then set to the cache's columns (`versions_dflash.align_token_count`); positions never come from it.
 
 A tree verify (`recording(tree_paths=...)`) also needs each column's mixer output to depend on its ancestors only,
 which a recurrence over the columns in order does not give. So the mixer runs along every root-to-leaf path of the
@@ -25,6 +27,7 @@ Hub remote code: imports only torch and transformers.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import threading
 from contextlib import contextmanager
@@ -35,6 +38,7 @@ import torch
 
 from .cache_dflash import host_to_device, recurrent_cache_layers
 from .target_dflash import decoder_layers
+from .versions_dflash import align_token_count, kernel_replacements
 
 
 @dataclass
@@ -76,23 +80,21 @@ class RecurrentStates:
 
     def __init__(self, cache: Any, mixers: list[Mixer]) -> None:
         self.cache, self.mixers = cache, mixers
-        # layer -> (conv, recurrent) before the last verify: kept until the next one, so it can still be discarded
-        self.before: dict[int, tuple[torch.Tensor, ...]] = {}
+        # layer -> everything its cache layer held before the last verify (`snapshot`): kept until the next verify, so
+        # that one can still be discarded
+        self.before: dict[int, dict[str, Any]] = {}
         self.inputs: dict[int, torch.Tensor] = {}  # layer -> its mixer's input over the verified columns [n, b, H]
         self.tree = False  # whether the last verify was a tree's (then no row keeps its states as they are)
 
-    def states(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
-        """The layer's live state tensors in the cache: convolution [n, C, K] and recurrent [n, ...] (a short
-        convolution, as in LFM2, has no recurrent state)."""
-        states = (self.cache.get_conv_state(layer_idx), self.cache.get_recurrent_state(layer_idx))
-        return tuple(state for state in states if state is not None)
+    def layer(self, layer_idx: int) -> Any:
+        """The cache layer of recurrent layer `layer_idx`."""
+        return self.cache.layers[layer_idx]
 
     @contextmanager
     def recording(self, tree_paths: PathPlan | None = None) -> Iterator[None]:
         """Around a verify forward: keep the states it starts from and the mixers' inputs it feeds them. `tree_paths`
         (a tree verify): each mixer runs along the tree's root-to-leaf paths instead of its columns."""
-        self.before = {mixer.layer_idx: tuple(state.clone() for state in self.states(mixer.layer_idx))
-                       for mixer in self.mixers}
+        self.before = {mixer.layer_idx: snapshot(self.layer(mixer.layer_idx)) for mixer in self.mixers}
         self.inputs, self.tree = {}, tree_paths is not None
         thread = threading.get_ident()
         # first of the pre-hooks: the input as the layer passed it, which a user's pre-hook sees again at the replay
@@ -149,9 +151,8 @@ class RecurrentStates:
         return from_paths
 
     def put_back(self, layer_idx: int) -> None:
-        """The layer's states as they were before the last verify."""
-        for live, old in zip(self.states(layer_idx), self.before[layer_idx]):
-            live.copy_(old)
+        """The layer's cache layer as it was before the last verify: every attribute it holds."""
+        put_back(self.layer(layer_idx), self.before[layer_idx])
 
     def restore(self) -> None:
         """Put every recurrent state back as it was before the last verify (that verify is discarded)."""
@@ -160,9 +161,10 @@ class RecurrentStates:
         self.inputs = {}
 
     @torch.no_grad()
-    def advance(self, kept_columns: list[list[int]]) -> None:
+    def advance(self, kept_columns: list[list[int]], num_columns: int) -> None:
         """Leave each row's states after its kept verify columns (the rows in cache order; a chain: 0 .. c - 1, a
-        tree: the root and the accepted path)."""
+        tree: the root and the accepted path); `num_columns`: the cache's columns after the step, holes included,
+        which each layer's token count (if its Transformers keeps one) then says."""
         missing = [mixer.layer_idx for mixer in self.mixers if mixer.layer_idx not in self.inputs]
         if missing:
             raise RuntimeError(f"The verify did not run the recurrent mixers of layers {missing} (a patched "
@@ -179,31 +181,93 @@ class RecurrentStates:
                 inputs = self.inputs[mixer.layer_idx]  # [n, b, H]
                 inputs = inputs if index is None else columns_of(inputs, index)
                 self._advance_layer(mixer, inputs, kept_counts, complete)
+        for mixer in self.mixers:
+            align_token_count(self.layer(mixer.layer_idx), num_columns)
         self.inputs = {}
 
     def _advance_layer(self, mixer: Mixer, inputs: torch.Tensor, kept_counts: list[int], complete: int | None
                        ) -> None:
         """Replay the mixer over `inputs` [n, c, H] (each row's kept columns first); rows keeping `complete` columns
-        keep the live states."""
+        keep the verify's states."""
         counts = sorted(set(kept_counts))
         if len(counts) == 1:  # every row keeps the same count (one row, say): put back, run the mixer over them
             self.put_back(mixer.layer_idx)
             mixer.module(hidden_states=inputs[:, :counts[0]], attention_mask=None,
                          **{mixer.cache_argument: self.cache})
             return
+        layer = self.layer(mixer.layer_idx)
+        results = snapshot(layer)  # rows keeping `complete`: as verified
         rows_keeping = {count: host_to_device([row for row, kept in enumerate(kept_counts) if kept == count],
                                               inputs.device) for count in counts}
-        results = [state.clone() for state in self.states(mixer.layer_idx)]  # rows keeping `complete`: as verified
         self.put_back(mixer.layer_idx)
         start = 0
         for count in (count for count in counts if count != complete):
             mixer.module(hidden_states=inputs[:, start:count], attention_mask=None,
                          **{mixer.cache_argument: self.cache})
-            for result, live in zip(results, self.states(mixer.layer_idx)):
-                result[rows_keeping[count]] = live[rows_keeping[count]]
+            take_rows(results, vars(layer), rows_keeping[count], len(kept_counts))
             start = count
-        for live, result in zip(self.states(mixer.layer_idx), results):
-            live.copy_(result)
+        put_back(layer, results)
+
+
+# --- A cache layer's whole state: every attribute, so that nothing it keeps (counters included) can be missed ------
+
+
+def snapshot(layer: Any) -> dict[str, Any]:
+    """Everything a cache layer holds, as a copy that later changes cannot reach: each attribute, tensors cloned."""
+    return {name: copied(value) for name, value in vars(layer).items()}
+
+
+def copied(value: Any) -> Any:
+    """`value` with its tensors cloned and its containers copied (any other object deep-copied)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {key: copied(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(copied(item) for item in value)
+    return copy.deepcopy(value)
+
+
+def restored(live: Any, saved: Any) -> Any:
+    """`saved` (from a `snapshot`) as a value to hold again; a tensor of the same shape is copied into the live one in
+    place, so that it keeps its address (compiled graphs and static caches read it there)."""
+    if isinstance(saved, torch.Tensor):
+        if (isinstance(live, torch.Tensor) and live.shape == saved.shape and live.dtype == saved.dtype
+                and live.device == saved.device):
+            return live.copy_(saved)
+        return saved.clone()  # the snapshot stays usable for another put-back
+    if isinstance(saved, dict):
+        live_items = live if isinstance(live, dict) else {}
+        return {key: restored(live_items.get(key), item) for key, item in saved.items()}
+    if isinstance(saved, (list, tuple)):
+        live_items = list(live) if isinstance(live, (list, tuple)) and len(live) == len(saved) else [None] * len(saved)
+        return type(saved)(restored(old, item) for old, item in zip(live_items, saved))
+    return copy.deepcopy(saved)
+
+
+def put_back(layer: Any, saved: dict[str, Any]) -> None:
+    """Make a cache layer hold exactly what `saved` (`snapshot(layer)`) held: every attribute set back, attributes
+    added since removed."""
+    for name in set(vars(layer)) - set(saved):
+        delattr(layer, name)
+    for name, value in saved.items():
+        setattr(layer, name, restored(getattr(layer, name, None), value))
+
+
+def take_rows(results: Any, live: Any, rows: torch.Tensor, num_rows: int) -> Any:
+    """Copy rows `rows` of every per-row tensor of `live` (a cache layer's attributes) into `results` (their snapshot,
+    the same structure) in place; a tensor without a batch dimension of `num_rows` rows is taken whole."""
+    if isinstance(live, torch.Tensor) and isinstance(results, torch.Tensor):
+        if live.dim() and live.shape[0] == num_rows and live.shape == results.shape:
+            results[rows] = live[rows]
+            return results
+        return live.clone()
+    if isinstance(live, dict) and isinstance(results, dict):
+        for key in results:
+            results[key] = take_rows(results[key], live.get(key), rows, num_rows)
+    elif isinstance(live, list) and isinstance(results, list) and len(live) == len(results):
+        results[:] = [take_rows(result, item, rows, num_rows) for result, item in zip(results, live)]
+    return results
 
 
 def columns_of(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -245,13 +309,26 @@ class PathPlan:
                         host_to_device(list(range(0, len(rows), num_paths)), device))
 
 
-def recurrent_states(target: torch.nn.Module, cache: Any) -> RecurrentStates | None:
-    """The rollback of a hybrid target's cache after its prefill (None: the cache holds no recurrent layer)."""
+def rollback_mixers(target: torch.nn.Module, cache: Any) -> list[Mixer]:
+    """The mixers of the recurrent layers of `cache` (the target's, or a fresh one from its config before any forward)
+    that the rollback replays; a ValueError naming the reason where it could not be exact (empty: no such layers)."""
     layer_ids = recurrent_cache_layers(cache)
     if not layer_ids:
-        return None
+        return []
     mixers = find_mixers(target, layer_ids)
     if isinstance(mixers, str):
         raise ValueError(f"Target {type(target).__name__} has recurrent layers {layer_ids}, but {mixers}: dflash-hf "
                          "cannot roll their state back after a verify. See README, \"Hybrid targets\".")
-    return RecurrentStates(cache, mixers)
+    kernels = sorted({name for mixer in mixers for name in kernel_replacements(mixer.module)})
+    if kernels:
+        raise ValueError(f"Target {type(target).__name__} runs Hub kernels in its recurrent layers that are handed "
+                         f"the cache ({', '.join(kernels)}): they may keep state outside the cache, where dflash-hf "
+                         "cannot roll it back after a verify. Load the target with `use_kernels=False` (or call "
+                         "`target.reset_kernels()`). See README, \"Hybrid targets\".")
+    return mixers
+
+
+def recurrent_states(target: torch.nn.Module, cache: Any) -> RecurrentStates | None:
+    """The rollback of a hybrid target's cache after its prefill (None: the cache holds no recurrent layer)."""
+    mixers = rollback_mixers(target, cache)
+    return RecurrentStates(cache, mixers) if mixers else None

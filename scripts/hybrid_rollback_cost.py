@@ -72,7 +72,8 @@ def main() -> None:
             session.verify(step, proposal)
 
         def verify_then_keep(kept: int):
-            return lambda: (session.verify(step, proposal), recurrent.advance([list(range(kept))]))
+            columns = session.state.columns.width
+            return lambda: (session.verify(step, proposal), recurrent.advance([list(range(kept))], columns))
 
         for run in (verify, verify_then_keep(1)):  # warm-up
             run()

@@ -21,11 +21,10 @@ from helpers import (
 )
 from test_sampling import NUM_NEW, NUM_SAMPLES, VOCAB, exact_joint, sampled_counts
 
-from dflash_hf import speculative_decode
+from dflash_hf import recurrent_dflash, speculative_decode
 from dflash_hf.cache_dflash import (
     RECURRENT_REFUSALS,
     ROLLBACK_MODEL_TYPES,
-    cache_keyword,
     left_pad,
     recurrent_cache_layers,
 )
@@ -33,6 +32,7 @@ from dflash_hf.devices_dflash import target_text_config
 from dflash_hf.generation_dflash import DecodeSession
 from dflash_hf.proposer_dflash import DFlashProposer
 from dflash_hf.settings_dflash import resolve_settings
+from dflash_hf.versions_dflash import cache_keyword
 
 HAS_HYBRID_CACHE = hasattr(transformers, "Qwen3_5ForCausalLM")  # Transformers 5.x
 needs_hybrid = pytest.mark.skipif(not HAS_HYBRID_CACHE, reason="Qwen3.5 and the linear-attention cache: 5.x only")
@@ -161,20 +161,49 @@ def test_other_recurrent_families_run_exactly_through_the_same_rollback(hybrid_t
         assert result.new_tokens(row) == reference[0, len(prompt):].tolist(), row
 
 
-def plain_states(target: torch.nn.Module, tokens: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Each recurrent layer's (conv, recurrent) state after one plain forward over `tokens` with a fresh cache."""
+def layer_tensors(value: object, name: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor a cache layer holds, by attribute path (`conv_states.0`, ...): its attributes, dicts and lists
+    walked, whatever the installed Transformers keeps (states, token counters, ...)."""
+    if isinstance(value, torch.Tensor):
+        return {name: value}
+    items = (vars(value).items() if name == "" else value.items() if isinstance(value, dict)
+             else enumerate(value) if isinstance(value, (list, tuple)) else ())
+    return {path: tensor for key, item in items
+            for path, tensor in layer_tensors(item, f"{name}.{key}" if name else str(key)).items()}
+
+
+def plain_states(target: torch.nn.Module, tokens: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+    """Every tensor of each recurrent cache layer after one plain forward over `tokens` with a fresh cache."""
     cache = transformers.DynamicCache(config=target_text_config(target))
     with torch.no_grad():
         target(input_ids=torch.tensor([tokens]), use_cache=True, **{cache_keyword(target): cache})
-    return {layer: (cache.get_conv_state(layer)[0], cache.get_recurrent_state(layer)[0])
-            for layer in recurrent_cache_layers(cache)}
+    return {layer: layer_tensors(cache.layers[layer]) for layer in recurrent_cache_layers(cache)}
 
 
-@needs_hybrid
-@pytest.mark.parametrize("batch,tree_size", [(False, None), (True, None), (False, 9), (True, 9)])
-def test_after_every_step_each_state_equals_a_plain_forwards(hybrid_targets, batch, tree_size):
-    """A chain's rows keep different prefixes; a tree's rows keep different root-to-leaf paths."""
-    target = hybrid(hybrid_targets, "qwen3_5")
+def assert_states_equal_plain_forwards(target: torch.nn.Module, session: DecodeSession) -> None:
+    """Each active row's recurrent cache layers hold, tensor for tensor, what a plain forward over its committed tokens
+    leaves: per-row tensors that row's, and a batch-wide count (a 0-d tensor) the cache's columns (holes included, as
+    the attention layers keep them)."""
+    state = session.state
+    for position, row in enumerate(state.active):
+        if state.finished[row]:
+            continue
+        committed = state.prompts[row] + state.generated[row][:-1]  # the pending token is not in the cache
+        for layer, expected in plain_states(target, committed).items():
+            live = layer_tensors(state.cache.layers[layer])
+            assert live.keys() == expected.keys(), layer
+            for name, tensor in expected.items():
+                if tensor.dim() == 0:  # a token count
+                    holes = state.columns.width - len(committed)
+                    assert int(live[name]) == int(tensor) + holes, (layer, name)
+                else:
+                    torch.testing.assert_close(live[name][position], tensor[0], rtol=1e-4, atol=1e-5,
+                                               msg=lambda message, at=(layer, name): f"{at}: {message}")
+
+
+def decode_checking_states(target: torch.nn.Module, batch: bool, tree_size: int | None) -> int:
+    """A chain's rows keep different prefixes, a tree's rows different root-to-leaf paths; every step's states are
+    checked against plain forwards. The number of steps."""
     prompts = [random_prompt(7, 9)[0].tolist()] + ([random_prompt(8, 3)[0].tolist()] if batch else [])
     references = [plain_greedy(target, torch.tensor([prompt]), 24) for prompt in prompts]
     input_ids, attention_mask = left_pad(prompts, 0)
@@ -186,39 +215,71 @@ def test_after_every_step_each_state_equals_a_plain_forwards(hybrid_targets, bat
     steps = 0
     with session.running():
         session.prefill(input_ids, attention_mask)
+        assert_states_equal_plain_forwards(target, session)
         while session.step():
             steps += 1
-            state = session.state
-            for position, row in enumerate(state.active):
-                if state.finished[row]:
-                    continue
-                committed = state.prompts[row] + state.generated[row][:-1]  # the pending token is not in the cache
-                for layer, (conv, recurrent) in plain_states(target, committed).items():
-                    torch.testing.assert_close(state.cache.get_conv_state(layer)[position], conv)
-                    torch.testing.assert_close(state.cache.get_recurrent_state(layer)[position], recurrent,
-                                               rtol=1e-4, atol=1e-5)
-    assert steps >= 3
+            assert_states_equal_plain_forwards(target, session)
+    return steps
 
 
-@needs_hybrid
-def test_a_discarded_verify_leaves_the_states_as_they_were(hybrid_targets):
-    """The cost model verifies and discards: the recurrent states must be the committed ones again."""
-    target = hybrid(hybrid_targets, "qwen3_5")
+def verify_and_discard(target: torch.nn.Module) -> None:
+    """A verify, then `discard_verify` (what the cost model does): every tensor of every recurrent cache layer must be
+    as before the verify."""
     prompt = random_prompt(9, 6)
     settings = resolve_settings(target, prompt, None, max_new_tokens=8, block_size=4)
     session = DecodeSession(target, ReferenceProposer(plain_greedy(target, prompt, 12)), settings)
     with session.running():
         session.prefill(prompt)
         layers = recurrent_cache_layers(session.cache)
-        before = [(session.cache.get_conv_state(i).clone(), session.cache.get_recurrent_state(i).clone())
-                  for i in layers]
+        before = {layer: {name: tensor.clone() for name, tensor in layer_tensors(session.cache.layers[layer]).items()}
+                  for layer in layers}
         step = session.plan()
         session.verify(step, session.propose(step))
-        assert not torch.equal(session.cache.get_recurrent_state(layers[0]), before[0][1])
+        assert not torch.equal(session.cache.get_recurrent_state(layers[0]), before[layers[0]]["recurrent_states.0"])
         session.discard_verify()
-        for i, (conv, recurrent) in zip(layers, before):
-            assert torch.equal(session.cache.get_conv_state(i), conv)
-            assert torch.equal(session.cache.get_recurrent_state(i), recurrent)
+        for layer in layers:
+            live = layer_tensors(session.cache.layers[layer])
+            assert live.keys() == before[layer].keys()
+            for name, tensor in before[layer].items():
+                assert torch.equal(live[name], tensor), (layer, name)
+
+
+@needs_hybrid
+@pytest.mark.parametrize("batch,tree_size", [(False, None), (True, None), (False, 9), (True, 9)])
+def test_after_every_step_each_state_equals_a_plain_forwards(hybrid_targets, batch, tree_size):
+    """Every tensor of every recurrent cache layer (states and token counts alike) after every step."""
+    assert decode_checking_states(hybrid(hybrid_targets, "qwen3_5"), batch, tree_size) >= 3
+
+
+@needs_hybrid
+def test_a_discarded_verify_leaves_every_tensor_as_it_was(hybrid_targets):
+    """The cost model verifies and discards: every tensor of the recurrent layers must be the committed one again."""
+    verify_and_discard(hybrid(hybrid_targets, "qwen3_5"))
+
+
+@needs_hybrid
+def test_the_state_checks_catch_any_one_piece_of_state_left_out(hybrid_targets, monkeypatch):
+    """Power of the two tests above: a rollback that leaves out any one attribute of a cache layer (a state, a token
+    count, whatever the installed Transformers keeps), or that leaves the token count as the replay left it, fails."""
+    target = hybrid(hybrid_targets, "qwen3_5")
+    cache = transformers.DynamicCache(config=target_text_config(target))
+    with torch.no_grad():
+        target(input_ids=random_prompt(1, 4), use_cache=True, **{cache_keyword(target): cache})
+    layer = cache.layers[recurrent_cache_layers(cache)[0]]
+    held = sorted({name.split(".")[0] for name in layer_tensors(layer)})
+    assert {"conv_states", "recurrent_states"} <= set(held)
+    copied = recurrent_dflash.copied
+    for left_out in held:  # its live tensors stand in for the snapshot: that attribute is never put back
+        monkeypatch.setattr(recurrent_dflash, "snapshot", lambda layer, left_out=left_out: {
+            name: value if name == left_out else copied(value) for name, value in vars(layer).items()})
+        with pytest.raises(AssertionError):
+            decode_checking_states(target, batch=False, tree_size=None)
+            verify_and_discard(target)
+    monkeypatch.undo()
+    if any(tensor.dim() == 0 for tensor in layer_tensors(layer).values()):  # a Transformers that counts tokens
+        monkeypatch.setattr(recurrent_dflash, "align_token_count", lambda layer, num_columns: None)
+        with pytest.raises(AssertionError):
+            decode_checking_states(target, batch=True, tree_size=None)
 
 
 @needs_hybrid
@@ -424,3 +485,81 @@ def test_the_dflash2_draft_config_runs_on_its_qwen3_5_family_target_shape():
     prompt = torch.randint(0, target_config["vocab_size"] - 1, (1, 6), generator=torch.Generator().manual_seed(1))
     output = draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=8)
     assert torch.equal(output, plain_greedy(target, prompt, 8))
+
+
+# --- Hub kernels (Transformers 5.25 `kernelize`, on by default in `from_pretrained`) ---------------------------------
+
+# A stand-in Hub kernel for `causal_conv1d_forward` that keeps the convolution state to itself, as a runtime that
+# manages its own state may: the cache layer's `conv_states` are never written (it keeps the token count as
+# Transformers' function does).
+PRIVATE_STATE_KERNEL = '''
+import weakref
+
+import torch
+from torch import nn
+
+
+class PrivateStateConv(nn.Module):
+    has_backward = False
+
+    def forward(self, conv1d, hidden_states, cache, layer_idx, activation=None, state_idx=0, **kwargs):
+        CALLS.append(layer_idx)
+        states = self.__dict__.setdefault("private_states", weakref.WeakKeyDictionary())
+        width, length = conv1d.kernel_size[0], hidden_states.shape[-1]
+        layer = None if cache is None else cache.layers[layer_idx]
+        previous = states.get(cache, {}).get(layer_idx) if layer is not None and layer.has_previous_state[0] else None
+        if previous is None:
+            previous = hidden_states.new_zeros(*hidden_states.shape[:2], width - 1)
+        full = torch.cat((previous, hidden_states), dim=-1)
+        out = torch.nn.functional.conv1d(full, conv1d.weight, conv1d.bias, groups=full.shape[1])[..., -length:]
+        if layer is not None:
+            states.setdefault(cache, {})[layer_idx] = full[..., 1 - width:].clone()
+            layer.has_previous_state[0] = True
+            layer.cumulative_length_linear.add_(length)
+        return torch.nn.functional.silu(out) if activation in ("silu", "swish") else out
+
+
+class layers:
+    PrivateStateConv = PrivateStateConv
+
+
+CALLS = []
+'''
+
+
+def with_private_state_kernel(target: torch.nn.Module, folder) -> list[int]:
+    """Install the stand-in through kernels' own `kernelize`, as a Hub kernel is; the list of its calls."""
+    import importlib
+    import json
+
+    from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
+
+    build = folder / "build" / "torch-cpu"
+    build.mkdir(parents=True)
+    (build / "__init__.py").write_text(PRIVATE_STATE_KERNEL)
+    (build / "metadata.json").write_text(json.dumps({
+        "id": f"dflash_private_state_{id(folder)}", "name": "private-state", "version": 1, "license": "Apache-2.0",
+        "python-depends": [], "backend": {"type": "cpu"}}))
+    repository = LocalLayerRepository(repo_path=folder, layer_name="PrivateStateConv")
+    with use_kernel_mapping({"causal_conv1d_forward": {"cpu": {Mode.INFERENCE: repository}}}, inherit_mapping=False):
+        kernelize(target, mode=Mode.INFERENCE, device="cpu")
+    return importlib.import_module(f"dflash_private_state_{id(folder)}").CALLS
+
+
+@needs_hybrid
+def test_a_kernel_that_keeps_its_conv_state_privately_is_refused_before_any_forward(tmp_path, monkeypatch):
+    """Refused by name, before the prefill; power: with the refusal bypassed the output stops being the target's."""
+    target = make_hybrid_target("qwen3_5", seed=0)
+    prompt = random_prompt(4, 9)
+    expected = plain_greedy(target, prompt, 24)
+    calls = with_private_state_kernel(target, tmp_path)
+    assert torch.equal(plain_greedy(target, prompt, 24), expected) and calls  # the stand-in is faithful, and ran
+    forwards = []
+    target.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    calls.clear()
+    with pytest.raises(ValueError, match=r"Hub kernels .*causal_conv1d_forward.*use_kernels=False"):
+        speculative_decode(target, ReferenceProposer(expected, corrupt_seed=4), prompt, 24, 6)
+    assert not forwards and not calls
+    monkeypatch.setattr(recurrent_dflash, "kernel_replacements", lambda mixer: [])
+    with pytest.raises(AssertionError, match="a token the target would not produce"):  # its state escaped the rollback
+        speculative_decode(target, ReferenceProposer(expected, corrupt_seed=4), prompt, 24, 6)

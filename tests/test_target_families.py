@@ -22,8 +22,8 @@ from helpers import (
 )
 
 from dflash_hf import generation_dflash, left_pad, speculative_decode
-from dflash_hf.cache_dflash import cache_keyword, returned_cache
 from dflash_hf.target_dflash import plain_head_parts, verify_forward
+from dflash_hf.versions_dflash import cache_keyword, returned_cache
 
 WINDOW = 8  # sliding window of the windowed families: prompts and generations below cross it
 NEW_TOKENS = 24

@@ -7,8 +7,9 @@ import pytest
 import torch
 from helpers import make_draft, make_target, plain_greedy, random_prompt
 
-from dflash_hf.cache_dflash import cache_keyword, crop_cache, returned_cache
+from dflash_hf.cache_dflash import crop_cache
 from dflash_hf.kernels_dflash import GROUPED_QUERY_SDPA, grouped_query_attention
+from dflash_hf.versions_dflash import cache_keyword, returned_cache
 
 
 @pytest.mark.parametrize("arch, context, width", [("qwen3", 7, 3), ("llama", 40, 8), ("qwen3", 100, 2)])

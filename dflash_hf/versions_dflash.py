@@ -1,0 +1,96 @@
+"""What differs between the Transformers releases dflash-hf runs on (pyproject's range: 4.57.x to 5.25.x).
+
+Every difference the package depends on is answered here, and no other module asks which Transformers is installed:
+
+- the forward's cache keyword (`cache_keyword`, `returned_cache`): `past_key_values` on 4.57, `cache` on 5.x;
+- recurrent states (`is_linear_attention_layer`): model-specific caches on 4.57, linear-attention cache layers on 5.x;
+- a layer that cannot be cut back (`refuses_crop`): no flag on 4.57; 5.24's `is_croppable` is False once a recurrent
+  state exists; 5.25's is a class attribute, True;
+- a recurrent layer's token count (`align_token_count`): none before 5.25; 5.25's `cumulative_length_linear`, which
+  `DynamicCache.get_seq_length()` reports when layer 0 is recurrent (so positions never come from it here);
+- the native DFlash draft (`native_draft_classes`): `MuseGlimmerAssistantModel` from 5.24 on;
+- functions a Hub kernel may replace in a recurrent mixer (`kernel_replacements`): from 5.25 on.
+
+Transformers 5.25 also dropped `_is_stateful`, so its own assisted decoding runs hybrid targets (README, "Hybrid
+targets", says how exactly). Hub remote code: imports only torch and transformers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import transformers
+
+try:
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+except ImportError:  # Transformers 4.x: recurrent states live in model-specific caches
+    LinearAttentionCacheLayerMixin = None
+
+TRANSFORMERS_VERSION = transformers.__version__
+
+
+def cache_keyword(target: torch.nn.Module) -> str:
+    """The forward argument that takes the KV cache: `cache` on Transformers 5.x, `past_key_values` on 4.x."""
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else target
+    forwards = (target.forward, decoder.forward)  # a subclass may take **kwargs; its decoder names the argument
+    return "cache" if any("cache" in inspect.signature(forward).parameters
+                          for forward in forwards) else "past_key_values"
+
+
+def returned_cache(outputs: Any) -> Any:
+    """The KV cache of a forward's outputs (`cache` on 5.x, `past_key_values` on 4.x)."""
+    cache = getattr(outputs, "cache", None)
+    return outputs.past_key_values if cache is None else cache
+
+
+def is_linear_attention_layer(layer: Any) -> bool:
+    """A cache layer of Transformers' linear-attention kind (convolution and recurrent states; keys too or not)."""
+    return LinearAttentionCacheLayerMixin is not None and isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
+def refuses_crop(layer: Any) -> bool:
+    """Whether Transformers says the cache layer cannot be cropped (5.24's `is_croppable` False; no flag on 4.57)."""
+    return getattr(layer, "is_croppable", True) is False
+
+
+def align_token_count(layer: Any, num_columns: int) -> None:
+    """Set a recurrent cache layer's token count (5.25's `cumulative_length_linear`; nothing before) to the cache's
+    columns, as if its forwards had run over them all (padding and rejected columns included, as the attention layers
+    keep them). dflash-hf passes positions explicitly; this keeps `get_seq_length()` true for whoever else reads it."""
+    count = getattr(layer, "cumulative_length_linear", None)
+    if isinstance(count, torch.Tensor):
+        count.fill_(num_columns)
+
+
+def native_draft_classes() -> tuple[type, type]:
+    """(MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel), or a ValueError saying this Transformers lacks them."""
+    try:
+        from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+    except ImportError:
+        raise ValueError(f"The installed Transformers {TRANSFORMERS_VERSION} has no native DFlash draft class "
+                         "(MuseGlimmerAssistantModel, Transformers >= 5.24); upgrade Transformers to convert to it. "
+                         "Native folders still load here with DFlashDraftModel.from_pretrained.") from None
+    return MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+
+
+def kernel_replacements(mixer: torch.nn.Module) -> list[str]:
+    """What a Hub kernel replaced in a recurrent mixer that is handed the cache: the mixer's own forward, or a function
+    of its that takes the cache (5.25's `causal_conv1d_forward`). Such a kernel may keep state outside the cache layer,
+    where no rollback can see it. Kernels for functions that take tensors only (the gated delta rule, the convolution
+    itself) are fine: their state goes in and out as tensors of the cache. Empty before Transformers 5.25.
+
+    5.25's `kernelize` (which `from_pretrained` runs by default, `use_kernels`) gives each mixer its own copy of every
+    replaceable function (`_kernel_funcs`) and binds a kernel's forward onto that copy, or onto the mixer itself,
+    marking it with `_kernel_repo`.
+    """
+    replaced = [f"{type(mixer).__name__}.forward"] if vars(mixer).get("_kernel_repo") is not None else []
+    for name, function in (vars(mixer).get("_kernel_funcs") or {}).items():
+        own = vars(function)
+        if own.get("_kernel_repo") is None and "forward" not in own:
+            continue  # Transformers' own function
+        parameters = inspect.signature(type(function).forward).parameters
+        if any(argument in parameters for argument in ("cache", "cache_params", "past_key_values")):
+            replaced.append(name)
+    return replaced

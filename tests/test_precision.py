@@ -1,0 +1,105 @@
+"""A float16 draft on target features beyond float16's range (Qwen3's hidden-state outliers pass 65,504): it fuses
+them in float32 (`DFlashDraftModel.fuse_context`), so its proposals stay finite and match a float32 copy's."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from helpers import HIDDEN_SIZE, make_draft, make_target, make_variant_draft, plain_greedy
+
+from dflash_hf import DFlashDraftModel
+
+VOCAB = 8
+OUTLIER = 2e5  # a massive activation, as Qwen3's, past float16's max (65,504)
+OUTLIER_CHANNEL = 5
+
+
+def outlier_target(seed: int = 3) -> torch.nn.Module:
+    """A tiny float32 Qwen3 whose first layer writes OUTLIER into one channel of the residual stream (every layer
+    output from there on exceeds float16's range)."""
+    target = make_target("qwen3", seed=seed, vocab_size=VOCAB, init_std=1.0)
+    down_proj = target.model.layers[0].mlp.down_proj
+    bias = torch.zeros(HIDDEN_SIZE)
+    bias[OUTLIER_CHANNEL] = OUTLIER
+    down_proj.bias = torch.nn.Parameter(bias)
+    return target
+
+
+def float16_copy(draft: DFlashDraftModel) -> DFlashDraftModel:
+    return copy.deepcopy(draft).to(torch.float16)
+
+
+def old_fuse_context(draft: DFlashDraftModel, target_hidden: torch.Tensor) -> torch.Tensor:
+    """The context as computed before float16 drafts fused in float32: features cast to the draft's dtype first."""
+    return draft.hidden_norm(draft.fc(target_hidden.to(draft.fc.weight.dtype)))
+
+
+def draft_logits(draft: DFlashDraftModel, target: torch.nn.Module, features: torch.Tensor) -> torch.Tensor:
+    """The draft's logits [1, B - 1, V] of block [token 2, MASK ...] after a context of features [1, C, F]."""
+    context_length, block_size = features.shape[1], draft.block_size
+    block_ids = torch.full((1, block_size), draft.mask_token_id)
+    block_ids[0, 0] = 2
+    block_positions = torch.arange(context_length - 1, context_length - 1 + block_size)[None]  # [1, B]
+    with torch.no_grad():
+        embeddings = draft.embed_block(block_ids, target.get_input_embeddings().weight)  # [1, B, H]
+        hidden = draft(embeddings, features, block_positions, torch.arange(context_length)[None])  # [1, B, H]
+        return target.lm_head(hidden[:, 1:].float())
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_float16_draft_on_outlier_features_matches_its_float32_copy(variant):
+    target = outlier_target()
+    draft32 = make_draft(3, block_size=6, vocab_size=VOCAB, mask_token_id=VOCAB - 1) if variant == "dflash" else \
+        make_variant_draft("dflash2", 3, block_size=6, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
+    prompt = torch.randint(0, VOCAB - 1, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        hidden_states = target(prompt, output_hidden_states=True).hidden_states
+    features = torch.cat([hidden_states[i + 1] for i in draft32.target_layer_ids], dim=-1)  # [1, C, L*H]
+    assert features.abs().max() > torch.finfo(torch.float16).max  # the draft would see inf after a plain cast
+
+    draft16 = float16_copy(draft32)
+    logits16, logits32 = draft_logits(draft16, target, features), draft_logits(draft32, target, features)
+    assert torch.isfinite(logits16).all()
+    with torch.no_grad():
+        assert torch.isfinite(draft16.fuse_context(features)).all()
+    torch.testing.assert_close(logits16, logits32, rtol=0.02, atol=0.05)
+    top2 = logits32.topk(2, dim=-1).values  # [1, B - 1, 2]
+    clear = top2[..., 0] - top2[..., 1] > 0.1  # positions without a near-tie in float32
+    assert clear.sum() >= 3
+    assert torch.equal(logits16.argmax(-1)[clear], logits32.argmax(-1)[clear])  # the same proposals there
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wide_range_drafts_fuse_as_before(dtype):
+    """float32 and bfloat16 drafts take the plain path: bit-identical to the cast-then-project context."""
+    draft = make_draft(4).to(dtype)
+    features = torch.randn(2, 5, len(draft.target_layer_ids) * HIDDEN_SIZE) * 1e3  # [N, C, L*H]
+    with torch.no_grad():
+        assert torch.equal(draft.fuse_context(features), old_fuse_context(draft, features))
+        assert draft.fuse_context(features).dtype == dtype
+
+
+def test_float16_draft_on_outlier_target_is_lossless_and_keeps_accepting():
+    target = outlier_target()
+    prompt = torch.randint(0, VOCAB - 1, (1, 7), generator=torch.Generator().manual_seed(3))
+    expected = plain_greedy(target, prompt, max_new_tokens=30)
+    draft32 = make_draft(3, block_size=6, vocab_size=VOCAB, mask_token_id=VOCAB - 1, initializer_range=1.0)
+    draft16 = float16_copy(draft32)
+
+    def decode(draft: DFlashDraftModel):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the draft's dtype differs from the target's (a warning says so)
+            return draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=30, block_size=6,
+                                       return_stats=True, cpu_kernels=False)
+
+    fixed, reference = decode(draft16), decode(draft32)
+    draft16.fuse_context = lambda target_hidden: old_fuse_context(draft16, target_hidden)  # the old cast path
+    broken = decode(draft16)
+    for result in (fixed, reference, broken):
+        assert torch.equal(result.output_ids, expected)  # lossless whatever the draft proposes
+    assert fixed.acceptance_lengths == reference.acceptance_lengths  # as the float32 copy accepts
+    assert len(fixed.acceptance_lengths[0]) < len(broken.acceptance_lengths[0])  # fewer target forwards
+    assert max(broken.acceptance_lengths[0]) == 1  # the old path's NaN proposals: nothing accepted
