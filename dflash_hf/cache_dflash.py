@@ -172,7 +172,7 @@ def _is_windowed(layer: Any) -> bool:
 # short convolutions.
 ROLLBACK_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear", "nemotron_h",
                         "granitemoehybrid", "lfm2", "lfm2_moe")
-HYBRID_TRANSFORMERS = "transformers>=5.24 (the version dflash-hf tests hybrid targets with)"
+HYBRID_TRANSFORMERS = "transformers 5.25 (the version dflash-hf tests hybrid targets with)"
 # Recurrent families that stay refused, and why (found on Transformers 5.24 with tiny models of each).
 RECURRENT_REFUSALS = {
     "jamba": "its multi-token Mamba path starts the SSM state from zero instead of the cached state, so a verified "

@@ -20,6 +20,7 @@ from .modeling_dflash import DFlashDraftModel
 from .sampling_dflash import cut_after_stop, mean_acceptance_length
 from .settings_dflash import GenerationTokens, StepCosts, neutral_overrides, resolve_block_size
 from .target_dflash import last_logits_only
+from .versions_dflash import assisted_decoding_runs_recurrent_targets
 
 METHODS = ("plain", "dflash", "prompt_lookup", "transformers_dflash")  # the last: Transformers' own DFlash loop
 VERDICTS = ("exact", "near-tie", "NO")
@@ -71,8 +72,9 @@ class BenchSettings:
 
 
 def assisted_decoding_refusal(target: torch.nn.Module) -> str | None:
-    """Why Transformers' assisted decoding (prompt lookup, its own DFlash) cannot run `target` (None: it can)."""
-    if recurrent_layers(target_text_config(target)):
+    """Why Transformers' assisted decoding (prompt lookup, its own DFlash) cannot run `target` (None: it can; whether
+    it is exact there, each run's verdicts say)."""
+    if recurrent_layers(target_text_config(target)) and not assisted_decoding_runs_recurrent_targets():
         return "refused by Transformers: a recurrent cache cannot be cropped"
     return None
 

@@ -676,6 +676,7 @@ def spec_generate(
     draft: DFlashDraft,
     target: torch.nn.Module,
     input_ids: torch.Tensor,
+    *,
     max_new_tokens: int | None = None,
     temperature: float | None = None,
     top_k: int | None = None,
@@ -700,19 +701,10 @@ def spec_generate(
 ) -> torch.Tensor | SpecGenerateOutput:
     """Generate with `target`, drafting blocks with `draft`; returns ids [N, prompt + new] (or stats too).
 
-    Settings not passed come from `generation_config` (default: `target.generation_config`) as in `generate`: length,
-    sampling, every EOS id as a stop token, padding. Each row equals the target's own greedy decode of its prompt
-    (greedy) or follows its sampling distribution. Batches are left-padded (`attention_mask`); see
-    `SpecGenerateOutput`.
-    When sampling, `acceptance="rejection"` samples the draft's proposals and keeps them by speculative sampling;
-    `"equality"` proposes the draft's argmax and keeps a proposal when the target samples the same token.
-    `draft_vocab`: the token ids the draft proposes from (None: its config's `draft_vocab` if any; False: every token);
-    verification is unchanged, so the output stays the target's own. `step_costs` (this machine's, from
-    `dflash_hf.cost_model.measure_verify_costs`): each step verifies only the prefix of the drafted block whose
-    expected tokens pay for its verify time; the output is the same, only the verified lengths change.
-    `cpu_kernels` (default: on for a CPU target): few-row products by the fastest kernel timed on this machine;
-    the output is the same. `tree_size=N`: each step verifies a tree of N drafted tokens (the N of highest draft path
-    probability) instead of a chain, still exactly (`tree_dflash`; docs/sampling.md, "Trees").
+    Every setting is keyword-only and described once, in README "Reference: `spec_generate` arguments"; settings not
+    passed come from `generation_config` (default: `target.generation_config`) as in `generate`. Each row equals the
+    target's own greedy decode of its prompt (greedy) or follows its sampling distribution; batches are left-padded
+    (`attention_mask`); see `SpecGenerateOutput`.
     """
     settings = resolve_settings(
         target, input_ids, draft, attention_mask=attention_mask, generation_config=generation_config,
@@ -729,13 +721,9 @@ class DFlashGenerationMixin:
     """Gives a DFlash draft model its `spec_generate` method, as Transformers' models get `generate` from
     `GenerationMixin`."""
 
-    def spec_generate(self, target: torch.nn.Module, input_ids: torch.Tensor, *args: Any,
+    def spec_generate(self, target: torch.nn.Module, input_ids: torch.Tensor,
                       **generation_kwargs: Any) -> torch.Tensor | SpecGenerateOutput:
         """Lossless speculative decoding with `target`: ids [N, prompt + new], or `SpecGenerateOutput` with stats.
-
-        Arguments: max_new_tokens, temperature, top_k, top_p, stop_token_ids, block_size, generator, seed,
-        mask_token_id, attention_mask, streamer, pad_token_id, return_stats, acceptance, draft_vocab, step_costs,
-        cpu_kernels, do_sample, generation_config, tree_size; what is not passed comes from the target's generation
-        config, as in `generate` (see `generation_dflash.spec_generate`).
-        """
-        return spec_generate(self, target, input_ids, *args, **generation_kwargs)
+        Every setting is a keyword argument of `generation_dflash.spec_generate` (documented there); what is not
+        passed comes from the target's generation config, as in `generate`."""
+        return spec_generate(self, target, input_ids, **generation_kwargs)

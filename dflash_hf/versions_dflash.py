@@ -9,10 +9,11 @@ Every difference the package depends on is answered here, and no other module as
 - a recurrent layer's token count (`align_token_count`): none before 5.25; 5.25's `cumulative_length_linear`, which
   `DynamicCache.get_seq_length()` reports when layer 0 is recurrent (so positions never come from it here);
 - the native DFlash draft (`native_draft_classes`): `MuseGlimmerAssistantModel` from 5.24 on;
-- functions a Hub kernel may replace in a recurrent mixer (`kernel_replacements`): from 5.25 on.
+- functions a Hub kernel may replace in a recurrent mixer (`kernel_replacements`): from 5.25 on;
+- Transformers' own assisted decoding on recurrent targets (`assisted_decoding_runs_recurrent_targets`): refused
+  (`_is_stateful`) before 5.25; from 5.25 on it runs them by recording past states and cropping them.
 
-Transformers 5.25 also dropped `_is_stateful`, so its own assisted decoding runs hybrid targets (README, "Hybrid
-targets", says how exactly). Hub remote code: imports only torch and transformers.
+Hub remote code: imports only torch and transformers.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ except ImportError:  # Transformers 4.x: recurrent states live in model-specific
     LinearAttentionCacheLayerMixin = None
 
 TRANSFORMERS_VERSION = transformers.__version__
+TRANSFORMERS_RELEASE = tuple(int(part) for part in TRANSFORMERS_VERSION.split(".")[:2])  # (5, 25)
 
 
 def cache_keyword(target: torch.nn.Module) -> str:
@@ -94,3 +96,9 @@ def kernel_replacements(mixer: torch.nn.Module) -> list[str]:
         if any(argument in parameters for argument in ("cache", "cache_params", "past_key_values")):
             replaced.append(name)
     return replaced
+
+
+def assisted_decoding_runs_recurrent_targets() -> bool:
+    """Whether Transformers' own assisted decoding (prompt lookup, its DFlash) runs targets with recurrent layers: from
+    5.25 on, by recording past states and cropping them (not always exactly: README, "Hybrid targets"); not before."""
+    return TRANSFORMERS_RELEASE >= (5, 25)

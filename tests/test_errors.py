@@ -23,6 +23,14 @@ def test_draft_target_mismatch(target, draft_kwargs, message):
         draft.spec_generate(target=target, input_ids=PROMPT, max_new_tokens=4)
 
 
+def test_spec_generate_takes_every_setting_by_keyword(target):
+    """A setting passed by position (once `max_new_tokens`, now keyword-only) is a TypeError, not another setting."""
+    draft = make_draft(0)
+    with pytest.raises(TypeError, match="positional"):
+        draft.spec_generate(target, PROMPT, 4)
+    assert draft.spec_generate(target, PROMPT, max_new_tokens=4).shape == (1, PROMPT.shape[1] + 4)
+
+
 @pytest.mark.parametrize("kwargs,error,message", [
     ({"input_ids": torch.zeros((1, 0), dtype=torch.long)}, ValueError, "prompt is empty"),
     ({"attention_mask": torch.tensor([[1, 1, 1, 1, 0]])}, ValueError, "pads row 0 on the right"),
