@@ -150,10 +150,10 @@ def plain_head_parts(target: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
     with _PROBE_LOCK:
         probed = _PLAIN_HEAD_PROBED.get(target)
     if probed is None or probed[0] is not forward:
-        probe = torch.arange(2, device=target_device(target))[None]  # [1, 2]
+        probe = torch.arange(2, device=target_device(target))[None]  # [1, 2]: tokens 0, 1 at positions 0, 1
         try:
-            own = target(input_ids=probe, use_cache=False).logits
-            bare = head(base(input_ids=probe, use_cache=False).last_hidden_state)
+            own = target(input_ids=probe, position_ids=probe, use_cache=False).logits
+            bare = head(base(input_ids=probe, position_ids=probe, use_cache=False).last_hidden_state)
             probed = (forward, own.shape == bare.shape and torch.equal(own, bare))
         except Exception:  # a target the probe cannot run this way: its own forward does every verify
             probed = (forward, False)

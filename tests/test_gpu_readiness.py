@@ -67,9 +67,9 @@ def test_the_counter_sees_what_waits():
     assert counter.total == 8, counter.counts
 
 
-def test_verify_passes_position_ids_only_where_columns_are_not_positions():
-    """Flash-attention checks position ids for packed sequences in every layer (a device wait): a single unpadded
-    row's verify passes none; a padded batch's must pass them."""
+def test_every_target_forward_gets_explicit_position_ids():
+    """No position comes from a cache's token counter (Transformers 5.25 reports a recurrent layer's for the whole
+    cache): the prefill and every verify pass `position_ids`, single rows and padded batches alike."""
     target, draft = make_target("llama", seed=3), make_draft(3)
     calls = []
     handle = target.model.register_forward_pre_hook(
@@ -82,8 +82,8 @@ def test_verify_passes_position_ids_only_where_columns_are_not_positions():
         draft.spec_generate(target=target, input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=20)
     finally:
         handle.remove()
-    assert single and not any(single)
-    assert calls and all(calls)
+    assert len(single) > 2 and all(single)
+    assert len(calls) > 2 and all(calls)
 
 
 # --- Autograd --------------------------------------------------------------------------------------------------------
