@@ -102,3 +102,14 @@ def assisted_decoding_runs_recurrent_targets() -> bool:
     """Whether Transformers' own assisted decoding (prompt lookup, its DFlash) runs targets with recurrent layers: from
     5.25 on, by recording past states and cropping them (not always exactly: README, "Hybrid targets"); not before."""
     return TRANSFORMERS_RELEASE >= (5, 25)
+
+
+def gated_delta_functions(mixer: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module] | None:
+    """A Gated DeltaNet mixer's own (convolution, chunked, token-by-token gated delta rule) function modules (a verify
+    calls the first two), or None where it has none (before 5.25, another family). From 5.25 on each mixer holds a
+    private copy of every replaceable function (`use_kernelized_func`, `_kernel_funcs`) and calls it through
+    `__call__`, so forward hooks on the copies see each call's arguments."""
+    functions = vars(mixer).get("_kernel_funcs") or {}
+    parts = tuple(functions.get(name) for name in ("causal_conv1d_forward", "chunk_gated_delta_rule",
+                                                   "fused_recurrent_gated_delta_rule"))
+    return parts if all(isinstance(part, torch.nn.Module) for part in parts) else None

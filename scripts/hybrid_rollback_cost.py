@@ -1,8 +1,9 @@
-"""What the state rollback of a hybrid target costs: its time as a share of a verify, and its memory.
+"""What the state rollback of a hybrid target costs: its time next to a verify's, and its memory.
 
 A random Qwen3.5-shaped target (three Gated DeltaNet layers to each full-attention layer) is prefilled with a random
 context; then, many times over, a B-token verify runs (recording the mixers' inputs) and the rollback advances the
-states over k kept columns, for several k. Prints a markdown table (README, "Hybrid targets").
+states over k kept columns, for several k, timed on its own (median). Prints a markdown table (README, "Hybrid
+targets").
 
     python scripts/hybrid_rollback_cost.py --layers 8 --hidden-size 1024 --block-size 16
 """
@@ -19,6 +20,14 @@ import transformers
 from dflash_hf.generation_dflash import DecodeSession
 from dflash_hf.proposer_dflash import Proposal
 from dflash_hf.settings_dflash import resolve_settings
+
+
+def tensor_bytes(value: object) -> int:
+    """Bytes of every tensor in `value` (a cache layer's snapshot: dicts, lists and tensors)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return sum(tensor_bytes(item) for item in items)
 
 
 def build_target(layers: int, hidden_size: int, vocab_size: int) -> torch.nn.Module:
@@ -71,20 +80,28 @@ def main() -> None:
         def verify() -> None:
             session.verify(step, proposal)
 
-        def verify_then_keep(kept: int):
-            columns = session.state.columns.width
-            return lambda: (session.verify(step, proposal), recurrent.advance([list(range(kept))], columns))
+        def rollback_seconds(kept: int) -> float:
+            """The median time of `advance` alone, each after its own verify."""
+            samples = []
+            for _ in range(args.repeats):
+                verify()
+                started = time.perf_counter()
+                recurrent.advance([list(range(kept))], session.state.columns.width)
+                samples.append(time.perf_counter() - started)
+                session.discard_verify()
+            return statistics.median(samples)
 
-        for run in (verify, verify_then_keep(1)):  # warm-up
-            run()
-            session.discard_verify()
+        verify(), session.discard_verify(), rollback_seconds(1)  # warm-up
         verify_time = seconds(lambda: (verify(), session.discard_verify()), args.repeats)
         for kept in sorted({1, 2, 4, args.block_size // 2, args.block_size - 1}):
-            both = seconds(lambda kept=kept: (verify_then_keep(kept)(), session.discard_verify()), args.repeats)
-            rows.append((kept, both - verify_time))
+            rows.append((kept, rollback_seconds(kept)))
         session.verify(step, proposal)
         inputs = sum(tensor.numel() * tensor.element_size() for tensor in recurrent.inputs.values())
-        snapshot = sum(state.numel() * state.element_size() for pair in recurrent.before.values() for state in pair)
+        snapshot = sum(tensor_bytes(saved) for saved in recurrent.before.values())
+        # the Gated DeltaNet calls' arguments the rollback replays (the live state they start from excluded)
+        calls = sum(tensor_bytes(list(args)) + tensor_bytes({key: value for key, value in kwargs.items()
+                                                             if key != "initial_state"})
+                    for layer_calls in recurrent.calls.values() for _, args, kwargs in layer_calls)
         session.discard_verify()
     parameters = sum(p.numel() for p in target.parameters())
     print(f"Qwen3.5-shaped target, {args.layers} layers ({len(recurrent.mixers)} Gated DeltaNet), hidden "
@@ -96,7 +113,9 @@ def main() -> None:
         print(f"| {kept} | {extra * 1e3:.1f} | {extra / verify_time:.0%} |")
     print(f"\nMemory per step: the mixers' inputs {inputs / 2**10:.0f} KiB "
           f"({inputs / args.block_size / 2**10:.1f} KiB "
-          f"per verified token), the state snapshot {snapshot / 2**20:.2f} MiB per row.")
+          f"per verified token), the recorded convolution and recurrence arguments {calls / 2**10:.0f} KiB "
+          f"({calls / args.block_size / 2**10:.1f} KiB per verified token), the state snapshot "
+          f"{snapshot / 2**20:.2f} MiB per row.")
 
 
 if __name__ == "__main__":

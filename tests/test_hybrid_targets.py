@@ -570,3 +570,28 @@ def test_a_kernel_that_keeps_its_conv_state_privately_is_refused_before_any_forw
     monkeypatch.setattr(recurrent_dflash, "kernel_replacements", lambda mixer: [])
     with pytest.raises(AssertionError, match="a token the target would not produce"):  # its state escaped the rollback
         speculative_decode(target, ReferenceProposer(expected, corrupt_seed=4), prompt, 24, 6)
+
+
+@needs_hybrid
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "olmo_hybrid"])
+def test_a_chains_rollback_replays_only_the_gated_delta_recurrence(hybrid_targets, family):
+    """Gated DeltaNet layers: after a chain's verify only the convolution's state update and the recurrence run again
+    (from their recorded arguments), never the mixer with its projections; the output stays the target's own."""
+    target = hybrid(hybrid_targets, family)
+    prompt = random_prompt(5, 11)
+    expected = plain_greedy(target, prompt, 30)
+    mixers = recurrent_dflash.find_mixers(target, recurrent_cache_layers(
+        transformers.DynamicCache(config=target_text_config(target))))
+    assert all(mixer.gated_delta is not None for mixer in mixers)
+    forwards, decoder_forwards = [], []
+    handles = [mixer.module.register_forward_hook(lambda *args: forwards.append(1)) for mixer in mixers]
+    handles.append(target.get_decoder().register_forward_hook(lambda *args: decoder_forwards.append(1)))
+    try:
+        result = speculative_decode(target, ReferenceProposer(expected, corrupt_seed=5), prompt, 30, 6)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert torch.equal(result.output_ids, expected)
+    assert min(result.acceptance_lengths[0]) < 6  # steps rolled back
+    assert len(decoder_forwards) >= 1 + len(result.acceptance_lengths[0])  # the prefill and one verify per step
+    assert len(forwards) == len(mixers) * len(decoder_forwards)  # no mixer ran outside a target forward

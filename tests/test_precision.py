@@ -103,3 +103,112 @@ def test_float16_draft_on_outlier_target_is_lossless_and_keeps_accepting():
     assert fixed.acceptance_lengths == reference.acceptance_lengths  # as the float32 copy accepts
     assert len(fixed.acceptance_lengths[0]) < len(broken.acceptance_lengths[0])  # fewer target forwards
     assert max(broken.acceptance_lengths[0]) == 1  # the old path's NaN proposals: nothing accepted
+
+
+# --- Quantized targets (scripts/precision_check.py measures SmolLM2 in each precision) ------------------------------
+# Weight-only quantizers compute each token's row on its own: a many-token verify equals one-token decoding up to
+# float reordering, so greedy spec_generate reproduces the quantized target's own generate. bitsandbytes' LLM.int8
+# does not: the columns it keeps in 16-bit are those where ANY token of the forward reaches `threshold`.
+
+QUANTIZED_CASES = [(0, 5, 8), (1, 9, 4), (2, 13, 6), (5, 6, 5)]  # (prompt seed, prompt length, block size)
+
+
+def greedy_pairs(target: torch.nn.Module, cases=QUANTIZED_CASES, max_new_tokens: int = 16, **spec_kwargs):
+    """(spec_generate, generate) greedy outputs of a tiny float32 draft with `target`, per case."""
+    from helpers import random_prompt
+
+    draft = make_draft(1, block_size=8)
+    pairs = []
+    for seed, length, block_size in cases:
+        prompt = random_prompt(seed, length)
+        expected = plain_greedy(target, prompt, max_new_tokens)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            output = draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=max_new_tokens,
+                                         block_size=block_size, **spec_kwargs)
+        pairs.append((output, expected))
+    return pairs
+
+
+def torchao_int8_target(include_lm_head: bool = False) -> torch.nn.Module:
+    """A tiny seeded float32 Qwen3 with torchao int8 weight-only Linear weights (the LM head kept in float32 unless
+    `include_lm_head`, as Transformers' TorchAoConfig keeps it)."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    target = make_target("qwen3", seed=1)
+    quantize_(target, Int8WeightOnlyConfig(),
+              filter_fn=lambda module, name: isinstance(module, torch.nn.Linear)
+              and (include_lm_head or name != "lm_head"))
+    assert "Int8Tensor" in type(target.model.layers[0].mlp.down_proj.weight).__name__  # really quantized
+    return target
+
+
+@pytest.mark.parametrize("include_lm_head", [False, True])
+def test_torchao_int8_weight_only_target_is_lossless(include_lm_head):
+    pytest.importorskip("torchao")
+    target = torchao_int8_target(include_lm_head)
+    # a quantized LM head: the few-row CPU kernels cannot multiply torchao's weight tensors (cpu_kernels=False)
+    for output, expected in greedy_pairs(target, **({"cpu_kernels": False} if include_lm_head else {})):
+        assert torch.equal(output, expected)
+
+
+def bitsandbytes_target(kind: str, threshold: float = 6.0, init_std: float = 1.0) -> torch.nn.Module:
+    """A tiny seeded float32 Qwen3 whose Linear layers but the LM head are bitsandbytes 8-bit (LLM.int8 with
+    `threshold`) or nf4 (float32 compute), on the CPU. init_std 1.0: activations pass the default threshold 6.0."""
+    import bitsandbytes as bnb
+
+    target = make_target("qwen3", seed=1, init_std=init_std)
+    for module in list(target.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear and name != "lm_head":
+                if kind == "8bit":
+                    layer = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=child.bias is not None,
+                                                has_fp16_weights=False, threshold=threshold)
+                else:
+                    layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                              quant_type="nf4", compute_dtype=torch.float32)
+                layer.load_state_dict(child.state_dict())
+                setattr(module, name, layer.to("cpu"))  # quantizes the weight
+    return target.eval()  # in training mode bitsandbytes' CPU 8-bit path multiplies dequantized weights instead
+
+
+def verify_versus_decode_gap(target: torch.nn.Module, length: int = 12, block: int = 8) -> float:
+    """Largest logit difference between one forward of `block` tokens after a cached prefix (a verify) and the same
+    tokens fed one at a time (decoding)."""
+    from helpers import random_prompt
+    from transformers import DynamicCache
+
+    ids = random_prompt(0, length + block)
+    with torch.no_grad():
+        cache = DynamicCache(config=target.config)
+        target(ids[:, :length], cache=cache)
+        verify = target(ids[:, length:], cache=cache).logits[0]
+        cache = DynamicCache(config=target.config)
+        target(ids[:, :length], cache=cache)
+        decode = torch.cat([target(ids[:, i:i + 1], cache=cache).logits[0]
+                            for i in range(length, length + block)])
+    return (verify - decode).abs().max().item()
+
+
+def test_bitsandbytes_nf4_target_is_lossless():
+    pytest.importorskip("bitsandbytes")
+    target = bitsandbytes_target("nf4")
+    assert verify_versus_decode_gap(target) < 1e-3  # weight-only: float reordering at most
+    for output, expected in greedy_pairs(target):
+        assert torch.equal(output, expected)
+
+
+def test_bitsandbytes_int8_verify_differs_from_decoding_where_outliers_split_columns():
+    """LLM.int8 (threshold 6.0, Transformers' default) keeps in 16-bit the input columns where any token of the call
+    reaches the threshold, and quantizes each token's other columns with a scale taken over the call's columns: a
+    token's result depends on the other tokens of its forward. A verify then computes other logits than one-token
+    decoding (far beyond float reordering), and greedy spec_generate can leave the target's own greedy output.
+    Without the outlier split (threshold 0) every row is quantized on its own and the outputs are identical."""
+    pytest.importorskip("bitsandbytes")
+    split, plain_int8 = bitsandbytes_target("8bit", threshold=6.0), bitsandbytes_target("8bit", threshold=0.0)
+    assert verify_versus_decode_gap(split) > 0.05
+    assert verify_versus_decode_gap(plain_int8) < 1e-3
+    for output, expected in greedy_pairs(plain_int8):
+        assert torch.equal(output, expected)
+    identical = [torch.equal(output, expected) for output, expected in greedy_pairs(split)]
+    assert not all(identical)  # at these seeds the last case leaves the target's greedy output
