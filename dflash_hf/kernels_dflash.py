@@ -152,9 +152,11 @@ def fastest_kernel(weight: torch.Tensor, bias: torch.Tensor | None, states: torc
 
 
 def is_plain_linear(module: torch.nn.Module) -> bool:
-    """A bare `nn.Linear` whose weight is materialised and whose forward no hook wraps (Accelerate, torch hooks)."""
+    """A bare `nn.Linear` whose weight is a plain materialised tensor (not a quantizer's tensor subclass, as torchao's)
+    and whose forward no hook wraps (Accelerate, torch hooks)."""
     return (
         type(module) is torch.nn.Linear
+        and type(module.weight) in (torch.Tensor, torch.nn.Parameter)
         and module.weight.device.type != "meta"
         and not (module._forward_hooks or module._forward_pre_hooks)
         and "forward" not in vars(module)  # Accelerate's hooks replace the instance's forward

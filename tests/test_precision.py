@@ -147,8 +147,7 @@ def torchao_int8_target(include_lm_head: bool = False) -> torch.nn.Module:
 def test_torchao_int8_weight_only_target_is_lossless(include_lm_head):
     pytest.importorskip("torchao")
     target = torchao_int8_target(include_lm_head)
-    # a quantized LM head: the few-row CPU kernels cannot multiply torchao's weight tensors (cpu_kernels=False)
-    for output, expected in greedy_pairs(target, **({"cpu_kernels": False} if include_lm_head else {})):
+    for output, expected in greedy_pairs(target):  # the CPU kernels on: a quantized LM head is called, not multiplied
         assert torch.equal(output, expected)
 
 
@@ -178,14 +177,16 @@ def verify_versus_decode_gap(target: torch.nn.Module, length: int = 12, block: i
     from helpers import random_prompt
     from transformers import DynamicCache
 
+    from dflash_hf.versions_dflash import cache_keyword
+
     ids = random_prompt(0, length + block)
     with torch.no_grad():
         cache = DynamicCache(config=target.config)
-        target(ids[:, :length], cache=cache)
-        verify = target(ids[:, length:], cache=cache).logits[0]
+        target(ids[:, :length], **{cache_keyword(target): cache})
+        verify = target(ids[:, length:], **{cache_keyword(target): cache}).logits[0]
         cache = DynamicCache(config=target.config)
-        target(ids[:, :length], cache=cache)
-        decode = torch.cat([target(ids[:, i:i + 1], cache=cache).logits[0]
+        target(ids[:, :length], **{cache_keyword(target): cache})
+        decode = torch.cat([target(ids[:, i:i + 1], **{cache_keyword(target): cache}).logits[0]
                             for i in range(length, length + block)])
     return (verify - decode).abs().max().item()
 
