@@ -177,7 +177,7 @@ class RecurrentStates:
         """Put every recurrent state back as it was before the last verify (that verify is discarded)."""
         for layer_idx in self.before:
             self.put_back(layer_idx)
-        self.inputs = {}
+        self.inputs, self.calls = {}, {}
 
     @torch.no_grad()
     def advance(self, kept_columns: list[list[int]], num_columns: int) -> None:
@@ -202,7 +202,7 @@ class RecurrentStates:
                 self._advance_layer(mixer, inputs, kept_counts, complete)
         for mixer in self.mixers:
             align_token_count(self.layer(mixer.layer_idx), num_columns)
-        self.inputs = {}
+        self.inputs, self.calls = {}, {}
 
     def _advance_layer(self, mixer: Mixer, inputs: torch.Tensor, kept_counts: list[int], complete: int | None
                        ) -> None:
@@ -231,7 +231,7 @@ class RecurrentStates:
         layer replays only its convolution's state update and its recurrence, from the arguments they had in the
         verify (the projections are not run again); any other layer runs its whole mixer over `inputs` [n, c, H]."""
         calls = self.calls.get(mixer.layer_idx, [])
-        width = inputs.shape[1] if self.tree else next(iter(self.inputs.values())).shape[1]
+        width = self.inputs[mixer.layer_idx].shape[1]  # b: the verify's columns
         convolution, chunked, token_by_token = mixer.gated_delta or (None, None, None)
         convolutions = [call for call in calls if call[0] is convolution]
         rules = [call for call in calls if call[0] is chunked]
