@@ -1,4 +1,4 @@
-"""What differs between the Transformers releases dflash-hf runs on (pyproject's range: 4.57.x to 5.25.x).
+"""What differs between the Transformers releases dflash-hf runs on (pyproject's range: 4.57.6 to 5.25.x).
 
 Every difference the package depends on is answered here, and no other module asks which Transformers is installed:
 
@@ -9,7 +9,8 @@ Every difference the package depends on is answered here, and no other module as
 - a recurrent layer's token count (`align_token_count`): none before 5.25; 5.25's `cumulative_length_linear`, which
   `DynamicCache.get_seq_length()` reports when layer 0 is recurrent (so positions never come from it here);
 - the native DFlash draft (`native_draft_classes`): `MuseGlimmerAssistantModel` from 5.24 on;
-- functions a Hub kernel may replace in a recurrent mixer (`kernel_replacements`): from 5.25 on;
+- functions a Hub kernel may replace in a recurrent mixer (`kernel_replacements`), and a Gated DeltaNet mixer's own
+  function modules, whose calls a chain's rollback replays (`gated_delta_functions`): from 5.25 on;
 - Transformers' own assisted decoding on recurrent targets (`assisted_decoding_runs_recurrent_targets`): refused
   (`_is_stateful`) before 5.25; from 5.25 on it runs them by recording past states and cropping them.
 
