@@ -134,7 +134,7 @@ def run_benchmark(
     tokens = generation_tokens(target, tokenizer, draft)
     native_draft = transformers_dflash_peer(draft, settings, progress and process.is_main)
     first_prompt = user_prompt_ids(tokenizer, next(iter(datasets.values()))[0][0], settings.thinking)
-    warm_up(draft, target, [first_prompt] * settings.batch_size,
+    warm_up_seconds = warm_up(draft, target, [first_prompt] * settings.batch_size,
             dataclasses.replace(settings, block_size=resolve_block_size(None, draft.block_size)
                                 if settings.block_size in ("auto", "adaptive") else settings.block_size,
                                 tree_size=None if settings.tree_size == "auto" else settings.tree_size),
@@ -163,6 +163,7 @@ def run_benchmark(
                                  process.gather([step_costs])[0], settings.temperature == 0, settings.batch_size,
                                  choice.step_costs))
         results[-1]["assisted_refused"] = assisted_decoding_refusal(target)
+        results[-1]["warm_up_seconds"] = warm_up_seconds
         results[-1]["tree_size"] = tree_size or 0
         if tree_rates is not None:  # "auto": the calibration's tokens/s per tree size (0: the chain)
             results[-1]["tree_size_rates"] = tree_rates

@@ -24,6 +24,12 @@ from .versions_dflash import TRANSFORMERS_VERSION, is_linear_attention_layer, re
 
 # A cache is compacted when its width exceeds the longest row's real positions by more than this.
 CACHE_HOLE_BUDGET = 32
+CAPACITY_STEP = 256  # a static cache's columns are rounded up to this, so calls of similar lengths share one graph
+
+
+def static_capacity(columns: int) -> int:
+    """The columns of a static cache that must hold `columns`: rounded up to CAPACITY_STEP."""
+    return -(-columns // CAPACITY_STEP) * CAPACITY_STEP
 
 
 def left_pad(
@@ -37,9 +43,27 @@ def left_pad(
 
 
 def host_to_device(values: Sequence[Any], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """Python numbers (or nested lists) as a tensor on `device`, copied without waiting for the device's
-    queued work."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    """Python numbers (or nested lists) as a tensor on `device`. To a CUDA device the copy goes from pinned memory,
+    queued behind the device's work: from pageable memory CUDA would first wait for that work."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
+def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors on the host, read from their device at once: one copy of them all, flattened as float64 (which
+    holds every token id and every float32 or bfloat16 value exactly); integer tensors come back as int64."""
+    if tensors[0].device.type == "mps":  # no float64 there: one read each
+        return tuple(tensor.cpu() for tensor in tensors)
+    device = tensors[0].device
+    flat = torch.cat([tensor.reshape(-1).to(device, torch.float64) for tensor in tensors]).cpu()
+    parts, start = [], 0
+    for tensor in tensors:
+        part = flat[start : start + tensor.numel()].view(tensor.shape)
+        parts.append(part if tensor.dtype.is_floating_point else part.long())
+        start += tensor.numel()
+    return tuple(parts)
 
 
 def left_padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -100,11 +124,14 @@ class CacheColumns:
         self.valid = self.valid[index]
         self.real_counts = [self.real_counts[row] for row in keep]
 
-    def compaction(self) -> torch.Tensor | None:
+    def compaction(self, room: int | None = None) -> torch.Tensor | None:
         """The column order [N, W'] that removes the holes once they exceed CACHE_HOLE_BUDGET, or (contiguous) once a
-        row has a hole after its first position (else None)."""
+        row has a hole after its first position, or (`room`: a static cache's free columns before a step) only once
+        the columns pass `room` (else None)."""
         longest = max(self.real_counts)
-        if self.width - longest <= CACHE_HOLE_BUDGET and not (self.contiguous and self.gapped):
+        if room is not None and self.width <= room:
+            return None
+        if room is None and self.width - longest <= CACHE_HOLE_BUDGET and not (self.contiguous and self.gapped):
             return None
         index = compaction_index(self.valid, longest)
         self.valid = self.valid.gather(1, index)
@@ -396,3 +423,54 @@ class DraftContextCache:
         self.value_buffers = [None if value is None else gather_columns(value, index) for value in values]
         self.lengths = [index.shape[1] if key is not None else 0 for key in keys]
         self.positions = None if self.positions is None else self.positions.gather(1, index)
+
+
+class StaticDraftContextCache:
+    """The draft's context cache at a fixed size, for a compiled draft (`spec_generate(compile=True)`): per layer one
+    buffer [N, kv_heads, C + B, D], whose first C columns hold context K/V in the target cache's column layout (holes
+    masked by the caller) and whose last B hold the block's; the positions [N, C] of the context columns. A call
+    writes its new context at the columns `slots` [c] (a tensor: a compiled draft sees no new number), so no shape or
+    address changes from call to call."""
+
+    def __init__(self, num_layers: int, capacity: int, block_size: int) -> None:
+        self.capacity, self.block_size = capacity, block_size  # C, B
+        self.key_buffers: list[torch.Tensor | None] = [None] * num_layers
+        self.value_buffers: list[torch.Tensor | None] = [None] * num_layers
+        self.positions: torch.Tensor | None = None  # [N, C]
+        self.slots: torch.Tensor | None = None  # [c]: where the next call's context columns go
+
+    def append_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Record the position ids [N, c] of this call's context columns at `slots`; all of them [N, C]."""
+        if self.positions is None:
+            self.positions = position_ids.new_zeros(position_ids.shape[0], self.capacity)
+        self.positions.index_copy_(1, self.slots, position_ids)
+        return self.positions
+
+    def attention_inputs(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, block_key: torch.Tensor,
+                         block_value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a layer's new context K/V [N, kv_heads, c, D] at `slots` and the block's [N, kv_heads, B, D] after
+        the context columns; return both buffers [N, kv_heads, C + B, D]."""
+        if self.key_buffers[layer_idx] is None:
+            shape = (key.shape[0], key.shape[1], self.capacity + self.block_size, key.shape[3])
+            self.key_buffers[layer_idx], self.value_buffers[layer_idx] = key.new_zeros(shape), value.new_zeros(shape)
+        keys, values = self.key_buffers[layer_idx], self.value_buffers[layer_idx]
+        keys.index_copy_(2, self.slots, key)
+        values.index_copy_(2, self.slots, value)
+        keys[:, :, self.capacity :].copy_(block_key)
+        values[:, :, self.capacity :].copy_(block_value)
+        return keys, values
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep the batch rows `index` [n] (a compiled loop keeps its rows; a new shape compiles anew)."""
+        self.key_buffers = [None if buffer is None else buffer[index] for buffer in self.key_buffers]
+        self.value_buffers = [None if buffer is None else buffer[index] for buffer in self.value_buffers]
+        self.positions = None if self.positions is None else self.positions[index]
+
+    def reorder_columns(self, index: torch.Tensor) -> None:
+        """Compaction in place: the first W' context columns become the per-row columns index [N, W']."""
+        width = index.shape[1]
+        for buffer in (*self.key_buffers, *self.value_buffers):
+            if buffer is not None:
+                buffer[:, :, :width].copy_(gather_columns(buffer[:, :, : self.capacity], index))
+        if self.positions is not None:
+            self.positions[:, :width].copy_(self.positions.gather(1, index))

@@ -65,6 +65,9 @@ SHARED_OPTIONS: dict[str, dict] = {
     "--cpu-kernels": dict(choices=["auto", "on", "off"], default="auto",
                           help="few-row products of the verify and draft passes by the fastest kernel timed on "
                                "this machine (auto: on for a CPU target); the output is the same either way"),
+    "--compile": dict(action="store_true",
+                      help="verify with the compiled static-shape path (spec_generate(compile=True); README "
+                           "\"Compiled decoding\"): chains only; the untimed warm-up compiles"),
     "--seed": dict(type=int, default=0, help="seed of the run's random draws (train: anchors, shuffling and the "
                                              "draft's initialisation; bench: the sampling generators)"),
 }
@@ -160,6 +163,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add_shared_argument(parser, "--max-new-tokens")
     add_shared_argument(parser, "--block-size", nargs="+", default=[None])
     add_shared_argument(parser, "--tree-size", nargs="+", default=[0])
+    add_shared_argument(parser, "--compile")
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1],
                         help="prompts per call (left-padded); several values run one after the other, e.g. 1 2 4 8")
     parser.add_argument("--temperature", type=float, default=0.0,
@@ -276,13 +280,15 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
                 settings = BenchSettings(args.max_new_tokens, block_size, args.temperature,
                                          args.prompt_lookup_tokens or None, args.seed, batch_size,
                                          acceptance=args.acceptance, cpu_kernels=cpu_kernels_choice(args.cpu_kernels),
-                                         thinking=args.thinking, tree_size=tree_size or None)
+                                         thinking=args.thinking, tree_size=tree_size or None,
+                                         compile=args.compile)
                 results += run_benchmark(draft, target, tokenizer, datasets, settings, progress=process.is_main)
     if not process.is_main:  # under `accelerate launch` every process holds the gathered results; one reports
         return results
     print(markdown_table(results))
     print(f"({dtype}, {device}, {torch.get_num_threads()} threads, {args.max_new_tokens} new tokens, "
-          f"temperature {args.temperature})")
+          f"temperature {args.temperature}"
+          + (f", compiled: the warm-up took {results[0]['warm_up_seconds']:.0f} s" if args.compile else "") + ")")
     if args.plot:
         plot_results(results, args.plot)
         print(f"plot: {args.plot}")
@@ -405,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_shared_argument(demo, "--block-size", default="auto")
     add_shared_argument(demo, "--tree-size", default="auto")
     add_shared_argument(demo, "--cpu-kernels")
+    add_shared_argument(demo, "--compile")
     add_bench_arguments(subcommand("bench", "tau, tokens/s and speedup against plain decoding, and lossless checks",
                                    BENCH_EXAMPLES))
     card = subcommand("card", "render a draft's Hub model card (README.md) from its dflash_card.json",
@@ -448,7 +455,8 @@ def main(argv: list[str] | None = None) -> None:
         from .demo import run_demo
 
         run_demo(args.max_new_tokens, bench_dtype(args.dtype, torch.device("cpu")), args.draft, args.block_size,
-                 cpu_kernels_choice(args.cpu_kernels), args.tree_size or None)
+                 cpu_kernels_choice(args.cpu_kernels), None if args.compile else args.tree_size or None,
+                 compile=args.compile)
     elif args.command == "bench":
         from .benchmark import process_context
 

@@ -24,6 +24,7 @@ REMOTE_CODE_FILES = (
     "target_dflash.py",
     "proposer_dflash.py",
     "recurrent_dflash.py",
+    "static_dflash.py",
     "tree_dflash.py",
     "settings_dflash.py",
     "generation_dflash.py",

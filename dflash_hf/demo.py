@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from .loading import SHIPPED_DRAFT
+from .loading import SHIPPED_DRAFT, SMOLLM2, load_target
 from .sampling_dflash import mean_acceptance_length
 
 DEMO_PROMPTS = [  # held out: gsm8k test questions (the draft trained on gsm8k train) and a coding request
@@ -19,31 +19,32 @@ DEMO_PROMPTS = [  # held out: gsm8k test questions (the draft trained on gsm8k t
 
 
 def load_demo(dtype: torch.dtype = torch.float32, draft_path: str | Path | None = None):
-    """(target, tokenizer, draft): SmolLM2-135M-Instruct and the shipped draft, in `dtype`, eval mode.
+    """(target, tokenizer, draft): SmolLM2-135M-Instruct and the shipped draft, in `dtype`, eval mode; the target
+    verifies with `kernels_dflash.grouped_query_sdpa` (`loading.load_target`).
 
     float32 is the default: on CPUs without native bfloat16 matrix kernels, verifying a block in bfloat16 costs
     several one-token steps, which cancels the speculative gain.
     """
     from .modeling_dflash import DFlashDraftModel
-    from .smollm2 import load_smollm2
 
     path = Path(draft_path) if draft_path is not None else SHIPPED_DRAFT
     if (path.is_dir() or draft_path is None) and not (path / "config.json").exists():  # else a Hub id
         raise FileNotFoundError(f"No draft at {path}; train one with `dflash-hf train --output runs/smollm2`.")
-    target, tokenizer = load_smollm2(dtype)
+    target, tokenizer = load_target(SMOLLM2, dtype)
     draft = DFlashDraftModel.from_pretrained(draft_path if draft_path is not None else path, dtype=dtype).eval()
     return target, tokenizer, draft
 
 
 def run_demo(max_new_tokens: int = 256, dtype: torch.dtype = torch.float32, draft_path: str | Path | None = None,
              block_size: int | str = "auto", cpu_kernels: bool | None = None,
-             tree_size: int | str | None = "auto") -> dict:
+             tree_size: int | str | None = "auto", compile: bool = False) -> dict:
     """Answer the demo prompts with spec_generate; print answers, tau, tokens/s and the speedup over generate.
 
     block_size "auto": the block with the best predicted speedup on this machine, chosen on the first prompt before
     anything is timed; "adaptive": draft the trained block, verify per step the prefix worth its cost
     (`cost_model.resolve_block_choice`, as bench chooses). tree_size "auto": a tree of the size that decodes
-    fastest here, or the chain (`cost_model.choose_tree_size`); None: the chain. `cpu_kernels`: see `spec_generate`.
+    fastest here, or the chain (`cost_model.choose_tree_size`); None: the chain. `cpu_kernels`, `compile`: see
+    `spec_generate` (compiled: chains only, compiled by the untimed warm-up).
     """
     from .cost_model import choose_tree_size, resolve_block_choice
     from .evaluation import evaluate_draft
@@ -80,13 +81,14 @@ def run_demo(max_new_tokens: int = 256, dtype: torch.dtype = torch.float32, draf
         print(f"[tau {mean_acceptance_length(lengths):.2f}, {len(new_tokens)} tokens]", flush=True)
 
     summary = evaluate_draft(draft, target, prompts, max_new_tokens, choice.block_size, tokens=tokens, on_result=show,
-                             step_costs=choice.step_costs, cpu_kernels=cpu_kernels, tree_size=tree_size)
+                             step_costs=choice.step_costs, cpu_kernels=cpu_kernels, tree_size=tree_size,
+                             compile=compile)
     verified = "" if choice.step_costs is None else (f", adaptive: {summary['mean_verified_length']:.2f} "
                                                      "verified per step")
     rates = summary["tokens_per_s"]
     print(f"\ntau {summary['tau']:.2f} | target.generate {rates['plain']:.1f} tokens/s | spec_generate "
           f"{rates['dflash']:.1f} tokens/s | speedup {summary['speedup']:.2f}x | identical to generate: "
           f"{summary['lossless']} ({dtype}, block size {choice.block_size} of {draft.block_size}{verified}, "
-          f"{f'tree of {tree_size}' if tree_size else 'chain'}, "
+          f"{f'tree of {tree_size}' if tree_size else 'chain'}{', compiled' if compile else ''}, "
           f"{torch.get_num_threads()} threads)")
     return summary

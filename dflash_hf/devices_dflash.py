@@ -1,5 +1,6 @@
-"""Where a Transformers model computes and what its decoder config is: the few facts every other module reads of a
-target (possibly dispatched or offloaded by Accelerate, possibly a multimodal wrapper around a decoder).
+"""Where a Transformers model computes, what its decoder config is and which attention backends take a mask as given:
+the few facts every other module reads of a target (possibly dispatched or offloaded by Accelerate, possibly a
+multimodal wrapper around a decoder) or of a draft.
 
 Hub remote code: imports only torch (and Accelerate, only for offloaded models).
 """
@@ -10,6 +11,13 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
+
+# `kernels_dflash.grouped_query_sdpa`'s name in Transformers' attention table (a name with "flash" in it would be read
+# as a flash-attention kernel)
+GROUPED_QUERY_SDPA = "grouped_query_sdpa"
+# Attention implementations (names in Transformers' attention table) that apply a given 2-D or 4-D mask as it is: a
+# tree's mask, a compiled verify's mask over a static cache, a draft's mask over context and block.
+MASKED_ATTENTION = ("sdpa", "eager", GROUPED_QUERY_SDPA)
 
 
 def target_text_config(target: torch.nn.Module) -> Any:

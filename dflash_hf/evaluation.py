@@ -69,6 +69,7 @@ class BenchSettings:
     # spec_generate's tree_size (None: a chain; "auto": chosen per dataset on its first prompt by
     # `cost_model.choose_tree_size`); the peers run with chains only
     tree_size: int | str | None = None
+    compile: bool = False  # spec_generate's compile (README "Compiled decoding"): the warm-up call compiles
 
 
 def assisted_decoding_refusal(target: torch.nn.Module) -> str | None:
@@ -121,16 +122,20 @@ def method_order(methods: list[str], turn: int) -> list[str]:
 
 def warm_up_settings(settings: BenchSettings, block_size: int) -> BenchSettings:
     """Settings of the untimed warm-up: two full blocks of new tokens, so that the first step and a later one both
-    verify `block_size` tokens (and every method meets those widths) before anything is timed."""
-    return replace(settings, max_new_tokens=2 * block_size + 1)
+    verify `block_size` tokens (and every method meets those widths) before anything is timed; compiled, the whole
+    length, so that the static cache it compiles for is the one the timed calls use."""
+    return replace(settings, max_new_tokens=settings.max_new_tokens if settings.compile else 2 * block_size + 1)
 
 
 def warm_up(draft: DFlashDraftModel, target: torch.nn.Module, prompts: list[list[int]], settings: BenchSettings,
-            tokens: GenerationTokens, native_draft: torch.nn.Module | None = None) -> None:
-    """The untimed warm-up before measuring: every method over `prompts` for two full blocks, kernels primed."""
+            tokens: GenerationTokens, native_draft: torch.nn.Module | None = None) -> float:
+    """The untimed warm-up before measuring: every method over `prompts` for two full blocks (compiled: the whole
+    length), kernels primed; its seconds (compiled: mostly the compilation)."""
+    started = time.perf_counter()
     block_size = resolve_block_size(settings.block_size, draft.block_size)
     prime_few_row_kernels(draft, target, len(prompts) * block_size)
     measure_prompts(draft, target, prompts, warm_up_settings(settings, block_size), tokens, native_draft)
+    return time.perf_counter() - started
 
 
 def _timed(run: Callable[[], list[list[int]]], device: torch.device, seed: int) -> tuple[list[list[int]], float]:
@@ -183,7 +188,7 @@ def measure_prompts(
             seed=settings.seed if settings.temperature > 0 else None, mask_token_id=tokens.mask_token_id,
             return_stats=True,
             acceptance=settings.acceptance, step_costs=settings.step_costs, cpu_kernels=settings.cpu_kernels,
-            tree_size=settings.tree_size, **neutral,
+            tree_size=settings.tree_size, compile=settings.compile, **neutral,
         ))
         return [results[-1].new_tokens(row) for row in range(len(prompts))]
 
@@ -377,19 +382,21 @@ def evaluate_draft(
     step_costs: StepCosts | None = None,
     cpu_kernels: bool | None = None,
     tree_size: int | None = None,
+    compile: bool = False,
 ) -> dict[str, Any]:
     """`dflash-hf bench`'s greedy measurement of prompts one at a time: tau, tokens/s against `target.generate`,
     lossless.
 
     `tokens`: stop, pad and mask ids (`generation_tokens`). `on_result(prompt_index, record)` sees each prompt's
     record as soon as it is measured; the method that runs first rotates from prompt to prompt. `step_costs`:
-    adaptive verify length (`spec_generate(step_costs=...)`); `tree_size`: trees (`spec_generate(tree_size=...)`).
+    adaptive verify length (`spec_generate(step_costs=...)`); `tree_size`: trees (`spec_generate(tree_size=...)`);
+    `compile`: the compiled verify (`spec_generate(compile=True)`), compiled by the untimed warm-up.
     """
     if not prompts:
         raise ValueError("evaluate_draft needs at least one prompt.")
     block_size = resolve_block_size(block_size, draft.block_size)
     settings = BenchSettings(max_new_tokens=max_new_tokens, block_size=block_size, prompt_lookup_tokens=None,
-                             step_costs=step_costs, cpu_kernels=cpu_kernels, tree_size=tree_size)
+                             step_costs=step_costs, cpu_kernels=cpu_kernels, tree_size=tree_size, compile=compile)
     warm_up(draft, target, prompts[:1], settings, tokens)
     records = []
     for index, prompt in enumerate(prompts):

@@ -31,9 +31,10 @@ from .cache_dflash import (
     left_padded_positions,
     reorder_cache_columns,
     select_cache_rows,
+    to_host,
 )
 from .devices_dflash import target_device, target_text_config
-from .kernels_dflash import cpu_kernels, grouped_query_attention
+from .kernels_dflash import cpu_kernels
 from .proposer_dflash import DFlashDraft, DFlashProposer, DraftStep, Proposal, Proposer
 from .recurrent_dflash import PathPlan, RecurrentStates, recurrent_states, rollback_mixers
 from .sampling_dflash import (
@@ -45,6 +46,7 @@ from .sampling_dflash import (
     speculative_sample,
 )
 from .settings_dflash import DecodingSettings, StepCosts, resolve_settings
+from .static_dflash import StaticVerifier, static_verifier
 from .target_dflash import FeatureCapture, last_logits_only, verify_forward
 from .tree_dflash import (
     MAX_CANDIDATES,
@@ -161,6 +163,7 @@ class DecodeState:
     context: TargetContext | None  # features the proposer has not seen yet
     started: float  # perf_counter() at the prefill
     recurrent: RecurrentStates | None = None  # a hybrid target's recurrent layers (rolled back after each verify)
+    static: StaticVerifier | None = None  # compile=True: the compiled verify and its static cache (static_dflash)
     first_token_time: float = 0.0
 
     @property
@@ -198,11 +201,17 @@ def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     """Run the target over the prompts [N, T]: its cache, the first token of every row, the features of the prompts."""
     config = target_text_config(target)
     rollback_mixers(target, config_cache(config))  # refuses, before any forward, a target it could not roll back
-    cache = full_history_cache(target, config)  # None: the target's own cache can be cropped
     cache_argument = cache_keyword(target)
     device = target_device(target)
     input_ids = input_ids.to(device)
     num_rows, width = input_ids.shape
+    static = None if settings.compile is None else static_verifier(target, num_rows, layer_ids, settings.compile)
+    if static is None:
+        cache = full_history_cache(target, config)  # None: the target's own cache can be cropped
+        cache_arguments = {} if cache is None else {cache_argument: cache}
+    else:  # room for the prompts, every new token and one verify past the last
+        cache = static.new_cache(width + settings.max_new_tokens + settings.block_size)
+        cache_arguments = static.prefill_arguments(width)
     padded = attention_mask is not None and not bool(attention_mask.bool().all())
     valid = attention_mask.to(device).bool() if padded else torch.ones_like(input_ids, dtype=torch.bool)  # [N, T]
     prompts = [ids[-length:].tolist() for ids, length in zip(input_ids, valid.sum(dim=1).tolist())]
@@ -213,10 +222,11 @@ def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     positions = {"position_ids": left_padded_positions(valid), **({"attention_mask": valid.long()} if padded else {})}
     with FeatureCapture(target, layer_ids, device) as capture:
         outputs = target(input_ids=input_ids, use_cache=True, **positions, **last_logits_only(target),
-                         **capture.forward_arguments(), **({} if cache is None else {cache_argument: cache}))
-    windowed = cache is not None  # the target counts its attention window in cache columns
+                         **capture.forward_arguments(), **cache_arguments)
+    windowed = cache is not None and static is None  # the target counts its attention window in cache columns
     cache = returned_cache(outputs)
-    check_cache(cache, target, num_rows)
+    if static is None:
+        check_cache(cache, target, num_rows)
     features = capture.result(outputs)  # [N, T, L*H] or None
     state = DecodeState(
         input_ids=input_ids, prompts=prompts, generated=[], acceptance_lengths=[[] for _ in prompts],
@@ -225,7 +235,7 @@ def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
         columns=CacheColumns(valid, [len(prompt) for prompt in prompts], contiguous=windowed), layer_ids=layer_ids,
         context=None if features is None else TargetContext.of(features, left_padded_positions(valid),
                                                                valid if padded else None),
-        started=started, recurrent=recurrent_states(target, cache),
+        started=started, recurrent=recurrent_states(target, cache), static=static,
     )
     first_tokens = pick_block(outputs.logits[:, -1:], state.active, settings)[:, 0].tolist()
     del outputs
@@ -239,8 +249,11 @@ def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
 
 
 def drop_finished(state: DecodeState, proposer: Proposer | None) -> bool:
-    """Finished rows leave the batch, its caches and the proposer; whether any row is still active."""
+    """Finished rows leave the batch, its caches and the proposer (a compiled verify's batch keeps its rows: their
+    tokens are not committed); whether any row is still active."""
     still_active = [row for row in state.active if not state.finished[row]]
+    if state.static is not None:
+        return bool(still_active)
     if still_active and len(still_active) < len(state.active):
         keep = [state.active.index(row) for row in still_active]
         index = host_to_device(keep, state.device)
@@ -254,21 +267,28 @@ def drop_finished(state: DecodeState, proposer: Proposer | None) -> bool:
     return bool(still_active)
 
 
-def compact_caches(state: DecodeState) -> None:
-    """Bounded memory: drop the target cache's holes once they pass the budget (the proposer compacts its own)."""
-    order = state.columns.compaction()
+def compact_caches(state: DecodeState, settings: DecodingSettings) -> None:
+    """Bounded memory: drop the target cache's holes once they pass the budget, or (a static cache) once the next
+    verify would not fit; the proposer compacts its own."""
+    if state.static is None:
+        order = state.columns.compaction()
+        if order is not None:
+            reorder_cache_columns(state.cache, order)
+        return
+    order = state.columns.compaction(room=state.static.capacity - settings.block_size)
     if order is not None:
-        reorder_cache_columns(state.cache, order)
+        state.static.reorder_columns(order)
 
 
 def plan_step(state: DecodeState, settings: DecodingSettings) -> StepPlan:
-    """The step's block: as wide as the block size, or what the longest active row still needs."""
+    """The step's block: as wide as the block size, or what the longest active row still needs (a compiled verify:
+    always the block size)."""
     remaining = [settings.max_new_tokens - len(state.generated[row]) for row in state.active]
-    width = min(settings.block_size, max(remaining))
+    width = settings.block_size if state.static is not None else min(settings.block_size, max(remaining))
     starts = [len(state.prompts[row]) + len(state.generated[row]) - 1 for row in state.active]
     return StepPlan(
         width=width,
-        counts=[min(width, left) for left in remaining],
+        counts=[max(min(width, left), 1) for left in remaining],  # 1: a finished row kept in a compiled batch
         positions=host_to_device(starts, state.device)[:, None] + torch.arange(width, device=state.device),
         pending=host_to_device([[state.generated[row][-1]] for row in state.active], state.device),
     )
@@ -341,7 +361,7 @@ def verify(target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal
     recurrent layer's count for the whole cache). The mask is passed only where columns are not positions (padding,
     holes).
     """
-    mask = state.columns.attention_mask(step.width)
+    mask = None if state.static is not None else state.columns.attention_mask(step.width)  # static: its own mask
     attention = {"position_ids": step.positions} if mask is None else {"attention_mask": mask.long(),
                                                                         "position_ids": step.positions}
     logits = target_pass(target, state, step, proposal, attention)
@@ -352,6 +372,11 @@ def target_pass(target: torch.nn.Module, state: DecodeState, step: StepPlan, pro
                 attention: dict[str, torch.Tensor]) -> torch.Tensor:
     """The target over [pending, proposals] [n, b] with `attention` (mask and positions, or none): its logits
     [n, b, V]; the features of every verified column become `state.context`. The cache grows in place."""
+    input_ids = torch.cat((step.pending, proposal.tokens), dim=1)  # [n, b]
+    if state.static is not None:  # compile=True: the static-shape verify (static_dflash)
+        logits, features = state.static.verify(input_ids, step.positions, state.columns.valid)
+        state.context = None if features is None else TargetContext(features, step.positions, None)
+        return logits
     capture = FeatureCapture(target, state.layer_ids, state.device)
     recording = nullcontext()
     if state.recurrent is not None:  # a hybrid target: its mixers run along a tree's paths
@@ -361,7 +386,7 @@ def target_pass(target: torch.nn.Module, state: DecodeState, step: StepPlan, pro
     with recording:
         logits, outputs = verify_forward(
             target, capture,
-            input_ids=torch.cat((step.pending, proposal.tokens), dim=1),  # [n, b]
+            input_ids=input_ids,
             use_cache=True, **attention, **{state.cache_argument: state.cache},
         )
     features = capture.result(outputs)  # [n, b, L*H] or None
@@ -388,13 +413,12 @@ def plant_tree(state: DecodeState, step: StepPlan, proposal: Proposal, settings:
     if proposal.candidate_tokens is None or proposal.candidate_probabilities is None:
         raise ValueError("tree_size needs the proposer's top tokens per position (Proposal.candidate_tokens and "
                          "candidate_probabilities, asked for by DraftStep.num_candidates); this proposer gave none.")
-    candidate_tokens = proposal.candidate_tokens.tolist()  # [n, b - 1, k]
-    candidate_probabilities = proposal.candidate_probabilities.float().tolist()
-    pending = step.pending[:, 0].tolist()
     transitions = proposal.candidate_transitions  # [n, b - 1, k, k] (DFlash2) or None
-    trees = build_trees(candidate_tokens, candidate_probabilities, settings.tree_size,
-                        [min(step.width - 1, count - 1) for count in step.counts], pending,
-                        None if transitions is None else transitions.float().tolist())
+    candidates = to_host(proposal.candidate_tokens, proposal.candidate_probabilities, step.pending[:, 0],
+                         *(() if transitions is None else (transitions,)))  # one device read: [n, b - 1, k], ...
+    trees = build_trees(candidates[0].tolist(), candidates[1].tolist(), settings.tree_size,
+                        [min(step.width - 1, count - 1) for count in step.counts], candidates[2].tolist(),
+                        None if transitions is None else candidates[3].tolist())
     depths = host_to_device([[0] + depths for depths in trees.depths], state.device)  # [n, 1 + N]
     tree_step = StepPlan(1 + trees.size, step.counts, step.positions[:, :1] + depths, step.pending, trees)
     return tree_step, Proposal(host_to_device(trees.tokens, state.device), proposal.draft_probabilities)
@@ -409,18 +433,20 @@ def verify_tree(target: torch.nn.Module, state: DecodeState, step: StepPlan, pro
     logits = target_pass(target, state, step, proposal, {"attention_mask": mask, "position_ids": step.positions})
     trees, rows = step.tree, range(len(state.active))
     if settings.greedy:
-        argmax = logits.argmax(dim=-1).tolist()  # [n, 1 + N]
+        argmax = to_host(logits.argmax(dim=-1))[0].tolist()  # [n, 1 + N]: the step's one read after the verify
         paths = [walk_greedy(trees, row, argmax[row]) for row in rows]
         return TreeOutcome(paths, [argmax[row][path[-1] if path else 0] for row, path in zip(rows, paths)])
     probabilities = process_logits(logits.flatten(0, 1), settings.temperature, settings.top_k, settings.top_p)
     probabilities = probabilities.softmax(dim=-1).view(logits.shape)  # [n, 1 + N, V]: p at every column
     generators = [settings.generators[row] for row in state.active]
-    child_uniforms = draw_uniforms(generators, trees.size, logits.device).tolist()  # [n, N]
-    final_uniforms = draw_uniforms(generators, step.width, logits.device).tolist()  # [n, 1 + N]
+    child_uniforms = draw_uniforms(generators, trees.size, logits.device)  # [n, N]
+    final_uniforms = draw_uniforms(generators, step.width, logits.device)  # [n, 1 + N]
     draft_probabilities = proposal.draft_probabilities  # [n, b - 1, V]: q the candidates were drawn from, or None
-    walks = [walk_sampled(trees, row, probabilities[row],
-                          None if draft_probabilities is None else draft_probabilities[row].to(logits.device),
-                          child_uniforms[row], final_uniforms[row]) for row in rows]
+    # one device read; the walks then run on the host copies
+    p, child_uniforms, final_uniforms, *q = to_host(probabilities, child_uniforms, final_uniforms,
+                                                    *(() if draft_probabilities is None else (draft_probabilities,)))
+    walks = [walk_sampled(trees, row, p[row], q[0][row] if q else None, child_uniforms[row].tolist(),
+                          final_uniforms[row].tolist()) for row in rows]
     return TreeOutcome([path for path, _ in walks], [final for _, final in walks])
 
 
@@ -463,9 +489,13 @@ def commit(state: DecodeState, step: StepPlan, proposal: Proposal, tokens_of_tar
 def commit_rows(state: DecodeState, step: StepPlan, proposed: list[list[int]], target_tokens: list[list[int]],
                 settings: DecodingSettings) -> list[int]:
     """Per active row, `commit_block` of its proposals and the target's tokens (a chain's, or a tree's accepted
-    path): append what it commits, record the step, mark finished rows; the accepted counts."""
+    path): append what it commits, record the step, mark finished rows; the accepted counts (-1: a row that had
+    finished before the step, which a compiled batch keeps; it keeps no column)."""
     accepted_counts = []
     for index, row in enumerate(state.active):
+        if state.finished[row]:  # a compiled verify's batch keeps finished rows: they commit and keep nothing
+            accepted_counts.append(-1)
+            continue
         accepted, new_tokens, stopped = commit_block(proposed[index], target_tokens[index], step.counts[index],
                                                      settings.stop_token_ids)
         state.acceptance_lengths[row].append(accepted + 1)
@@ -495,7 +525,8 @@ def keep_context(state: DecodeState, step: StepPlan, accepted_counts: list[int],
         kept = kept.to(state.device)  # [n, w]
     kept_width = kept.shape[1]
     state.columns.append(kept, [count + 1 for count in accepted_counts])
-    crop_cache(state.cache, state.columns.width)
+    if state.static is None:  # a static cache is cut back by its next verify
+        crop_cache(state.cache, state.columns.width)
     if state.recurrent is not None:
         state.recurrent.advance([list(range(count + 1)) for count in accepted_counts] if tree_paths is None
                                 else [[0] + path for path in tree_paths], state.columns.width)
@@ -536,7 +567,7 @@ _CALL_LOCKS_GUARD = threading.Lock()
 
 def call_lock(target: torch.nn.Module) -> threading.RLock:
     """The lock a generation call holds on its target: calls on one target from several threads run one at a time
-    (a call switches the target's attention implementation and hooks its layers); other targets run concurrently."""
+    (a call hooks its layers for their features); other targets run concurrently."""
     with _CALL_LOCKS_GUARD:
         lock = _CALL_LOCKS.get(target)
         if lock is None:
@@ -555,12 +586,11 @@ class DecodeSession:
 
     @contextmanager
     def running(self) -> Iterator[DecodeSession]:
-        """The call's scope: its target's lock, the CPU kernels (if on) and the verify's attention switch; all
-        released or set back when it ends, also after an exception."""
+        """The call's scope: its target's lock and the CPU kernels (if on); both released when it ends, also after an
+        exception."""
         with ExitStack() as scope:
             scope.enter_context(call_lock(self.target))
             scope.enter_context(cpu_kernels(self.settings.cpu_kernels))
-            scope.enter_context(grouped_query_attention(self.target, self.settings.cpu_kernels))
             yield self
 
     @property
@@ -602,7 +632,8 @@ class DecodeSession:
 
     def discard_verify(self) -> None:
         """Forget the last verify (or any forward over the cache): the cache holds the committed columns again."""
-        crop_cache(self.state.cache, self.state.columns.width)
+        if self.state.static is None:  # a static cache is cut back by its next verify
+            crop_cache(self.state.cache, self.state.columns.width)
         if self.state.recurrent is not None:
             self.state.recurrent.restore()
         context = self.state.context
@@ -613,7 +644,7 @@ class DecodeSession:
         state, settings = self.state, self.settings
         if not drop_finished(state, self.proposer):
             return False
-        compact_caches(state)
+        compact_caches(state, settings)
         step = plan_step(state, settings)
         proposal = propose(self.proposer, state, step, settings)
         if settings.tree_size is not None and step.width > 1:
@@ -665,10 +696,13 @@ def speculative_decode(
 # --- spec_generate: the loop with a DFlash draft ---------------------------------------------------------------------
 
 
-def dflash_proposer(draft: DFlashDraft, target: torch.nn.Module, settings: DecodingSettings) -> DFlashProposer:
-    """The proposer `spec_generate` runs: the draft with the call's mask id, acceptance rule and draft vocabulary."""
+def dflash_proposer(draft: DFlashDraft, target: torch.nn.Module, settings: DecodingSettings,
+                    prompt_width: int = 0) -> DFlashProposer:
+    """The proposer `spec_generate` runs: the draft with the call's mask id, acceptance rule and draft vocabulary
+    (compiled: with a static context cache for prompts `prompt_width` wide)."""
     return DFlashProposer(draft, target, settings.mask_token_id, sample_proposals=settings.acceptance == "rejection",
-                          draft_vocab=settings.draft_vocab)
+                          draft_vocab=settings.draft_vocab, compile=settings.compile,
+                          context_columns=prompt_width + settings.max_new_tokens + settings.block_size)
 
 
 @torch.no_grad()
@@ -697,6 +731,7 @@ def spec_generate(
     do_sample: bool | None = None,
     generation_config: Any = None,
     tree_size: int | None = None,
+    compile: bool | dict[str, Any] = False,
     **generation_settings: Any,
 ) -> torch.Tensor | SpecGenerateOutput:
     """Generate with `target`, drafting blocks with `draft`; returns ids [N, prompt + new] (or stats too).
@@ -711,8 +746,9 @@ def spec_generate(
         block_size=block_size, mask_token_id=mask_token_id, acceptance=acceptance, cpu_kernels=cpu_kernels,
         generator=generator, seed=seed, streamer=streamer, step_costs=step_costs, draft_vocab=draft_vocab,
         max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-        stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, tree_size=tree_size, **generation_settings)
-    result = speculative_decode(target, dflash_proposer(draft, target, settings), input_ids,
+        stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, tree_size=tree_size, compile=compile,
+        **generation_settings)
+    result = speculative_decode(target, dflash_proposer(draft, target, settings, input_ids.shape[1]), input_ids,
                                 attention_mask=attention_mask, settings=settings)
     return result if return_stats else result.output_ids
 

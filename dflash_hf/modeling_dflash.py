@@ -40,13 +40,14 @@ from .configuration_dflash import (
     layer_attention,
     read_rope_parameters,
 )
-from .devices_dflash import materialized_weight, target_device  # noqa: F401
+from .devices_dflash import MASKED_ATTENTION, materialized_weight, target_device  # noqa: F401
 from .generation_dflash import DFlashGenerationMixin
 from .kernels_dflash import cpu_kernels  # noqa: F401
 from .proposer_dflash import DFlashProposer  # noqa: F401
 from .recurrent_dflash import recurrent_states  # noqa: F401
 from .sampling_dflash import process_logits  # noqa: F401
 from .settings_dflash import resolve_settings  # noqa: F401
+from .static_dflash import StaticVerifier  # noqa: F401
 from .target_dflash import verify_forward  # noqa: F401
 from .tree_dflash import build_trees  # noqa: F401
 from .versions_dflash import cache_keyword  # noqa: F401
@@ -179,9 +180,6 @@ def eager_attention(
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)
     output = torch.matmul(weights, value).transpose(1, 2).contiguous()
     return output, weights
-
-
-MASKED_ATTENTION = ("eager", "sdpa")  # the backends that apply a 4-D [B, 1, T, S] mask as given
 
 
 def attention_function(implementation: str | None, masked: bool = False) -> Callable[..., tuple[torch.Tensor, Any]]:

@@ -9,12 +9,14 @@ Hub remote code: imports only torch and transformers.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from .cache_dflash import CacheColumns, DraftContextCache, host_to_device
+from .cache_dflash import CacheColumns, DraftContextCache, StaticDraftContextCache, host_to_device, static_capacity
 from .devices_dflash import execution_device, materialized_weight
 from .kernels_dflash import few_row_kernels, few_row_logits, few_row_product, is_plain_linear
 from .sampling_dflash import draw_uniforms, process_logits, sample_from
@@ -58,6 +60,9 @@ class DFlashDraft(Protocol):
     def draft_vocab(self) -> list[int] | None: ...  # noqa: D102
 
     def parameters(self) -> Any: ...  # noqa: D102
+
+    @property
+    def layers(self) -> Any: ...  # noqa: D102
 
     def new_cache(self) -> DraftContextCache: ...  # noqa: D102
 
@@ -151,11 +156,32 @@ class Proposer(Protocol):
         ...
 
 
+_COMPILED_DRAFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # draft -> (options, its compiled forward)
+_COMPILED_DRAFTS_GUARD = threading.Lock()
+
+
+def compiled_draft(draft: DFlashDraft, options: dict[str, Any]) -> Callable[..., torch.Tensor]:
+    """The draft's forward under `torch.compile(**options)`, made once per draft and options (later calls reuse its
+    graphs)."""
+    with _COMPILED_DRAFTS_GUARD:
+        known = _COMPILED_DRAFTS.get(draft)
+        if known is None or known[0] != options:
+            known = _COMPILED_DRAFTS[draft] = (options, torch.compile(draft, **options))
+        return known[1]
+
+
 class DFlashProposer:
-    """Proposes blocks with a DFlash draft; owns the draft's context cache for one generation."""
+    """Proposes blocks with a DFlash draft; owns the draft's context cache for one generation.
+
+    Compiled (`compile`: torch.compile options, `context_columns`: the target's prompt width plus every new token
+    and one block): the draft reads its context from a `StaticDraftContextCache` laid out as the target's cache, and
+    each step after the first hands it a block-wide context (the kept columns, then masked padding), so its compiled
+    forward sees one shape; the first step, whose context is the prompt, runs eagerly.
+    """
 
     def __init__(self, draft: DFlashDraft, target: torch.nn.Module, mask_token_id: int,
-                 sample_proposals: bool = True, draft_vocab: torch.Tensor | None = None) -> None:
+                 sample_proposals: bool = True, draft_vocab: torch.Tensor | None = None,
+                 compile: dict[str, Any] | None = None, context_columns: int | None = None) -> None:
         self.draft = draft
         self.sample_proposals = sample_proposals  # at temperature > 0: sample from q (else propose the argmax)
         self.target_layer_ids = draft.target_layer_ids
@@ -164,7 +190,12 @@ class DFlashProposer:
         self.device = execution_device(self.embed_tokens)
         self.vocab = None if draft_vocab is None else DraftVocabulary(self.lm_head, draft_vocab.to(self.device))
         self.mask_token_id = mask_token_id
-        self.cache = draft.new_cache()
+        if compile is not None and context_columns is None:
+            raise ValueError("A compiled DFlashProposer needs context_columns: the prompt width plus max_new_tokens "
+                             "plus the block size (generation_dflash.dflash_proposer passes it).")
+        self.compiled = None if compile is None else compiled_draft(draft, compile)
+        self.context_columns = context_columns
+        self.cache: DraftContextCache | StaticDraftContextCache | None = draft.new_cache() if compile is None else None
         self.columns: CacheColumns | None = None  # real context positions among the cache's columns
 
     def select_rows(self, keep: list[int]) -> None:
@@ -188,10 +219,34 @@ class DFlashProposer:
         seen_mask = self.columns.attention_mask(step.block_size)  # [N, C + B] or None
         return None if seen_mask is None else seen_mask[:, None, None, :]
 
+    def _static_context(self, step: DraftStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+        """Compiled: (features, positions, mask [N, 1, 1, C + B], the forward to run) of this step's context, written
+        after the cache's columns: the prompt's as they are (eagerly), later ones padded to the block's width."""
+        first = self.columns is None
+        if first:
+            capacity = static_capacity(self.context_columns)
+            self.cache = StaticDraftContextCache(len(self.draft.layers), capacity, step.block_size)
+        start = 0 if first else self.columns.width
+        self._attention_mask(step, step.pending_positions)  # records the new columns
+        hidden, positions = step.target_hidden, step.context_position_ids  # [N, c, L*H], [N, c]
+        if not first:  # block-wide: the columns past the kept ones are masked, and overwritten by the next step
+            padding = step.block_size - hidden.shape[1]
+            hidden = torch.nn.functional.pad(hidden, (0, 0, 0, padding))
+            positions = torch.nn.functional.pad(positions, (0, padding))
+        self.cache.slots = torch.arange(start, start + hidden.shape[1], device=self.device)
+        capacity, valid = self.cache.capacity, self.columns.valid  # [N, W]
+        mask = torch.nn.functional.pad(valid, (0, capacity - valid.shape[1] + step.block_size), value=True)
+        mask[:, valid.shape[1] : capacity] = False  # [N, C + B]: the rows' context columns, then the block
+        return hidden, positions, mask[:, None, None, :], self.draft if first else self.compiled
+
     def propose(self, step: DraftStep) -> torch.Tensor | Proposal:
         """The draft's proposals [N, B-1] for positions s+1 .. s+B-1: its argmax, or samples of q when sampling."""
         device, block_size = self.device, step.block_size
-        attention_mask = self._attention_mask(step, step.pending_positions)  # position s: the positions before it
+        if self.compiled is None:
+            forward, target_hidden, context_position_ids = self.draft, step.target_hidden, step.context_position_ids
+            attention_mask = self._attention_mask(step, step.pending_positions)  # position s: the positions before it
+        else:
+            target_hidden, context_position_ids, attention_mask, forward = self._static_context(step)
         block_position_ids = step.block_position_ids  # [N, B]
         if block_position_ids is None:
             block_position_ids = (host_to_device(step.pending_positions, device)[:, None]
@@ -202,15 +257,16 @@ class DFlashProposer:
         with materialized_weight(self.embed_tokens) as embedding_weight:
             block_embeddings = self.draft.embed_block(block_ids, embedding_weight)  # [N, B, H]
         with few_row_kernels(self.draft):  # on a CPU, its few-row products by the fastest kernel timed here
-            hidden = self.draft(
+            hidden = forward(
                 block_embeddings,
-                step.target_hidden,
+                target_hidden,
                 block_position_ids,
-                step.context_position_ids,
+                context_position_ids,
                 cache=self.cache,
                 attention_mask=attention_mask,
             )
-        index = self.columns.compaction()
+        room = None if self.compiled is None else self.cache.capacity - block_size  # a static cache: next write fits
+        index = self.columns.compaction(room=room)
         if index is not None:
             self.cache.reorder_columns(index)
         proposal_states = hidden[:, 1:].reshape(-1, hidden.shape[-1])  # [N * (B-1), H]

@@ -16,9 +16,10 @@ from typing import Any, Sequence
 
 import torch
 
-from .cache_dflash import has_windowed_layers
-from .devices_dflash import execution_device, target_device, target_text_config
+from .cache_dflash import has_windowed_layers, recurrent_layers
+from .devices_dflash import MASKED_ATTENTION, execution_device, target_device, target_text_config
 from .proposer_dflash import DFlashDraft, draft_vocab_ids
+from .target_dflash import feature_modules
 
 # where neither the call nor the generation config sets a length (generate: max_length 20)
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -75,6 +76,7 @@ class DecodingSettings:
     step_costs: StepCosts | None = None  # given: each step verifies only the prefix of proposals worth its cost
     draft_vocab: torch.Tensor | None = None  # [K]: the ids the draft proposes from (None: every token)
     tree_size: int | None = None  # given: each step verifies a tree of this many drafted tokens (None: a chain)
+    compile: dict[str, Any] | None = None  # given: torch.compile options of the static-shape verify (static_dflash)
 
     @property
     def greedy(self) -> bool:
@@ -475,6 +477,7 @@ def resolve_settings(
     step_costs: StepCosts | None = None,
     draft_vocab: bool | Sequence[int] | torch.Tensor | None = None,
     tree_size: int | None = None,
+    compile: bool | dict[str, Any] = False,
     **generation_arguments: Any,
 ) -> DecodingSettings:
     """Every setting of one call, checked: the call's arguments over `generation_config` (default: the target's) as in
@@ -499,6 +502,12 @@ def resolve_settings(
                          "measure them at this block size (dflash_hf.cost_model.measure_verify_costs).")
     vocabulary_size = target.get_output_embeddings().weight.shape[0] if draft is not None else 0
     check_tree_size(tree_size, target, draft, step_costs)
+    if compile is not False:
+        refusal = compile_refusal(target, tree_size, step_costs, cpu_kernels,
+                                  None if draft is None else draft.target_layer_ids)
+        if refusal is not None:
+            raise ValueError(refusal)
+        cpu_kernels = False
     return DecodingSettings(
         max_new_tokens=choices.max_new_tokens, block_size=size, temperature=choices.temperature,
         top_k=choices.top_k, top_p=choices.top_p, stop_token_ids=frozenset(choices.stop_token_ids),
@@ -507,11 +516,8 @@ def resolve_settings(
         generators=row_generators(generator, num_rows, device, seed if choices.temperature > 0 else None),
         streamers=row_streamers(streamer, num_rows), step_costs=step_costs,
         draft_vocab=None if draft is None else draft_vocab_ids(draft, draft_vocab, vocabulary_size),
-        tree_size=tree_size,
+        tree_size=tree_size, compile=None if compile is False else compile_options(compile, device),
     )
-
-
-TREE_ATTENTION = ("sdpa", "eager")  # attention implementations that take the tree's 4-D mask
 
 
 def check_tree_size(tree_size: Any, target: torch.nn.Module, draft: DFlashDraft | None,
@@ -538,10 +544,44 @@ def tree_refusal(target: torch.nn.Module, draft: DFlashDraft | None, step_costs:
         return "tree_size and step_costs (verify widths chosen per step) cannot be combined; pass one."
     config = target_text_config(target)
     implementation = getattr(config, "_attn_implementation", None)
-    if implementation not in TREE_ATTENTION:
-        return (f"tree_size needs the target's attention to take a 4-D mask ({', '.join(TREE_ATTENTION)}); this "
+    if implementation not in MASKED_ATTENTION:
+        return (f"tree_size needs the target's attention to take a 4-D mask ({', '.join(MASKED_ATTENTION)}); this "
                 f"target uses {implementation!r}: load it with attn_implementation=\"sdpa\".")
     if has_windowed_layers(config):
         return (f"tree_size is not supported with {type(target).__name__}: its sliding-window layers count their "
                 "window in cache columns, which a tree's branches break; pass tree_size=None.")
     return None
+
+
+def compile_refusal(target: torch.nn.Module, tree_size: int | None, step_costs: Any, cpu_kernels: bool | None,
+                    layer_ids: list[int] | None) -> str | None:
+    """Why `compile=True` cannot run this call (`spec_generate` raises it), or None."""
+    config = target_text_config(target)
+    implementation = getattr(config, "_attn_implementation", None)
+    if tree_size is not None or step_costs is not None:
+        return "compile=True verifies a fixed-width chain: pass tree_size=None and step_costs=None."
+    if cpu_kernels:
+        return ("compile=True runs Transformers' own kernels inside the compiled graph: pass cpu_kernels=False (or "
+                "leave it unset).")
+    if recurrent_layers(config):
+        return (f"compile=True is not supported with {type(target).__name__}: its recurrent layers are rolled back "
+                "outside a static cache; pass compile=False.")
+    if has_windowed_layers(config):
+        return (f"compile=True is not supported with {type(target).__name__}: its sliding-window layers count their "
+                "window in cache columns, which the static cache's holes break; pass compile=False.")
+    if implementation not in MASKED_ATTENTION:
+        return (f"compile=True needs the target's attention to be one of {', '.join(MASKED_ATTENTION)}; this "
+                f"target uses {implementation!r}: load it with attn_implementation=\"sdpa\".")
+    if layer_ids and feature_modules(target, layer_ids) is None:
+        return (f"compile=True takes the draft's features from the target's decoder layers, which "
+                f"{type(target).__name__} does not expose as a list of num_hidden_layers modules.")
+    return None
+
+
+def compile_options(option: bool | dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The `torch.compile` options of `compile=option`: True gives inductor, with CUDA graphs on a GPU
+    (`mode="reduce-overhead"`); a dict is passed to `torch.compile` as it is. The graph is always whole
+    (`fullgraph=True`)."""
+    if isinstance(option, dict):
+        return {**option, "fullgraph": True}
+    return {"mode": "reduce-overhead", "fullgraph": True} if device.type == "cuda" else {"fullgraph": True}

@@ -34,6 +34,15 @@ def decoder_layers(target: torch.nn.Module) -> torch.nn.ModuleList | None:
     return None
 
 
+def feature_modules(target: torch.nn.Module, target_layer_ids: list[int]) -> list[torch.nn.Module] | None:
+    """The modules whose outputs are the features of `target_layer_ids`: each layer, and for the last layer the
+    decoder (whose output is normalised, as `hidden_states[-1]`); None when the layers cannot be found."""
+    layers = decoder_layers(target)
+    if layers is None:
+        return None
+    return [target.get_decoder() if layer_id == len(layers) - 1 else layers[layer_id] for layer_id in target_layer_ids]
+
+
 class FeatureCapture:
     """The target's features during one forward: the outputs of `target_layer_ids`, copied by forward hooks into one
     buffer [N, T, L*H] on `device`, so the forward keeps no other layer's hidden states (`output_hidden_states`).
@@ -45,10 +54,9 @@ class FeatureCapture:
     def __init__(self, target: torch.nn.Module, target_layer_ids: list[int] | None, device: torch.device) -> None:
         self.target, self.target_layer_ids, self.device = target, target_layer_ids, device
         self.features: torch.Tensor | None = None  # [N, T, L*H] once the forward ran
-        layers = decoder_layers(target) if target_layer_ids else None
-        self.fallback = bool(target_layer_ids) and layers is None
-        self.modules = [] if layers is None else [
-            target.get_decoder() if layer_id == len(layers) - 1 else layers[layer_id] for layer_id in target_layer_ids]
+        modules = feature_modules(target, target_layer_ids) if target_layer_ids else []
+        self.fallback = modules is None
+        self.modules = modules or []
         self.handles: list[Any] = []
         self.thread: int | None = None  # the thread whose forward is captured (another thread's is not)
 

@@ -12,7 +12,9 @@ Every difference the package depends on is answered here, and no other module as
 - functions a Hub kernel may replace in a recurrent mixer (`kernel_replacements`), and a Gated DeltaNet mixer's own
   function modules, whose calls a chain's rollback replays (`gated_delta_functions`): from 5.25 on;
 - Transformers' own assisted decoding on recurrent targets (`assisted_decoding_runs_recurrent_targets`): refused
-  (`_is_stateful`) before 5.25; from 5.25 on it runs them by recording past states and cropping them.
+  (`_is_stateful`) before 5.25; from 5.25 on it runs them by recording past states and cropping them;
+- where a `StaticCache` writes (`static_write_arguments`, `rewind_static_cache`): at the forward's `cache_position`
+  on 4.57; at the cache's own tensor counter on 5.x, which takes no `cache_position` and is cut back by `crop`.
 
 Hub remote code: imports only torch and transformers.
 """
@@ -114,3 +116,19 @@ def gated_delta_functions(mixer: torch.nn.Module) -> tuple[torch.nn.Module, torc
     parts = tuple(functions.get(name) for name in ("causal_conv1d_forward", "chunk_gated_delta_rule",
                                                    "fused_recurrent_gated_delta_rule"))
     return parts if all(isinstance(part, torch.nn.Module) for part in parts) else None
+
+
+def static_write_arguments(target: torch.nn.Module, start: int, width: int, device: torch.device) -> dict[str, Any]:
+    """What a forward over a `StaticCache` needs to write `width` columns from column `start`: `cache_position` on
+    4.57 (the cache writes where it says); nothing on 5.x (the cache writes at its own counter, kept by
+    `rewind_static_cache`)."""
+    if "cache_position" not in inspect.signature(target.forward).parameters:
+        return {}
+    return {"cache_position": torch.arange(start, start + width, device=device)}
+
+
+def rewind_static_cache(cache: Any, columns: int) -> None:
+    """Cut a `StaticCache`'s write counter back by `columns` (5.x: `crop`; 4.57 has no counter: nothing to do).
+    The tensors keep their addresses; the columns past the counter are overwritten by the next forward."""
+    if columns > 0 and all(hasattr(layer, "cumulative_length") for layer in cache.layers):
+        cache.crop(-columns)

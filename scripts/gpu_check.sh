@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The first thing to run on a lent GPU (no internet there): environment, tests/test_cuda.py, then a synthetic bench
-# where `dflash-hf bench --synthetic` exists. Installs nothing from the internet. Everything goes to stdout and, when
-# $OUT is set, to $OUT/gpu_check.log (pytest's JUnit XML and the bench JSON next to it). About 7 minutes at most.
+# The first thing to run on a lent GPU (no internet there): environment, tests/test_cuda.py, a synthetic bench where
+# `dflash-hf bench --synthetic` exists, then eager against compiled steps on the proxy (scripts/step_ops_proxy.py).
+# Installs nothing from the internet. Everything goes to stdout and, when $OUT is set, to $OUT/gpu_check.log
+# (pytest's JUnit XML and the bench JSON next to it). About 10 minutes at most.
 #
 #   bash scripts/gpu_check.sh                      # from the repository root
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh
@@ -93,6 +94,15 @@ elif timeout 30 "$PY" -m dflash_hf.cli bench --help 2>/dev/null | grep -q -- --s
     echo "tree bench exit status: $?"
 else
     echo "skipped: this version of dflash-hf bench has no --synthetic"
+fi
+
+section "compiled path: eager against compile=True (CUDA graphs) on a launch-bound proxy"
+if [ -f scripts/step_ops_proxy.py ] && [ $((SECONDS - STARTED)) -lt "${PROXY_START_BEFORE:-450}" ]; then
+    # A random Qwen3 of 36 layers, width 64 (the arithmetic is negligible: what remains is the launches), 96 tokens
+    timeout "${PROXY_TIMEOUT:-150}" "$PY" scripts/step_ops_proxy.py --device cuda --no-tree
+    echo "proxy exit status: $?"
+else
+    echo "skipped: no scripts/step_ops_proxy.py, or ${PROXY_START_BEFORE:-450} s have passed"
 fi
 
 section "done"

@@ -2,11 +2,15 @@
 
 On a GPU at batch 1 an eager forward is bound by kernel launches, and every aten op is at least one launch. This proxy
 makes the arithmetic negligible (a random Qwen3 of 36 layers, width 64, vocabulary 512; a 5-layer draft, block 16),
-so what remains is what each loop dispatches: plain `generate` per token, a dflash-hf chain step and a tree step.
+so what remains is what each loop dispatches: plain `generate` per token, the target's verify and the draft's forward
+alone (what any DFlash loop must run), a dflash-hf chain step and a tree step, eager and compiled
+(`spec_generate(compile=True)`: inductor on a CPU; its ops are not counted, they run inside one compiled graph).
 Every output is checked against `generate` first.
 
     python scripts/step_ops_proxy.py                       # prompt of 32 tokens, 96 new tokens
     python scripts/step_ops_proxy.py --prompt-length 2048  # the long-context row
+    python scripts/step_ops_proxy.py --no-compile          # eager rows only
+    python scripts/step_ops_proxy.py --device cuda --no-tree  # a GPU: compiled is CUDA graphs (scripts/gpu_check.sh)
 
 Numbers depend on the machine; compare rows of one run only.
 """
@@ -19,10 +23,10 @@ from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_hf import DFlashDraftModel
-from dflash_hf.generation_dflash import DecodeSession, dflash_proposer
+from dflash_hf.generation_dflash import DecodeSession, dflash_proposer, synchronize
 from dflash_hf.settings_dflash import resolve_settings
 from dflash_hf.training.recipe import draft_config_for
 
@@ -56,41 +60,80 @@ def generate_costs(target: torch.nn.Module, prompt: torch.Tensor, new_tokens: in
     counter = OpCounter()
     with counter:
         target.generate(prompt, **arguments)
+    synchronize(prompt.device)
     started = time.perf_counter()
     output = target.generate(prompt, **arguments)
+    synchronize(prompt.device)
     seconds = time.perf_counter() - started
     return 1000 * seconds / new_tokens, sum(counter.ops.values()) / new_tokens, output[0, prompt.shape[1]:].tolist()
 
 
+@torch.no_grad()
+def forward_costs(target: torch.nn.Module, draft: DFlashDraftModel, prompt: torch.Tensor) -> tuple[float, float]:
+    """(ms, aten ops) of one 16-token target verify (returning every hidden state) and one draft forward over a block
+    of 16 with 16 new context columns: what a DFlash step cannot avoid."""
+    cache = DynamicCache(config=target.config)
+    target(prompt, past_key_values=cache, use_cache=True)
+    width = prompt.shape[1]
+    block = torch.randint(0, 500, (1, 16), generator=torch.Generator().manual_seed(2)).to(prompt.device)
+    positions = torch.arange(width, width + 16, device=prompt.device)[None]
+    features = torch.randn(1, 16, len(draft.target_layer_ids) * target.config.hidden_size, device=prompt.device)
+    embeddings = draft.embed_block(block, target.get_input_embeddings().weight)
+
+    def step(counter: OpCounter | None) -> float:
+        synchronize(prompt.device)
+        started = time.perf_counter()
+        with counter or torch.no_grad():
+            target(block, position_ids=positions, past_key_values=cache, use_cache=True, output_hidden_states=True)
+            draft(embeddings, features, positions, positions, cache=draft.new_cache())
+        synchronize(prompt.device)
+        seconds = time.perf_counter() - started
+        cache.crop(-16)
+        return seconds
+
+    step(None)  # warm-up
+    counter = OpCounter()
+    step(counter)
+    return 1000 * sum(step(None) for _ in range(20)) / 20, sum(counter.ops.values())  # a mean, as the loop's rows
+
+
 def loop_costs(target: torch.nn.Module, draft: DFlashDraftModel, prompt: torch.Tensor, new_tokens: int,
-               tree_size: int | None) -> tuple[float, float, float, list[int]]:
-    """(ms, aten ops, tau) per draft-and-verify step of the loop, and its tokens."""
+               tree_size: int | None, compile: bool = False) -> tuple[float, float | None, float, list[int], float]:
+    """(ms, aten ops (None: compiled), tau) per draft-and-verify step of the loop, its tokens, and the seconds of
+    its first call (compiled: mostly the compilation)."""
     settings = resolve_settings(target, prompt, draft, max_new_tokens=new_tokens, block_size=16, cpu_kernels=False,
-                                tree_size=tree_size, do_sample=False)
+                                tree_size=tree_size, do_sample=False, compile=compile)
 
     def run(counter: OpCounter | None) -> tuple[float, int, DecodeSession]:
-        session = DecodeSession(target, dflash_proposer(draft, target, settings), settings)
+        session = DecodeSession(target, dflash_proposer(draft, target, settings, prompt.shape[1]), settings)
         seconds, steps = 0.0, 0
         with session.running(), torch.no_grad():
             session.prefill(prompt)
             while True:
+                synchronize(prompt.device)
                 started = time.perf_counter()
                 if counter is None:
                     going = session.step()
                 else:
                     with counter:
                         going = session.step()
+                synchronize(prompt.device)
                 seconds += time.perf_counter() - started
                 if not going:
                     return seconds, steps, session
                 steps += 1
 
-    run(None)  # warm-up
-    counter = OpCounter()
-    _, steps, _ = run(counter)
+    started = time.perf_counter()
+    run(None)  # warm-up (compiled: the compilation)
+    first_call = time.perf_counter() - started
+    ops = None
+    if not compile:
+        counter = OpCounter()
+        _, steps, _ = run(counter)
+        ops = sum(counter.ops.values()) / steps
     seconds, steps, session = run(None)
     result = session.finish()
-    return 1000 * seconds / steps, sum(counter.ops.values()) / steps, result.tau, result.new_tokens(0)
+    return 1000 * seconds / steps, ops, result.tau, result.new_tokens(0), first_call
 
 
 def main() -> None:
@@ -98,17 +141,27 @@ def main() -> None:
     parser.add_argument("--prompt-length", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--tree-size", type=int, default=8)
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled chain")
+    parser.add_argument("--no-tree", action="store_true", help="skip the tree")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    target, draft = proxy_pair()
+    target, draft = (model.to(args.device) for model in proxy_pair())
     prompt = torch.randint(0, 500, (1, args.prompt_length), generator=torch.Generator().manual_seed(1))
+    prompt = prompt.to(args.device)
     ms, ops, expected = generate_costs(target, prompt, args.new_tokens)
-    print(f"prompt {args.prompt_length} tokens, {args.new_tokens} new, torch {torch.__version__}, 36 layers x 64")
-    print("| loop | ms per step | aten ops per step | tau |\n|---|---:|---:|---:|")
-    print(f"| plain `generate` (per token) | {ms:.1f} | {ops:,.0f} | 1 |")
-    for name, tree_size in (("dflash-hf chain", None), (f"dflash-hf tree of {args.tree_size}", args.tree_size)):
-        ms, ops, tau, tokens = loop_costs(target, draft, prompt, args.new_tokens, tree_size)
+    print(f"prompt {args.prompt_length} tokens, {args.new_tokens} new, torch {torch.__version__}, 36 layers x 64, "
+          f"{args.device}")
+    print("| loop | ms per step | aten ops per step | tau | first call, s |\n|---|---:|---:|---:|---:|")
+    print(f"| plain `generate` (per token) | {ms:.1f} | {ops:,.0f} | 1 | |")
+    ms, ops = forward_costs(target, draft, prompt)
+    print(f"| target verify + draft forward alone | {ms:.1f} | {ops:,.0f} | | |")
+    rows = [("dflash-hf chain", None, False)]
+    rows += [] if args.no_tree else [(f"dflash-hf tree of {args.tree_size}", args.tree_size, False)]
+    rows += [] if args.no_compile else [("dflash-hf chain, compiled", None, True)]
+    for name, tree_size, compile in rows:
+        ms, ops, tau, tokens, first_call = loop_costs(target, draft, prompt, args.new_tokens, tree_size, compile)
         assert tokens == expected, f"{name}: output differs from generate"
-        print(f"| {name} | {ms:.1f} | {ops:,.0f} | {tau:.2f} |")
+        print(f"| {name} | {ms:.1f} | {'-' if ops is None else f'{ops:,.0f}'} | {tau:.2f} | {first_call:.1f} |")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import make_draft, make_target
+from sampling_checks import sampling_target
 
 from dflash_hf import DFlashDraftModel
 
@@ -23,3 +24,9 @@ def target() -> torch.nn.Module:
 def draft() -> DFlashDraftModel:
     """The tiny draft of seed 0 for `target` (2 layers, block size 8), shared read-only; a module may override it."""
     return make_draft(0, block_size=8)
+
+
+@pytest.fixture(scope="session")
+def sampling_setup() -> tuple[torch.nn.Module, torch.Tensor]:
+    """The 6-token target the chi-square tests sample, and its prompt [1, 4] (sampling_checks.py)."""
+    return sampling_target()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, DraftStep
+from dflash_hf import DFlashConfig, DFlashDraftModel, DraftStep, left_pad
 from dflash_hf.proposer_dflash import DFlashProposer
 
 VOCAB_SIZE = 128
@@ -275,28 +277,6 @@ class FixedLogitsTarget(torch.nn.Module):
         return SimpleNamespace(logits=self.next_logits.expand(input_ids.shape[0], input_ids.shape[1], -1))
 
 
-def chi_square_p_value(counts: dict, expected: dict, num_samples: int) -> float:
-    """Chi-square goodness of fit (cells with expected count < 5 pooled); p from torch's gammaincc, no scipy."""
-    observed_cells, expected_cells, pooled_observed, pooled_expected = [], [], 0, 0.0
-    for cell, probability in expected.items():
-        if probability * num_samples >= 5:
-            observed_cells.append(counts.get(cell, 0))
-            expected_cells.append(probability * num_samples)
-        else:
-            pooled_observed += counts.get(cell, 0)
-            pooled_expected += probability * num_samples
-    if pooled_expected > 0:
-        observed_cells.append(pooled_observed)
-        expected_cells.append(pooled_expected)
-    elif pooled_observed > 0:
-        return 0.0  # a sequence of probability zero was sampled
-    scale = num_samples / sum(expected_cells)
-    statistic = sum((o - e * scale) ** 2 / (e * scale) for o, e in zip(observed_cells, expected_cells))
-    degrees = len(observed_cells) - 1
-    return float(torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64),
-                                         torch.tensor(statistic / 2, dtype=torch.float64)))
-
-
 def random_prompt(seed: int, length: int, vocab_size: int = VOCAB_SIZE) -> torch.Tensor:
     """Seeded random prompt ids [1, length] (never the last id: the tiny drafts' mask token)."""
     return torch.randint(0, vocab_size - 1, (1, length), generator=torch.Generator().manual_seed(seed))
@@ -358,3 +338,43 @@ class TreeReferenceProposer:
         candidate_tokens, candidate_probabilities = torch.tensor(tokens), torch.tensor(probabilities)
         return Proposal(candidate_tokens[..., 0], candidate_tokens=candidate_tokens,
                         candidate_probabilities=candidate_probabilities)
+
+
+# --- Reference math, prompts and files shared by several test modules ----------------------------------------
+
+
+def rms(x, weight, eps=1e-6):
+    """RMS norm, written out (the draft forward's reference)."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rope(x, positions, theta=1e6):
+    """Rotary embedding at `positions` [T], written out (the draft forward's reference)."""
+    dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2).float() / dim))
+    angles = positions[:, None].float() * inv_freq  # [T, D/2]
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    x1, x2 = x[..., : dim // 2], x[..., dim // 2:]
+    return x * cos + torch.cat((-x2, x1), -1) * sin
+
+
+def prompts_of(lengths: list[int], seed: int, vocab_size: int = VOCAB_SIZE) -> list[torch.Tensor]:
+    """Seeded random prompts [1, length] of the given lengths."""
+    generator = torch.Generator().manual_seed(300 + seed)
+    return [torch.randint(0, vocab_size - 1, (1, length), generator=generator) for length in lengths]
+
+
+def left_pad_prompts(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids [N, T] and their attention mask (pad id 0)."""
+    return left_pad([prompt[0].tolist() for prompt in prompts], pad_token_id=0)
+
+
+def save_tiny_target_and_prompts(tmp_path, num_prompts: int):
+    """A tiny Llama target and its tokenizer in tmp_path/target; returns a JSONL file of `num_prompts` prompts."""
+    target, tokenizer = make_target("llama", seed=3), make_tokenizer()
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question": f"w{10 + i} w{20 + i} w{30 + i}"})
+                                 for i in range(num_prompts)))
+    return prompts

@@ -4,24 +4,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import VOCAB_SIZE, RecordingProposer, ReferenceProposer, make_draft, make_target, plain_greedy
+from helpers import (
+    VOCAB_SIZE,
+    RecordingProposer,
+    ReferenceProposer,
+    left_pad_prompts,
+    make_draft,
+    make_target,
+    plain_greedy,
+    prompts_of,
+)
 
-from dflash_hf import cache_dflash, left_pad, speculative_decode
+from dflash_hf import cache_dflash, speculative_decode
 from dflash_hf.cache_dflash import CacheColumns
 from dflash_hf.proposer_dflash import DFlashProposer
 
 ARCHS = ["qwen3", "llama"]
 LENGTHS = [1, 6, 23, 11]
-
-
-def prompts_of(lengths: list[int], seed: int, vocab_size: int = VOCAB_SIZE) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(300 + seed)
-    return [torch.randint(0, vocab_size - 1, (1, length), generator=generator) for length in lengths]
-
-
-def left_pad_prompts(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ids [N, T] and their attention mask (pad id 0)."""
-    return left_pad([prompt[0].tolist() for prompt in prompts], pad_token_id=0)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

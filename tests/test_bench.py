@@ -479,3 +479,34 @@ def test_prompts_render_with_thinking_off_unless_asked():
     assert user_prompt_ids(tokenizer, "w9", thinking=True) == [3, 9, 1, 4]
     assert build_parser().parse_args(["bench", "--thinking"]).thinking is True
     assert build_parser().parse_args(["bench"]).thinking is False
+
+
+def test_bench_compile_runs_the_compiled_path_end_to_end(saved_models, tmp_path, capsys, monkeypatch):
+    """`bench --compile` reaches `spec_generate(compile=True)` on every DFlash call (warm-up included) and the output
+    stays the target's own. Dynamo's eager backend stands in for inductor, whose C++ build would take a minute."""
+    from dflash_hf.generation_dflash import DFlashGenerationMixin
+
+    calls, original = [], DFlashGenerationMixin.spec_generate
+
+    def dynamo_only(self, *args, compile=False, **arguments):
+        calls.append(compile)
+        return original(self, *args, compile={"backend": "eager"} if compile is True else compile, **arguments)
+
+    monkeypatch.setattr(DFlashGenerationMixin, "spec_generate", dynamo_only)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"turns": ["w5 w6 w7"]}\n{"turns": ["w8 w9"]}\n')
+    out = tmp_path / "bench.json"
+    main(["bench", *saved_models, "--prompts", str(prompts), "--compile", "--max-new-tokens", "6", "--block-size", "4",
+          "--prompt-lookup-tokens", "0", "--json", str(out), "--plot", ""])
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["lossless"] is True and len(calls) >= 3 and all(compile is True for compile in calls)
+    assert "compiled: the warm-up took" in capsys.readouterr().out
+
+
+def test_demo_compile_reaches_the_demo(monkeypatch):
+    import dflash_hf.demo as demo
+
+    seen = {}
+    monkeypatch.setattr(demo, "run_demo", lambda *args, **kwargs: seen.update(args=args, kwargs=kwargs))
+    main(["demo", "--compile", "--max-new-tokens", "8"])
+    assert seen["kwargs"]["compile"] is True and seen["args"][5] is None  # a chain: no tree size is chosen

@@ -7,22 +7,12 @@ import json
 
 import pytest
 import torch
-from helpers import make_target, make_tokenizer
+from helpers import save_tiny_target_and_prompts
 from safetensors.torch import load_file
 from transformers import AutoModel
 
 from dflash_hf.cli import main
 
-
-def save_tiny_target_and_prompts(tmp_path, num_prompts: int):
-    """A tiny Llama target and its tokenizer in tmp_path/target; returns a JSONL file of `num_prompts` prompts."""
-    target, tokenizer = make_target("llama", seed=3), make_tokenizer()
-    target.save_pretrained(tmp_path / "target")
-    tokenizer.save_pretrained(tmp_path / "target")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"question": f"w{10 + i} w{20 + i} w{30 + i}"})
-                                 for i in range(num_prompts)))
-    return prompts
 
 def test_train_command_writes_a_hub_ready_draft(tmp_path):
     prompts = save_tiny_target_and_prompts(tmp_path, 6)

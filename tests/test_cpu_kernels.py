@@ -7,8 +7,7 @@ import time
 
 import pytest
 import torch
-from helpers import VOCAB_SIZE, ReferenceProposer, make_draft, make_target, plain_greedy
-from test_batch import left_pad_prompts, prompts_of
+from helpers import VOCAB_SIZE, ReferenceProposer, left_pad_prompts, make_draft, make_target, plain_greedy, prompts_of
 
 from dflash_hf import kernels_dflash
 from dflash_hf.kernels_dflash import FewRowLinear, cpu_kernels, few_row_kernels

@@ -22,21 +22,13 @@ from helpers import (
     VOCAB_SIZE,
     ReferenceProposer,
     assert_equal_up_to_near_tie,
-    chi_square_p_value,
     make_draft,
     make_target,
     make_tokenizer,
     plain_greedy,
 )
-from transformers import (
-    AutoModelForCausalLM,
-    LogitsProcessorList,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from sampling_checks import NUM_NEW, SAMPLING_VOCAB, chi_square_p_value, exact_joint
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_hf import left_pad, speculative_decode
 
@@ -173,26 +165,8 @@ def test_cuda_device_map_auto_target(tmp_path, dtype):
 
 # --- Sampling with a CUDA generator ----------------------------------------------------------------------------------
 
-SAMPLING_VOCAB = 6
-SAMPLED_TOKENS = 3
+SAMPLED_TOKENS = NUM_NEW
 SAMPLES = 1000  # 4 batches of 250 identical rows
-
-
-@torch.no_grad()
-def exact_joint(target, input_ids, temperature, top_k, top_p) -> dict[tuple[int, ...], float]:
-    """P(x1, x2, x3) under plain sampling from the target, with Transformers' own warpers."""
-    chain = [TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else []) + \
-        ([TopPLogitsWarper(top_p)] if top_p else [])
-    process = LogitsProcessorList(chain)
-    probabilities = {(): 1.0}
-    for _ in range(SAMPLED_TOKENS):
-        prefixes = list(probabilities)
-        suffix = torch.tensor([list(p) for p in prefixes], dtype=torch.long, device=input_ids.device)
-        batch = torch.cat((input_ids.repeat(len(prefixes), 1), suffix.reshape(len(prefixes), -1)), dim=1)
-        next_probabilities = process(batch, target(batch).logits[:, -1].float()).softmax(-1).cpu()
-        probabilities = {prefix + (token,): probabilities[prefix] * float(next_probabilities[row, token])
-                         for row, prefix in enumerate(prefixes) for token in range(SAMPLING_VOCAB)}
-    return probabilities
 
 
 @pytest.mark.parametrize("acceptance,temperature,top_k,top_p", [
@@ -380,3 +354,25 @@ def test_cuda_loop_runs_under_sync_debug_mode(case):
     total = sum(sites.values())
     print(f"host syncs ({case}): {total} over {steps} steps = {total / max(steps, 1):.1f} per step "
           f"(rows {input_ids.shape[0]}, tau {result.tau:.2f}); by site: {dict(sites.most_common(12))}")
+
+
+# --- The compiled path: CUDA graphs ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_compiled_path_runs_cuda_graphs_exactly_without_recompiling(dtype):
+    """`compile=True` on a GPU: inductor with CUDA graphs (`mode="reduce-overhead"`); the target's greedy tokens
+    (bfloat16: up to near-ties), a left-padded batch too, and no new graph for a second call."""
+    from torch._dynamo.utils import counters
+
+    target = make_target("qwen3", seed=2).to(DEVICE, dtype)
+    draft = make_draft(2).to(DEVICE, dtype)
+    torch._dynamo.reset()
+    counters.clear()
+    for seed in (0, 1):
+        input_ids = random_prompt(9 + seed, seed)
+        expected = plain_greedy(target, input_ids, max_new_tokens=40)
+        output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=40, compile=True)
+        assert_lossless(target, output, expected, dtype)
+        print(f"{dtype}: graphs after call {seed + 1}: {counters['stats']['unique_graphs']}")
+    assert counters["stats"]["unique_graphs"] == 2  # the verify and the draft forward, compiled once

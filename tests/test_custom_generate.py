@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import torch
 from helpers import make_draft, make_target
 
 RUN_WITHOUT_PACKAGE = textwrap.dedent("""
@@ -91,3 +92,24 @@ def test_generate_with_custom_generate_runs_our_loop_without_the_package(tmp_pat
     assert "num_beams=2" in result["refusal"]
     assert result["no_mask"] == result["batched"]  # a left-padded batch without a mask: pads are not prompt tokens
     assert result["stopped"] == result["stopped_plain"] and len(result["stopped"][0]) < 6 + 20  # a tensor EOS stops
+
+
+def test_the_standalone_copies_agree_with_the_package_functions():
+    """custom_generate/generate.py is loaded alone (no sibling files), so it carries its own `embedding_device` and
+    `_ids`; they must answer as `devices_dflash.execution_device` and `settings_dflash.token_id_list` do."""
+    from types import SimpleNamespace
+
+    from dflash_hf.custom_generate_dflash import _ids, embedding_device
+    from dflash_hf.devices_dflash import execution_device
+    from dflash_hf.settings_dflash import token_id_list
+
+    plain = torch.nn.Embedding(4, 2)
+    dispatched = torch.nn.Embedding(4, 2)
+    dispatched._hf_hook = SimpleNamespace(execution_device="cpu")
+    sequential = torch.nn.Embedding(4, 2)
+    sequential._hf_hook = SimpleNamespace(hooks=[SimpleNamespace(execution_device=None),
+                                                 SimpleNamespace(execution_device="cpu")])
+    for module in (plain, dispatched, sequential):
+        assert embedding_device(module) == execution_device(module)
+    for value in (None, 3, [1, 2], (4, 5), torch.tensor([6, 7]), torch.tensor(8)):
+        assert _ids(value) == token_id_list(value, "stop_token_ids")

@@ -23,12 +23,14 @@ from helpers import (
     make_variant_draft,
     plain_greedy,
     random_prompt,
+    rms,
+    rope,
 )
 from safetensors.torch import load_file
-from test_draft_forward import rms, rope
-from test_sampling import NUM_SAMPLES, VOCAB, chi_square_p_value, exact_joint, setup  # noqa: F401 (fixture)
+from sampling_checks import NUM_NEW, NUM_SAMPLES, assert_follows, exact_joint, sampled_counts
+from sampling_checks import SAMPLING_VOCAB as VOCAB
 
-from dflash_hf import DFlashDraftModel, DraftStep, left_pad, speculative_decode
+from dflash_hf import DFlashDraftModel, DraftStep, left_pad
 from dflash_hf.modeling_dflash import DFlash2DraftModel, layer_attention_mask
 from dflash_hf.proposer_dflash import DFlashProposer
 from dflash_hf.target_dflash import select_features
@@ -342,24 +344,17 @@ def test_dflash2_sampled_proposals_come_from_the_candidates(targets):
     assert (q[torch.arange(5), proposal.tokens[0]] > 0).all()
 
 
-def test_dflash2_sampling_follows_the_target_distribution(setup):  # noqa: F811
+def test_dflash2_sampling_follows_the_target_distribution(sampling_setup):
     """One setting (the selector's q over K=4 of 6 tokens, after temperature and top-p) keeps CI short."""
-    target, input_ids = setup
+    target, input_ids = sampling_setup
     temperature, top_k, top_p = 0.9, None, 0.9
     draft = make_variant_draft("dflash2", seed=12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
-    generator, counts, accepted = torch.Generator().manual_seed(99), {}, 0
-    with torch.no_grad():
-        for _ in range(NUM_SAMPLES):
-            result = speculative_decode(target, DFlashProposer(draft, target, VOCAB - 1), input_ids, max_new_tokens=3,
-                                        block_size=4, temperature=temperature, top_k=top_k, top_p=top_p,
-                                        generator=generator)
-            cell = tuple(result.new_token_ids[0].tolist())
-            counts[cell] = counts.get(cell, 0) + 1
-            accepted += sum(a - 1 for a in result.acceptance_lengths[0])
+    counts, accepted = sampled_counts(target, DFlashProposer(draft, target, VOCAB - 1), input_ids,
+                                      torch.Generator().manual_seed(99), max_new_tokens=NUM_NEW, block_size=4,
+                                      temperature=temperature, top_k=top_k, top_p=top_p)
     assert accepted > NUM_SAMPLES // 10
-    assert chi_square_p_value(counts, exact_joint(target, input_ids, temperature, top_k, top_p), NUM_SAMPLES) > 1e-3
-    wrong = exact_joint(target, input_ids, temperature * 1.5, top_k, top_p)
-    assert chi_square_p_value(counts, wrong, NUM_SAMPLES) < 1e-3  # the statistic has power
+    assert_follows(counts, exact_joint(target, input_ids, temperature, top_k, top_p),
+                   exact_joint(target, input_ids, temperature * 1.5, top_k, top_p))
 
 
 # --- Training ------------------------------------------------------------------------------------------------------

@@ -6,25 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import HIDDEN_SIZE, draft_config, make_draft, make_target
+from helpers import HIDDEN_SIZE, draft_config, make_draft, make_target, rms, rope
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from dflash_hf import DFlashDraftModel
 from dflash_hf.modeling_dflash import DFlashRotaryEmbedding
-
-
-def rms(x, weight, eps=1e-6):
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def rope(x, positions, theta=1e6):
-    dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2).float() / dim))
-    angles = positions[:, None].float() * inv_freq  # [T, D/2]
-    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
-    x1, x2 = x[..., : dim // 2], x[..., dim // 2:]
-    return x * cos + torch.cat((-x2, x1), -1) * sin
 
 
 def reference_forward(state, block_embeddings, features, block_positions, context_positions,

@@ -7,11 +7,11 @@ import warnings
 
 import pytest
 import torch
-from device_costs import HostSyncCounter, peak_cpu_bytes
+from device_costs import HostSyncCounter, marked_host_copies, peak_cpu_bytes
 from helpers import HIDDEN_SIZE, VOCAB_SIZE, make_draft, make_target, make_variant_draft, plain_greedy
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dflash_hf import modeling_dflash, speculative_decode
+from dflash_hf import generation_dflash, modeling_dflash, speculative_decode
 from dflash_hf.cache_dflash import left_pad
 from dflash_hf.generation_dflash import prefill
 from dflash_hf.proposer_dflash import DFlashProposer
@@ -30,11 +30,15 @@ def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("variant", ["dflash", "dflash2"])
 @pytest.mark.parametrize("temperature, acceptance", [(0.0, "rejection"), (1.0, "rejection"), (0.7, "equality")])
-def test_one_host_synchronisation_per_step(variant, temperature, acceptance):
-    """Each step waits for the device once (the committed tokens), greedy and sampling, while rows of a left-padded
-    batch stop at different steps; nothing else dflash-hf does in a step reads a value, has a data-dependent shape or
-    copies host data to the device blocking. (Transformers' own sdpa mask preparation checks a padding mask when a
-    single token is verified: the last step of a padded batch, as in `generate`; not counted here.)"""
+@pytest.mark.parametrize("tree_size, reads_per_step", [(None, 1), (4, 2)])
+def test_host_synchronisations_per_step(monkeypatch, variant, temperature, acceptance, tree_size, reads_per_step):
+    """A chain step waits for the device once (the committed tokens); a tree step twice (the draft's candidates,
+    to plan the tree; the verify's argmax, or p, q and the uniforms, to walk it on the host); greedy and sampling,
+    while rows of a left-padded batch stop at different steps. Nothing else dflash-hf does in a step reads a value,
+    has a data-dependent shape or copies host data to the device blocking. (Transformers' own sdpa mask preparation
+    checks a padding mask when a single token is verified: the last step of a padded batch, as in `generate`; not
+    counted here.)"""
+    marked_host_copies(monkeypatch, generation_dflash)
     target = make_target("qwen3", seed=2)
     draft = make_draft(2) if variant == "dflash" else make_variant_draft("dflash2", seed=2)
     input_ids, attention_mask = left_pad(random_prompts([5, 9, 3], seed=2), pad_token_id=0)
@@ -44,16 +48,18 @@ def test_one_host_synchronisation_per_step(variant, temperature, acceptance):
         with HostSyncCounter(source="dflash_hf") as counter:
             result = draft.spec_generate(target=target, input_ids=input_ids, attention_mask=attention_mask,
                                          max_new_tokens=max_new_tokens, temperature=temperature, seed=0,
-                                         acceptance=acceptance, stop_token_ids=stop_token_ids, return_stats=True)
+                                         acceptance=acceptance, stop_token_ids=stop_token_ids, return_stats=True,
+                                         tree_size=tree_size)
         return counter, result
 
     run(2)  # once per target: the probe of its LM head
     prefill_only, _ = run(1)  # no step runs
     counter, result = run(40)
-    steps = max(len(lengths) for lengths in result.acceptance_lengths)
+    widths = max(result.verified_lengths, key=len)  # of the row that took part in every step
     assert min(result.num_new_tokens) < max(result.num_new_tokens)  # rows did finish at different steps
-    assert steps > 5
-    assert counter.total - prefill_only.total == steps, (counter.counts, prefill_only.counts)
+    assert len(widths) > 5
+    reads = sum(reads_per_step if width > 1 else 1 for width in widths)  # a one-token step is a chain's
+    assert counter.total - prefill_only.total == reads, (counter.counts, prefill_only.counts)
 
 
 def test_the_counter_sees_what_waits():

@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import chi_square_p_value, make_draft, make_target
-from scipy.stats import chisquare
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from helpers import make_draft
+from sampling_checks import NUM_NEW, NUM_SAMPLES, assert_follows, chi_square_p_value, exact_joint, sampled_counts
+from sampling_checks import SAMPLING_VOCAB as VOCAB
 
 from dflash_hf import DraftStep, speculative_decode
 from dflash_hf.proposer_dflash import DFlashProposer, Proposal
 from dflash_hf.sampling_dflash import speculative_sample
 from dflash_hf.settings_dflash import StepCosts
-
-VOCAB = 6
-NUM_NEW = 3
-NUM_SAMPLES = 1000
 
 
 class TargetGreedyProposer:
@@ -36,53 +32,6 @@ class TargetGreedyProposer:
         return torch.stack(rows)
 
 
-def warpers(temperature, top_k, top_p) -> LogitsProcessorList:
-    chain = [TemperatureLogitsWarper(temperature)]
-    if top_k is not None:
-        chain.append(TopKLogitsWarper(top_k))
-    if top_p is not None:
-        chain.append(TopPLogitsWarper(top_p))
-    return LogitsProcessorList(chain)
-
-
-@torch.no_grad()
-def sampled_counts(target, make_proposer, input_ids, **decode_arguments) -> tuple[dict[tuple[int, ...], int], int]:
-    """NUM_SAMPLES decodes of `input_ids` [1, T] by `speculative_decode`, each with a fresh `make_proposer()`: how
-    often each continuation came out, and the drafted tokens accepted in all of them."""
-    counts: dict[tuple[int, ...], int] = {}
-    accepted = 0
-    for _ in range(NUM_SAMPLES):
-        result = speculative_decode(target, make_proposer(), input_ids, **decode_arguments)
-        cell = tuple(result.new_token_ids[0].tolist())
-        counts[cell] = counts.get(cell, 0) + 1
-        accepted += sum(length - 1 for length in result.acceptance_lengths[0])
-    return counts, accepted
-
-
-@torch.no_grad()
-def exact_joint(target, input_ids, temperature, top_k, top_p) -> dict[tuple[int, ...], float]:
-    """P(x1, x2, x3) under plain sampling from the target with Transformers' own warpers."""
-    process = warpers(temperature, top_k, top_p)
-    probabilities = {(): 1.0}
-    for _ in range(NUM_NEW):
-        prefixes = list(probabilities)
-        batch = torch.cat((input_ids.repeat(len(prefixes), 1),
-                           torch.tensor([list(p) for p in prefixes], dtype=torch.long).reshape(len(prefixes), -1)),
-                          dim=1)
-        logits = target(batch).logits[:, -1].float()
-        next_probabilities = process(batch, logits).softmax(-1)
-        probabilities = {prefix + (token,): probabilities[prefix] * float(next_probabilities[row, token])
-                         for row, prefix in enumerate(prefixes) for token in range(VOCAB)}
-    return probabilities
-
-
-@pytest.fixture(scope="module")
-def setup():
-    target = make_target("llama", seed=11, vocab_size=VOCAB, init_std=0.4)
-    input_ids = torch.tensor([[1, 4, 2, 5]])
-    return target, input_ids
-
-
 @pytest.mark.parametrize("proposer_kind,temperature,top_k,top_p", [
     ("dflash", 1.0, None, None),  # speculative (rejection) sampling of the draft's q
     ("dflash", 0.8, 3, None),
@@ -91,24 +40,19 @@ def setup():
     ("dflash_equality", 0.8, 3, None),
     ("target_greedy", 1.0, None, None),
 ])
-def test_sampled_sequences_follow_the_target_distribution(setup, proposer_kind, temperature, top_k, top_p):
-    target, input_ids = setup
+def test_sampled_sequences_follow_the_target_distribution(sampling_setup, proposer_kind, temperature, top_k, top_p):
+    target, input_ids = sampling_setup
     draft = make_draft(12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
-    counts, accepted_drafts = sampled_counts(
-        target, lambda: TargetGreedyProposer(target) if proposer_kind == "target_greedy" else
-        DFlashProposer(draft, target, VOCAB - 1, sample_proposals=proposer_kind == "dflash"), input_ids,
-        max_new_tokens=NUM_NEW, block_size=4, temperature=temperature, top_k=top_k, top_p=top_p,
-        generator=torch.Generator().manual_seed(1234))
+    proposer = TargetGreedyProposer(target) if proposer_kind == "target_greedy" else \
+        DFlashProposer(draft, target, VOCAB - 1, sample_proposals=proposer_kind == "dflash")
+    counts, accepted_drafts = sampled_counts(target, proposer, input_ids, torch.Generator().manual_seed(1234),
+                                             max_new_tokens=NUM_NEW, block_size=4, temperature=temperature,
+                                             top_k=top_k, top_p=top_p)
     assert accepted_drafts > NUM_SAMPLES // 10  # proposals were accepted: the acceptance path was tested
-    expected = exact_joint(target, input_ids, temperature, top_k, top_p)
-    p_value = chi_square_p_value(counts, expected, NUM_SAMPLES)
+    print(proposer_kind, temperature, top_k, top_p, "accepted", accepted_drafts)
     # the same statistic has power: it rejects a nearby wrong distribution
-    wrong = exact_joint(target, input_ids, temperature * 1.5, top_k, top_p)
-    p_value_wrong = chi_square_p_value(counts, wrong, NUM_SAMPLES)
-    print(proposer_kind, temperature, top_k, top_p, "accepted", accepted_drafts, "p", p_value,
-          "p_wrong", p_value_wrong)
-    assert p_value > 1e-3
-    assert p_value_wrong < 1e-3
+    assert_follows(counts, exact_joint(target, input_ids, temperature, top_k, top_p),
+                   exact_joint(target, input_ids, temperature * 1.5, top_k, top_p))
 
 
 class TokenDependentConfidence(DFlashProposer):
@@ -122,9 +66,9 @@ class TokenDependentConfidence(DFlashProposer):
 
 
 @pytest.mark.parametrize("sample_proposals", [True, False, "token_dependent"])
-def test_shortened_steps_keep_the_target_distribution(setup, sample_proposals):
+def test_shortened_steps_keep_the_target_distribution(sampling_setup, sample_proposals):
     """Adaptive verify length: each step verifies the prefix its draft confidences choose; still the target's law."""
-    target, input_ids = setup
+    target, input_ids = sampling_setup
     proposer_class = TokenDependentConfidence if sample_proposals == "token_dependent" else DFlashProposer
     draft = make_draft(12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
     costs = StepCosts(draft=0.0, verify=(1.0, 1.7, 2.0, 2.3))  # a second token pays when the draft is > 70 % sure
@@ -153,8 +97,8 @@ def test_shortened_steps_keep_the_target_distribution(setup, sample_proposals):
     assert p_value_wrong < 1e-3
 
 
-def test_seed_makes_sampling_reproducible(setup):
-    target, input_ids = setup
+def test_seed_makes_sampling_reproducible(sampling_setup):
+    target, input_ids = sampling_setup
     draft = make_draft(12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
     runs = [draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=12, temperature=1.0, seed=s)
             for s in (7, 7, 8)]
@@ -163,42 +107,36 @@ def test_seed_makes_sampling_reproducible(setup):
 
 
 @pytest.mark.parametrize("per_row_generators, sample_proposals", [(False, True), (True, True), (True, False)])
-def test_batched_sampling_follows_each_rows_distribution(setup, per_row_generators, sample_proposals):
-    """Rows 0 and 2 share a prompt, row 1 has a shorter one (left-padded): each row samples its own distribution."""
-    target, prompt = setup
+def test_batched_sampling_follows_each_rows_distribution(sampling_setup, per_row_generators, sample_proposals):
+    """Rows of one left-padded batch alternate two prompts (the second shorter): each row samples its own
+    prompt's distribution, with a generator per row or one shared by all."""
+    target, prompt = sampling_setup
     other = torch.tensor([[3, 2]])
+    repeats = 600  # of the pattern (prompt, other, prompt)
     input_ids = torch.cat((prompt, torch.cat((torch.zeros(1, 2, dtype=torch.long), other), dim=1), prompt))
     attention_mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1], [1, 1, 1, 1]])
     draft = make_draft(12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
-    shared = torch.Generator().manual_seed(99)
-    counts: list[dict[tuple[int, ...], int]] = [{}, {}]  # per prompt
-    num_calls, accepted_drafts = 600, 0
+    generator = [torch.Generator().manual_seed(10_000 + row) for row in range(3 * repeats)] \
+        if per_row_generators else torch.Generator().manual_seed(99)
+    proposer = DFlashProposer(draft, target, VOCAB - 1, sample_proposals=sample_proposals)
     with torch.no_grad():
-        for call in range(num_calls):
-            generator = [torch.Generator().manual_seed(10_000 + 3 * call + row) for row in range(3)] \
-                if per_row_generators else shared
-            proposer = DFlashProposer(draft, target, VOCAB - 1, sample_proposals=sample_proposals)
-            result = speculative_decode(target, proposer, input_ids, max_new_tokens=NUM_NEW,
-                                        block_size=4, temperature=1.0, generator=generator,
-                                        attention_mask=attention_mask)
-            for row, which in enumerate((0, 1, 0)):
-                cell = tuple(result.new_tokens(row))
-                counts[which][cell] = counts[which].get(cell, 0) + 1
-                accepted_drafts += sum(a - 1 for a in result.acceptance_lengths[row])
-    assert accepted_drafts > num_calls // 10  # proposals were accepted in the batch
-    for which, (row_prompt, num_samples) in enumerate(((prompt, 2 * num_calls), (other, num_calls))):
-        p_value = chi_square_p_value(counts[which], exact_joint(target, row_prompt, 1.0, None, None), num_samples)
-        p_value_wrong = chi_square_p_value(counts[which], exact_joint(target, row_prompt, 1.5, None, None),
-                                           num_samples)
-        print("prompt", which, "p", p_value, "p_wrong", p_value_wrong)
-        assert p_value > 1e-3
-        assert p_value_wrong < 1e-3
+        result = speculative_decode(target, proposer, input_ids.repeat(repeats, 1),
+                                    attention_mask=attention_mask.repeat(repeats, 1), max_new_tokens=NUM_NEW,
+                                    block_size=4, temperature=1.0, generator=generator)
+    counts: list[dict[tuple[int, ...], int]] = [{}, {}]  # per prompt
+    for row in range(3 * repeats):
+        cell, which = tuple(result.new_tokens(row)), int(row % 3 == 1)
+        counts[which][cell] = counts[which].get(cell, 0) + 1
+    assert sum(length - 1 for lengths in result.acceptance_lengths for length in lengths) > repeats // 10
+    for which, (row_prompt, num_samples) in enumerate(((prompt, 2 * repeats), (other, repeats))):
+        assert_follows(counts[which], exact_joint(target, row_prompt, 1.0, None, None),
+                       exact_joint(target, row_prompt, 1.5, None, None), num_samples)
 
 
-def test_per_row_generators_reproduce_each_row_alone(setup):
+def test_per_row_generators_reproduce_each_row_alone(sampling_setup):
     """With the equality rule (argmax proposals) a row's random stream is the same in a batch and alone. Speculative
     sampling draws a row's proposals from a block as wide as the batch's step, so there it is exact, not replayable."""
-    target, prompt = setup
+    target, prompt = sampling_setup
     draft = make_draft(12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
     other = torch.tensor([[0, 3, 2, 2]])
     batch = draft.spec_generate(target=target, input_ids=torch.cat((prompt, other)), max_new_tokens=12,
@@ -226,9 +164,8 @@ def test_speculative_sample_keeps_the_target_distribution(broken):
         tokens = torch.where(accepted == 0,
                              torch.multinomial(p[0], num_samples, replacement=True, generator=generator), tokens)
     first_tokens = torch.where(accepted == 1, proposals[:, 0], tokens)
-    counts = torch.bincount(first_tokens, minlength=4).tolist()
-    first = p[0].double().tolist()
-    p_value = float(chisquare(counts, [num_samples * value / sum(first) for value in first]).pvalue)
+    counts = dict(enumerate(torch.bincount(first_tokens, minlength=4).tolist()))
+    p_value = chi_square_p_value(counts, dict(enumerate(p[0].double().tolist())), num_samples)
     assert (p_value < 1e-3) if broken else (p_value > 1e-3)
 
 
@@ -244,9 +181,9 @@ def test_speculative_sample_rows_follow_their_limits_and_p():
     assert tokens.tolist() == [2, 1, 1]  # p at position 2, 1 and 0: the bonus from p, never a proposal of q
 
 
-def test_rejection_sampling_accepts_more_than_the_equality_rule_for_a_close_draft(setup):
+def test_rejection_sampling_accepts_more_than_the_equality_rule_for_a_close_draft(sampling_setup):
     """A draft whose q equals p: every proposal is kept by speculative sampling, far fewer by the equality rule."""
-    target, input_ids = setup
+    target, input_ids = sampling_setup
     tau = {}
     for sample_proposals in (True, False):
         proposer = TargetSampleProposer(target, sample_proposals)

@@ -10,8 +10,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from helpers import make_draft, make_target, plain_greedy, random_prompt
-from test_cli import save_tiny_target_and_prompts
+from helpers import make_draft, make_target, plain_greedy, random_prompt, save_tiny_target_and_prompts
 from transformers import Qwen3ForCausalLM
 
 from dflash_hf import kernels_dflash

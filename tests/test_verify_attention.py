@@ -1,5 +1,6 @@
-"""A verify's attention on CPU: grouped key/value heads go to SDPA as they are (no copies), with the same numbers,
-and only while DFlash generates: the target's own attention implementation is set back after."""
+"""A verify's attention on CPU: `use_grouped_query_sdpa` sends grouped key/value heads to SDPA as they are (no
+copies) with the same numbers; dflash-hf's commands switch a target at load, and the loop never changes a model's
+attention implementation itself."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import pytest
 import torch
 from helpers import make_draft, make_target, plain_greedy, random_prompt
 
+from dflash_hf import speculative_decode
 from dflash_hf.cache_dflash import crop_cache
-from dflash_hf.kernels_dflash import GROUPED_QUERY_SDPA, grouped_query_attention
+from dflash_hf.devices_dflash import GROUPED_QUERY_SDPA
+from dflash_hf.kernels_dflash import use_grouped_query_sdpa
 from dflash_hf.versions_dflash import cache_keyword, returned_cache
 
 
@@ -22,14 +25,12 @@ def test_a_verify_gives_the_same_logits_with_and_without_the_switch(arch, contex
         block = random_prompt(2, width)
         expected = target(input_ids=block, use_cache=True, **{keyword: cache}).logits
         crop_cache(cache, context)
-        with grouped_query_attention(target) as switched:
-            assert switched and target.config._attn_implementation == GROUPED_QUERY_SDPA
-            logits = target(input_ids=block, use_cache=True, **{keyword: cache}).logits
+        assert use_grouped_query_sdpa(target) and target.config._attn_implementation == GROUPED_QUERY_SDPA
+        logits = target(input_ids=block, use_cache=True, **{keyword: cache}).logits
     assert torch.equal(logits, expected)
-    assert target.config._attn_implementation == "sdpa"
 
 
-def test_generation_runs_the_grouped_path_and_sets_the_attention_back(monkeypatch):
+def test_a_switched_target_decodes_through_the_grouped_path(monkeypatch):
     import dflash_hf.kernels_dflash as kernels_dflash
 
     target, draft = make_target("llama", seed=3), make_draft(3)
@@ -41,35 +42,36 @@ def test_generation_runs_the_grouped_path_and_sets_the_attention_back(monkeypatc
         return grouped(module, query, *args, **kwargs)
 
     monkeypatch.setattr(kernels_dflash, "grouped_query_sdpa", recording)
+    assert use_grouped_query_sdpa(target)
     input_ids = random_prompt(3, 9)
+    expected = plain_greedy(target, input_ids, 20)
+    widths.clear()  # from here on: the DFlash call's attention calls only
     output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=20, block_size=4)
-    assert torch.equal(output, plain_greedy(target, input_ids, 20))
+    assert torch.equal(output, expected)
     layers = target.config.num_hidden_layers
     assert (widths[:layers] == [9] * layers and set(widths[layers:]) <= {1, 2, 3, 4}
             and 4 in widths)  # prefill, verifies
-    assert target.config._attn_implementation == "sdpa"
 
 
-def test_the_attention_is_set_back_when_generation_fails():
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_the_loop_never_changes_the_targets_attention(cpu_kernels):
+    """Another thread may be using the model: during a call its attention implementation is the user's own."""
     target, draft = make_target("qwen3", seed=4), make_draft(4)
+    seen = []
 
-    class Failing:
+    class Watching:
         target_layer_ids = draft.target_layer_ids
 
         def propose(self, step):
-            assert target.config._attn_implementation == GROUPED_QUERY_SDPA
-            raise RuntimeError("proposer failed")
+            seen.append(target.config._attn_implementation)
+            return torch.zeros(len(step.row_ids), step.block_size - 1, dtype=torch.long)
 
-    from dflash_hf import speculative_decode
-
-    with pytest.raises(RuntimeError, match="proposer failed"):
-        speculative_decode(target, Failing(), random_prompt(4, 5), 10, 4)
-    assert target.config._attn_implementation == "sdpa"
+    speculative_decode(target, Watching(), random_prompt(4, 5), 10, 4, cpu_kernels=cpu_kernels)
+    assert seen and set(seen) == {"sdpa"}
 
 
 def test_other_attention_implementations_are_left_alone():
     target = make_target("qwen3", seed=5)
     target.set_attn_implementation("eager")
-    with grouped_query_attention(target) as switched:
-        assert not switched and target.config._attn_implementation == "eager"
+    assert not use_grouped_query_sdpa(target)
     assert target.config._attn_implementation == "eager"
