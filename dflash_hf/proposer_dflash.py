@@ -9,8 +9,8 @@ Hub remote code: imports only torch and transformers.
 
 from __future__ import annotations
 
+import functools
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
@@ -156,18 +156,23 @@ class Proposer(Protocol):
         ...
 
 
-_COMPILED_DRAFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # draft -> (options, its compiled forward)
+def draft_forward(draft: DFlashDraft, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The draft's forward, as a function of the draft: what `compiled_draft` compiles (it holds no draft)."""
+    return draft(*args, **kwargs)
+
+
+_COMPILED_DRAFT_FORWARDS: dict[str, Callable[..., torch.Tensor]] = {}  # repr(options) -> compiled draft_forward
 _COMPILED_DRAFTS_GUARD = threading.Lock()
 
 
-def compiled_draft(draft: DFlashDraft, options: dict[str, Any]) -> Callable[..., torch.Tensor]:
-    """The draft's forward under `torch.compile(**options)`, made once per draft and options (later calls reuse its
-    graphs)."""
+def compiled_draft(options: dict[str, Any]) -> Callable[..., torch.Tensor]:
+    """`draft_forward` under `torch.compile(**options)`, made once per options: later calls, and other drafts, reuse
+    it (its graphs are kept per draft by dynamo, which holds no draft alive)."""
+    key = repr(sorted(options.items()))
     with _COMPILED_DRAFTS_GUARD:
-        known = _COMPILED_DRAFTS.get(draft)
-        if known is None or known[0] != options:
-            known = _COMPILED_DRAFTS[draft] = (options, torch.compile(draft, **options))
-        return known[1]
+        if key not in _COMPILED_DRAFT_FORWARDS:
+            _COMPILED_DRAFT_FORWARDS[key] = torch.compile(draft_forward, **options)
+        return _COMPILED_DRAFT_FORWARDS[key]
 
 
 class DFlashProposer:
@@ -193,7 +198,7 @@ class DFlashProposer:
         if compile is not None and context_columns is None:
             raise ValueError("A compiled DFlashProposer needs context_columns: the prompt width plus max_new_tokens "
                              "plus the block size (generation_dflash.dflash_proposer passes it).")
-        self.compiled = None if compile is None else compiled_draft(draft, compile)
+        self.compiled = None if compile is None else compiled_draft(compile)
         self.context_columns = context_columns
         self.cache: DraftContextCache | StaticDraftContextCache | None = draft.new_cache() if compile is None else None
         self.columns: CacheColumns | None = None  # real context positions among the cache's columns
@@ -237,7 +242,8 @@ class DFlashProposer:
         capacity, valid = self.cache.capacity, self.columns.valid  # [N, W]
         mask = torch.nn.functional.pad(valid, (0, capacity - valid.shape[1] + step.block_size), value=True)
         mask[:, valid.shape[1] : capacity] = False  # [N, C + B]: the rows' context columns, then the block
-        return hidden, positions, mask[:, None, None, :], self.draft if first else self.compiled
+        forward = self.draft if first else functools.partial(self.compiled, self.draft)
+        return hidden, positions, mask[:, None, None, :], forward
 
     def propose(self, step: DraftStep) -> torch.Tensor | Proposal:
         """The draft's proposals [N, B-1] for positions s+1 .. s+B-1: its argmax, or samples of q when sampling."""

@@ -10,7 +10,8 @@ a GPU the verify then runs as a CUDA graph (`mode="reduce-overhead"`). README, "
 - The draft's features are the outputs of the chosen layers, stored by forward hooks that do nothing else and
   concatenated inside the compiled graph. The hooks are on the target only during a verify (`capturing`).
 - One `StaticVerifier` per target is kept and reused by later calls with the same rows, layers and options, so its
-  compiled graph and cache are reused too.
+  compiled graph and cache are reused too. It holds the target and its layers weakly: it lives as long as the target
+  does, and no longer.
 
 Hub remote code: imports only torch and transformers.
 """
@@ -35,10 +36,11 @@ class StaticVerifier:
 
     def __init__(self, target: torch.nn.Module, num_rows: int, layer_ids: list[int] | None,
                  options: dict[str, Any]) -> None:
-        self.target, self.num_rows, self.layer_ids, self.options = target, num_rows, layer_ids, options
-        self.modules = feature_modules(target, layer_ids) if layer_ids else []
-        self.captured: list[torch.Tensor | None] = [None] * len(self.modules)  # [N, b, H] per chosen layer
-        self.hooks = [self._hook(slot) for slot in range(len(self.modules))]
+        self._target = weakref.ref(target)  # the table of verifiers is keyed by the target: no strong reference back
+        self.num_rows, self.layer_ids, self.options = num_rows, layer_ids, options
+        self._modules = [weakref.ref(module) for module in (feature_modules(target, layer_ids) if layer_ids else [])]
+        self.captured: list[torch.Tensor | None] = [None] * len(self._modules)  # [N, b, H] per chosen layer
+        self.hooks = [self._hook(slot) for slot in range(len(self._modules))]
         self.cache_argument = cache_keyword(target)
         self.cache: Any = None
         self.capacity = 0  # the cache's columns
@@ -55,13 +57,18 @@ class StaticVerifier:
     def capturing(self) -> Iterator[StaticVerifier]:
         """One verify's scope: the feature hooks (the same functions every time, so the compiled graph's guards
         hold) are on the target's layers, and removed after it."""
-        handles = [module.register_forward_hook(hook) for module, hook in zip(self.modules, self.hooks)]
+        handles = [module().register_forward_hook(hook) for module, hook in zip(self._modules, self.hooks)]
         try:
             yield self
         finally:
             for handle in handles:
                 handle.remove()
-            self.captured = [None] * len(self.modules)
+            self.captured = [None] * len(self._modules)
+
+    @property
+    def target(self) -> torch.nn.Module:
+        """The target this verifier compiles (alive while a call runs on it)."""
+        return self._target()
 
     def new_cache(self, columns: int) -> Any:
         """An empty static cache with room for `columns` columns: the last one's, reset, where it is large enough
@@ -82,10 +89,11 @@ class StaticVerifier:
         return {self.cache_argument: self.cache,
                 **static_write_arguments(self.target, 0, width, target_device(self.target))}
 
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 cache: Any, write: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        outputs = self.target(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                              use_cache=True, **{self.cache_argument: cache}, **write)
+    def _forward(self, target: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 attention_mask: torch.Tensor, cache: Any, write: dict[str, Any]
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        outputs = target(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=True,
+                         **{self.cache_argument: cache}, **write)
         features = torch.cat(self.captured, dim=-1) if self.captured else None  # [N, b, L*H]
         return outputs.logits, features
 
@@ -102,7 +110,7 @@ class StaticVerifier:
         write = static_write_arguments(self.target, kept, width, input_ids.device)
         self.written = kept + width
         with self.capturing():
-            return self.compiled(input_ids, position_ids, mask, self.cache, write)
+            return self.compiled(self.target, input_ids, position_ids, mask, self.cache, write)
 
     def reorder_columns(self, index: torch.Tensor) -> None:
         """Compaction in place: every layer's first W' columns become the per-row columns index [N, W'] (the

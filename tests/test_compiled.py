@@ -171,3 +171,17 @@ def test_compile_is_refused_for_a_target_with_recurrent_layers():
     target, draft = make_hybrid_target("qwen3_next"), make_draft(0)
     with pytest.raises(ValueError, match="recurrent layers"):
         draft.spec_generate(target=target, input_ids=random_prompt(0, 5), max_new_tokens=4, compile=True)
+
+
+def test_a_compiled_call_keeps_neither_model_alive():
+    """The verifier and the compiled draft forward are kept for later calls, but hold the models weakly: once the
+    caller drops them, they are freed."""
+    import gc
+    import weakref
+
+    target, draft = make_target(seed=8), make_draft(8)
+    draft.spec_generate(target=target, input_ids=random_prompt(10, 6), max_new_tokens=10, compile=DYNAMO_ONLY)
+    references = weakref.ref(target), weakref.ref(draft)
+    del target, draft
+    gc.collect()
+    assert [reference() for reference in references] == [None, None]
