@@ -9,7 +9,6 @@ Hub remote code: imports only torch and transformers.
 
 from __future__ import annotations
 
-import functools
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
@@ -242,7 +241,7 @@ class DFlashProposer:
         capacity, valid = self.cache.capacity, self.columns.valid  # [N, W]
         mask = torch.nn.functional.pad(valid, (0, capacity - valid.shape[1] + step.block_size), value=True)
         mask[:, valid.shape[1] : capacity] = False  # [N, C + B]: the rows' context columns, then the block
-        forward = self.draft if first else functools.partial(self.compiled, self.draft)
+        forward = self.draft if first else lambda *args, **kwargs: self.compiled(self.draft, *args, **kwargs)
         return hidden, positions, mask[:, None, None, :], forward
 
     def propose(self, step: DraftStep) -> torch.Tensor | Proposal:
