@@ -27,7 +27,7 @@ import torch
 
 from .cache_dflash import gather_columns, static_capacity
 from .devices_dflash import target_device, target_text_config
-from .target_dflash import feature_modules
+from .target_dflash import feature_modules, module_hidden_states
 from .versions_dflash import cache_keyword, rewind_static_cache, static_write_arguments
 
 
@@ -49,8 +49,7 @@ class StaticVerifier:
 
     def _hook(self, slot: int) -> Any:
         def store_output(module: torch.nn.Module, args: Any, output: Any) -> None:
-            hidden = getattr(output, "last_hidden_state", None)
-            self.captured[slot] = hidden if hidden is not None else output[0] if isinstance(output, tuple) else output
+            self.captured[slot] = module_hidden_states(output)
         return store_output
 
     @contextmanager

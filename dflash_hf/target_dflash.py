@@ -43,6 +43,13 @@ def feature_modules(target: torch.nn.Module, target_layer_ids: list[int]) -> lis
     return [target.get_decoder() if layer_id == len(layers) - 1 else layers[layer_id] for layer_id in target_layer_ids]
 
 
+def module_hidden_states(output: Any) -> torch.Tensor:
+    """The hidden states [N, T, H] in a feature module's output: a decoder's `last_hidden_state`, a layer's first
+    output, or the tensor itself."""
+    hidden = getattr(output, "last_hidden_state", None)
+    return hidden if hidden is not None else output[0] if isinstance(output, (tuple, list)) else output
+
+
 class FeatureCapture:
     """The target's features during one forward: the outputs of `target_layer_ids`, copied by forward hooks into one
     buffer [N, T, L*H] on `device`, so the forward keeps no other layer's hidden states (`output_hidden_states`).
@@ -84,8 +91,7 @@ class FeatureCapture:
             if written and written[0] is self.features:
                 raise ValueError(f"Target layer {self.target_layer_ids[slot]} ran twice in one forward (shared or "
                                  "looped layers): its features are ambiguous; DFlash needs one output per layer.")
-            hidden = getattr(output, "last_hidden_state", None)
-            hidden = hidden if hidden is not None else output[0] if isinstance(output, (tuple, list)) else output
+            hidden = module_hidden_states(output)
             if self.features is None:
                 shape = (*hidden.shape[:-1], len(self.modules) * hidden.shape[-1])
                 self.features = torch.empty(shape, dtype=hidden.dtype, device=self.device)
