@@ -425,6 +425,15 @@ class DraftContextCache:
         self.positions = None if self.positions is None else self.positions.gather(1, index)
 
 
+def fixed_address(tensor: torch.Tensor) -> torch.Tensor:
+    """Tell torch.compile that `tensor` keeps its address from call to call (as Transformers' `StaticCache` does for
+    its tensors), so a compiled forward that writes into it still runs as a CUDA graph: inductor skips CUDA graphs
+    for a graph that mutates an input it must copy in. Returns `tensor`."""
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(tensor)
+    return tensor
+
+
 class StaticDraftContextCache:
     """The draft's context cache at a fixed size, for a compiled draft (`spec_generate(compile=True)`): per layer one
     buffer [N, kv_heads, C + B, D], whose first C columns hold context K/V in the target cache's column layout (holes
@@ -442,7 +451,7 @@ class StaticDraftContextCache:
     def append_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         """Record the position ids [N, c] of this call's context columns at `slots`; all of them [N, C]."""
         if self.positions is None:
-            self.positions = position_ids.new_zeros(position_ids.shape[0], self.capacity)
+            self.positions = fixed_address(position_ids.new_zeros(position_ids.shape[0], self.capacity))
         self.positions.index_copy_(1, self.slots, position_ids)
         return self.positions
 
@@ -452,7 +461,8 @@ class StaticDraftContextCache:
         the context columns; return both buffers [N, kv_heads, C + B, D]."""
         if self.key_buffers[layer_idx] is None:
             shape = (key.shape[0], key.shape[1], self.capacity + self.block_size, key.shape[3])
-            self.key_buffers[layer_idx], self.value_buffers[layer_idx] = key.new_zeros(shape), value.new_zeros(shape)
+            self.key_buffers[layer_idx] = fixed_address(key.new_zeros(shape))
+            self.value_buffers[layer_idx] = fixed_address(value.new_zeros(shape))
         keys, values = self.key_buffers[layer_idx], self.value_buffers[layer_idx]
         keys.index_copy_(2, self.slots, key)
         values.index_copy_(2, self.slots, value)
@@ -462,9 +472,9 @@ class StaticDraftContextCache:
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep the batch rows `index` [n] (a compiled loop keeps its rows; a new shape compiles anew)."""
-        self.key_buffers = [None if buffer is None else buffer[index] for buffer in self.key_buffers]
-        self.value_buffers = [None if buffer is None else buffer[index] for buffer in self.value_buffers]
-        self.positions = None if self.positions is None else self.positions[index]
+        self.key_buffers = [None if old is None else fixed_address(old[index]) for old in self.key_buffers]
+        self.value_buffers = [None if old is None else fixed_address(old[index]) for old in self.value_buffers]
+        self.positions = None if self.positions is None else fixed_address(self.positions[index])
 
     def reorder_columns(self, index: torch.Tensor) -> None:
         """Compaction in place: the first W' context columns become the per-row columns index [N, W']."""

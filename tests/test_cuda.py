@@ -152,7 +152,8 @@ def test_cuda_flash_attention_2_draft_single_row():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_device_map_auto_target(tmp_path, dtype):
-    target = load_saved_target(tmp_path, "qwen3", seed=6, dtype=dtype, device_map="auto")
+    # use_kernels=False: Transformers 5.25 swaps in Hub kernels on a GPU by default, which needs the Hub (none here)
+    target = load_saved_target(tmp_path, "qwen3", seed=6, dtype=dtype, device_map="auto", use_kernels=False)
     assert target.get_input_embeddings().weight.device.type == "cuda"
     print("hf_device_map", getattr(target, "hf_device_map", None))
     draft = make_draft(6).to(DEVICE, dtype)
@@ -376,3 +377,5 @@ def test_cuda_compiled_path_runs_cuda_graphs_exactly_without_recompiling(dtype):
         assert_lossless(target, output, expected, dtype)
         print(f"{dtype}: graphs after call {seed + 1}: {counters['stats']['unique_graphs']}")
     assert counters["stats"]["unique_graphs"] == 2  # the verify and the draft forward, compiled once
+    # Both run as CUDA graphs: inductor skips them for a graph that writes into an input without a fixed address
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
