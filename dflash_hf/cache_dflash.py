@@ -2,8 +2,10 @@
 
 N left-padded rows share the columns of the target's and the draft's caches. Each row accepts its
 own number of tokens per step, so rows leave unused columns ("holes"); an attention mask hides
-them, and the caches are compacted once the holes pass `CACHE_HOLE_BUDGET`. This is the only
-module that touches a cache's internal layout (Transformers 4.57 and 5.x `DynamicCache` alike).
+them, and the caches are compacted once the holes pass `CACHE_HOLE_BUDGET`. This module holds the edits of a
+`DynamicCache`'s key/value layers (crop, row selection, compaction; Transformers 4.57 and 5.x alike) and the draft's
+context caches; `recurrent_dflash` snapshots and restores recurrent layers, and `static_dflash` rewinds its
+`StaticCache`, each through the cache's own methods and attributes.
 
 Every verify step cuts the target's cache back to the accepted prefix, so a target must keep per-position keys and
 values: sliding-window layers get a cache layer that keeps every position (the model's own masks still apply the

@@ -27,6 +27,7 @@ REMOTE_CODE_FILES = (
     "static_dflash.py",
     "tree_dflash.py",
     "settings_dflash.py",
+    "steps_dflash.py",
     "generation_dflash.py",
     "custom_generate_dflash.py",
 )

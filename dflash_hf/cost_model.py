@@ -21,6 +21,7 @@ from .kernels_dflash import MAX_FEW_ROWS, cpu_kernels, few_row_product, is_plain
 from .modeling_dflash import DFlashDraftModel
 from .proposer_dflash import DraftVocabulary, Proposal, draft_vocab_ids
 from .settings_dflash import StepCosts, neutral_overrides, resolve_block_size, resolve_settings, tree_refusal
+from .steps_dflash import TreeStep
 from .target_dflash import last_logits_only
 
 BLOCK_SIZE_CANDIDATES = (2, 3, 4, 6, 8, 12, 16)  # what "auto" chooses among (and the draft's trained size)
@@ -90,7 +91,7 @@ def time_step_stages(
         def plain_step() -> Any:  # one token of `generate`: the target's own forward, its full LM head over that token
             with recurrent.recording() if recurrent is not None else contextlib.nullcontext():  # so it is discarded
                 return target(input_ids=single.pending, position_ids=single.positions, use_cache=True, **last_only,
-                              **{session.cache_argument: session.cache})
+                              **{session.state.cache_argument: session.state.cache})
 
         def verify_pass(width: int) -> Callable[[], Any]:
             step = session.plan(width)
@@ -102,10 +103,11 @@ def time_step_stages(
             return lambda: (session.verify(step, shortened), recurrent.advance([half] * batch_size, columns))
 
         def tree_verify_pass(tree_size: int) -> Callable[[], Any]:
-            tree_step, tree_proposal = session.plant_tree(block, session.propose(block, tree_size), tree_size)
+            tree = TreeStep(tree_size)
+            tree_step, tree_proposal = session.arrange(block, session.propose(block, tree), tree)
 
             def run() -> None:
-                session.verify_tree(tree_step, tree_proposal)
+                session.verify(tree_step, tree_proposal, tree)
                 if recurrent is not None:
                     paths = [tree_step.tree.paths(row)[0] for row in range(batch_size)]
                     recurrent.advance([path[: max(1, len(path) // 2)] for path in paths],

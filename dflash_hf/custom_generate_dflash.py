@@ -60,9 +60,11 @@ def load_draft(source: str, target: torch.nn.Module) -> torch.nn.Module:
 
 
 def _ids(value: Any) -> list[int]:
-    """Token ids as a list (an int, a list, or a tensor of them; None: none)."""
+    """Token ids as a list (an int, a list, a numpy array or a tensor of them; None: none)."""
     if value is None:
         return []
+    if hasattr(value, "__array__") and not isinstance(value, torch.Tensor):
+        value = torch.as_tensor(value)  # a numpy (or other array library's) array or scalar of ids
     if isinstance(value, torch.Tensor):
         return [int(item) for item in value.reshape(-1).tolist()]
     return [int(item) for item in (value if isinstance(value, (list, tuple)) else [value])]

@@ -48,6 +48,7 @@ from .recurrent_dflash import recurrent_states  # noqa: F401
 from .sampling_dflash import process_logits  # noqa: F401
 from .settings_dflash import resolve_settings  # noqa: F401
 from .static_dflash import StaticVerifier  # noqa: F401
+from .steps_dflash import ChainStep  # noqa: F401
 from .target_dflash import verify_forward  # noqa: F401
 from .tree_dflash import build_trees  # noqa: F401
 from .versions_dflash import cache_keyword  # noqa: F401

@@ -11,9 +11,9 @@ from helpers import VOCAB_SIZE, ReferenceProposer, make_draft, make_target, plai
 
 from dflash_hf import DraftStep, left_pad, speculative_decode
 from dflash_hf.cost_model import measure_verify_costs
-from dflash_hf.generation_dflash import worthwhile_width
 from dflash_hf.proposer_dflash import Proposal
 from dflash_hf.settings_dflash import StepCosts
+from dflash_hf.steps_dflash import worthwhile_width
 
 STEEP = StepCosts(draft=0.002, verify=(0.010, 0.013, 0.016, 0.030, 0.034, 0.038, 0.042, 0.046))  # the CPU's shape
 FLAT = StepCosts(draft=0.002, verify=(0.010,) * 8)  # a GPU's: any width costs one step
@@ -89,7 +89,7 @@ def test_each_step_verifies_the_width_its_confidences_choose(confidences, expect
     input_ids = random_prompt(4, 6)
     reference = plain_greedy(target, input_ids, 40)
     proposer = ConfidentReference(reference, target, corrupt_seed=4, confidences=confidences)
-    result = speculative_decode(target, proposer, input_ids, 40, 8, step_costs=STEEP)
+    result = speculative_decode(target, proposer, input_ids, max_new_tokens=40, block_size=8, step_costs=STEEP)
     assert torch.equal(result.output_ids, reference)
     verified = result.verified_lengths[0]
     assert verified[: len(proposer.widths)] == proposer.widths  # every drafted step verified the chosen width
@@ -149,10 +149,10 @@ def test_the_draft_scores_its_proposals_only_when_asked():
             proposals.append(self.inner.propose(step))
             return proposals[-1]
 
-    speculative_decode(target, Recording(), random_prompt(7, 5), 12, 8)
+    speculative_decode(target, Recording(), random_prompt(7, 5), max_new_tokens=12, block_size=8)
     assert proposals and all(isinstance(p, torch.Tensor) for p in proposals)  # unscored: the tokens as before
     proposals.clear()
-    speculative_decode(target, Recording(), random_prompt(7, 5), 12, 8, step_costs=FLAT)
+    speculative_decode(target, Recording(), random_prompt(7, 5), max_new_tokens=12, block_size=8, step_costs=FLAT)
     confidences = proposals[0].confidences  # [1, 7]: the draft's probability of its own argmax
     assert confidences.shape == (1, 7) and bool(((confidences > 0) & (confidences <= 1)).all())
 

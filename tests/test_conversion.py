@@ -69,7 +69,8 @@ def test_converted_drafts_decode_like_plain_greedy_in_both_loops(tmp_path, monke
         output, native_drafted = native_generate(target, native, input_ids, 30, monkeypatch)
         assert torch.equal(output, expected)
         proposer = RecordingProposer(native_loaded_as_ours, target, VOCAB_SIZE - 1)
-        assert torch.equal(speculative_decode(target, proposer, input_ids, 30, block_size=8).output_ids, expected)
+        assert torch.equal(speculative_decode(target, proposer, input_ids, max_new_tokens=30,
+                                              block_size=8).output_ids, expected)
         # both loops draft full blocks until ours shortens its last ones to what is still needed: there, the same
         full_blocks = [proposals for proposals in proposer.proposed[0] if len(proposals) == 7]
         assert len(full_blocks) >= 10 and native_drafted[: len(full_blocks)] == full_blocks

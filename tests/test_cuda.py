@@ -27,7 +27,7 @@ from helpers import (
     make_tokenizer,
     plain_greedy,
 )
-from sampling_checks import NUM_NEW, SAMPLING_VOCAB, chi_square_p_value, exact_joint
+from sampling_checks import NUM_NEW, SAMPLING_VOCAB, assert_follows, exact_joint
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_hf import left_pad, speculative_decode
@@ -122,7 +122,8 @@ def load_saved_target(folder: Path, arch: str, seed: int, **kwargs) -> torch.nn.
 ])
 def test_cuda_target_attention_implementations(tmp_path, arch, implementation, dtype):
     if implementation == "flash_attention_2" and not HAS_FLASH_ATTN:
-        pytest.skip("flash_attn is not installed here (pip install dflash-hf[flash]); flash_attention_2 not tested")
+        pytest.skip('flash_attn is not installed here (from a clone: pip install -e ".[flash]"); flash_attention_2 '
+                    "not tested")
     target = load_saved_target(tmp_path, arch, seed=4, dtype=dtype, attn_implementation=implementation).to(DEVICE)
     assert target.config._attn_implementation == implementation
     draft = make_draft(4).to(DEVICE, dtype)  # sdpa
@@ -190,12 +191,10 @@ def test_cuda_sampling_follows_the_target_distribution(acceptance, temperature, 
         accepted_drafts += sum(length - 1 for lengths in result.acceptance_lengths for length in lengths)
     assert sum(counts.values()) == SAMPLES
     assert accepted_drafts > SAMPLES // 10  # proposals were accepted: the acceptance path ran on the GPU
-    p_value = chi_square_p_value(counts, exact_joint(target, prompt, temperature, top_k, top_p), SAMPLES)
-    p_value_wrong = chi_square_p_value(counts, exact_joint(target, prompt, temperature * 1.5, top_k, top_p), SAMPLES)
-    print(f"sampling {acceptance} T={temperature} top_k={top_k} top_p={top_p}: accepted {accepted_drafts}, "
-          f"p {p_value:.3g}, p against T x 1.5 {p_value_wrong:.3g}")
-    assert p_value > 1e-3
-    assert p_value_wrong < 1e-3  # the statistic has power against a nearby wrong distribution
+    print(f"sampling {acceptance} T={temperature} top_k={top_k} top_p={top_p}: accepted {accepted_drafts}")
+    # one CUDA generator shared by the batch (sampled_counts gives each row its own); power: T x 1.5 is rejected
+    assert_follows(counts, exact_joint(target, prompt, temperature, top_k, top_p),
+                   exact_joint(target, prompt, temperature * 1.5, top_k, top_p), SAMPLES)
 
 
 def test_cuda_sampling_generators_and_seeds():

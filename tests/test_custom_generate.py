@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import torch
 from helpers import make_draft, make_target
 
@@ -111,5 +112,6 @@ def test_the_standalone_copies_agree_with_the_package_functions():
                                                  SimpleNamespace(execution_device="cpu")])
     for module in (plain, dispatched, sequential):
         assert embedding_device(module) == execution_device(module)
-    for value in (None, 3, [1, 2], (4, 5), torch.tensor([6, 7]), torch.tensor(8)):
+    for value in (None, 3, [1, 2], (4, 5), torch.tensor([6, 7]), torch.tensor(8), np.array([9, 10]), np.int64(11),
+                  [np.int64(12), 13]):
         assert _ids(value) == token_id_list(value, "stop_token_ids")

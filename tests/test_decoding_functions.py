@@ -59,8 +59,8 @@ def test_process_logits_matches_transformers_warpers(temperature, top_k, top_p):
 def test_pick_block_greedy_is_argmax_and_sampling_respects_top_k():
     from dataclasses import replace
 
-    from dflash_hf.generation_dflash import pick_block
     from dflash_hf.settings_dflash import DecodingSettings
+    from dflash_hf.steps_dflash import pick_block
 
     logits = torch.randn(4, 3, 30, generator=torch.Generator().manual_seed(1))  # [n, b, V]
     greedy = DecodingSettings(max_new_tokens=4, block_size=3, generators=(None,) * 4)

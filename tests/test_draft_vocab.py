@@ -40,12 +40,12 @@ def test_proposals_come_from_the_draft_vocabulary_only(temperature):
 
     target, draft = make_target("llama", seed=3), make_draft(3)
     proposer = RecordingProposer(draft, target, VOCAB_SIZE - 1, draft_vocab=torch.tensor(VOCAB))
-    speculative_decode(target, proposer, random_prompt(3, 7), 40, 8, temperature=temperature,
+    speculative_decode(target, proposer, random_prompt(3, 7), max_new_tokens=40, block_size=8, temperature=temperature,
                        generator=torch.Generator().manual_seed(3))
     proposed = torch.cat([tokens.flatten() for tokens in proposer.steps])
     assert len(proposed) > 20 and set(proposed.tolist()) <= set(VOCAB)
     full = RecordingProposer(draft, target, VOCAB_SIZE - 1)  # power: without it the draft proposes other ids
-    speculative_decode(target, full, random_prompt(3, 7), 40, 8, temperature=temperature,
+    speculative_decode(target, full, random_prompt(3, 7), max_new_tokens=40, block_size=8, temperature=temperature,
                        generator=torch.Generator().manual_seed(3))
     assert not set(torch.cat([tokens.flatten() for tokens in full.steps]).tolist()) <= set(VOCAB)
 

@@ -1,5 +1,6 @@
-"""What a GPU run needs from the loop, checked on CPU: one host synchronisation per step, no autograd graph, no 4-D
-mask for a flash-attention draft, Accelerate-dispatched and offloaded targets, features without every hidden state."""
+"""What a GPU run needs from the loop, checked on CPU: one host synchronisation per chain step (two per tree step), no
+autograd graph, no 4-D mask for a flash-attention draft, Accelerate-dispatched and offloaded targets, features without
+every hidden state."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from device_costs import HostSyncCounter, marked_host_copies, peak_cpu_bytes
 from helpers import HIDDEN_SIZE, VOCAB_SIZE, make_draft, make_target, make_variant_draft, plain_greedy
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dflash_hf import generation_dflash, modeling_dflash, speculative_decode
+from dflash_hf import modeling_dflash, speculative_decode, steps_dflash
 from dflash_hf.cache_dflash import left_pad
 from dflash_hf.generation_dflash import prefill
 from dflash_hf.proposer_dflash import DFlashProposer
@@ -38,7 +39,7 @@ def test_host_synchronisations_per_step(monkeypatch, variant, temperature, accep
     has a data-dependent shape or copies host data to the device blocking. (Transformers' own sdpa mask preparation
     checks a padding mask when a single token is verified: the last step of a padded batch, as in `generate`; not
     counted here.)"""
-    marked_host_copies(monkeypatch, generation_dflash)
+    marked_host_copies(monkeypatch, steps_dflash)
     target = make_target("qwen3", seed=2)
     draft = make_draft(2) if variant == "dflash" else make_variant_draft("dflash2", seed=2)
     input_ids, attention_mask = left_pad(random_prompts([5, 9, 3], seed=2), pad_token_id=0)
@@ -104,7 +105,8 @@ def test_decoding_keeps_no_autograd_graph_when_parameters_require_grad():
         lambda module, args, kwargs: caches.append(kwargs.get("cache", kwargs.get("past_key_values"))),
         with_kwargs=True)
     try:
-        result = speculative_decode(target, proposer, torch.tensor([random_prompts([6], 4)[0]]), 30, 8)
+        result = speculative_decode(target, proposer, torch.tensor([random_prompts([6], 4)[0]]), max_new_tokens=30,
+                                    block_size=8)
     finally:
         handle.remove()
     assert len(result.acceptance_lengths[0]) > 3

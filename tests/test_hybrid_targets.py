@@ -60,7 +60,7 @@ def test_greedy_equals_generate_with_rows_that_reject(hybrid_targets, family, se
     expected = plain_greedy(target, prompt, 40)
     checks_features = family not in ("qwen3_next", "qwen3_5_moe")  # MoE routing: features agree to ~2e-4 only
     proposer = ReferenceProposer(expected, target=target if checks_features else None, corrupt_seed=seed)
-    result = speculative_decode(target, proposer, prompt, 40, block_size)
+    result = speculative_decode(target, proposer, prompt, max_new_tokens=40, block_size=block_size)
     assert torch.equal(result.output_ids, expected)
     lengths = result.acceptance_lengths[0]
     assert len(set(lengths)) > 1 and min(lengths) < block_size, "every step accepted alike: no rollback was tested"
@@ -88,7 +88,8 @@ def test_the_multimodal_wrappers_read_the_language_models_layers(hybrid_targets,
     expected = plain_greedy(target, prompt, 20)
     checks = target if family == "qwen3_5_vl" else None  # features == hidden_states (MoE routing: to ~2e-4 only)
     proposer = ReferenceProposer(expected, target=checks, corrupt_seed=4)
-    assert torch.equal(speculative_decode(target, proposer, prompt, 20, 6).output_ids, expected)
+    assert torch.equal(speculative_decode(target, proposer, prompt, max_new_tokens=20, block_size=6).output_ids,
+                       expected)
 
 
 @needs_hybrid
@@ -99,7 +100,8 @@ def test_a_left_padded_batch_whose_rows_accept_different_counts(hybrid_targets, 
     references = [plain_greedy(target, torch.tensor([prompt]), 30) for prompt in prompts]
     input_ids, attention_mask = left_pad(prompts, 0)
     proposer = ReferenceProposer(references, corrupt_seed=5, corrupt_rows={0, 2})  # row 1 is always right
-    result = speculative_decode(target, proposer, input_ids, 30, 6, attention_mask=attention_mask)
+    result = speculative_decode(target, proposer, input_ids, max_new_tokens=30, block_size=6,
+                                attention_mask=attention_mask)
     for row, (prompt, reference) in enumerate(zip(prompts, references)):
         assert result.new_tokens(row) == reference[0, len(prompt):].tolist(), row
     first_steps = [lengths[:3] for lengths in result.acceptance_lengths]
@@ -114,9 +116,10 @@ def test_a_stop_token_mid_block_and_max_new_tokens_mid_block(hybrid_targets):
     stop = next(token for index, token in enumerate(free) if index >= 5 and token not in free[:index])
     expected = plain_greedy(target, prompt, 30, stop_token_ids=[stop])
     proposer = ReferenceProposer(plain_greedy(target, prompt, 40))  # always right: the stop falls inside a block
-    result = speculative_decode(target, proposer, prompt, 30, 8, stop_token_ids=[stop])
+    result = speculative_decode(target, proposer, prompt, max_new_tokens=30, block_size=8, stop_token_ids=[stop])
     assert torch.equal(result.output_ids, expected) and result.new_tokens(0)[-1] == stop
-    result = speculative_decode(target, ReferenceProposer(plain_greedy(target, prompt, 40)), prompt, 13, 8)
+    result = speculative_decode(target, ReferenceProposer(plain_greedy(target, prompt, 40)), prompt,
+                                max_new_tokens=13, block_size=8)
     assert torch.equal(result.output_ids, plain_greedy(target, prompt, 13))
 
 
@@ -149,13 +152,15 @@ def test_other_recurrent_families_run_exactly_through_the_same_rollback(hybrid_t
     for seed, length, block_size in ((0, 1, 3), (1, 9, 6)):
         prompt = random_prompt(seed, length)
         expected = plain_greedy(target, prompt, 30)
-        result = speculative_decode(target, ReferenceProposer(expected, corrupt_seed=seed), prompt, 30, block_size)
+        result = speculative_decode(target, ReferenceProposer(expected, corrupt_seed=seed), prompt,
+                                    max_new_tokens=30, block_size=block_size)
         assert torch.equal(result.output_ids, expected), (seed, length, block_size)
         assert len(set(result.acceptance_lengths[0])) > 1
     prompts = [random_prompt(seed, length)[0].tolist() for seed, length in ((1, 5), (2, 12), (3, 8))]
     references = [plain_greedy(target, torch.tensor([prompt]), 20) for prompt in prompts]
     input_ids, attention_mask = left_pad(prompts, 0)
-    result = speculative_decode(target, ReferenceProposer(references, corrupt_seed=3), input_ids, 20, 5,
+    result = speculative_decode(target, ReferenceProposer(references, corrupt_seed=3), input_ids, max_new_tokens=20,
+                                block_size=5,
                                 attention_mask=attention_mask)
     for row, (prompt, reference) in enumerate(zip(prompts, references)):
         assert result.new_tokens(row) == reference[0, len(prompt):].tolist(), row
@@ -230,15 +235,16 @@ def verify_and_discard(target: torch.nn.Module) -> None:
     session = DecodeSession(target, ReferenceProposer(plain_greedy(target, prompt, 12)), settings)
     with session.running():
         session.prefill(prompt)
-        layers = recurrent_cache_layers(session.cache)
-        before = {layer: {name: tensor.clone() for name, tensor in layer_tensors(session.cache.layers[layer]).items()}
+        cache = session.state.cache
+        layers = recurrent_cache_layers(cache)
+        before = {layer: {name: tensor.clone() for name, tensor in layer_tensors(cache.layers[layer]).items()}
                   for layer in layers}
         step = session.plan()
         session.verify(step, session.propose(step))
-        assert not torch.equal(session.cache.get_recurrent_state(layers[0]), before[layers[0]]["recurrent_states.0"])
+        assert not torch.equal(cache.get_recurrent_state(layers[0]), before[layers[0]]["recurrent_states.0"])
         session.discard_verify()
         for layer in layers:
-            live = layer_tensors(session.cache.layers[layer])
+            live = layer_tensors(cache.layers[layer])
             assert live.keys() == before[layer].keys()
             for name, tensor in before[layer].items():
                 assert torch.equal(live[name], tensor), (layer, name)
@@ -310,7 +316,8 @@ def test_greedy_trees_equal_generate_through_the_rollback(hybrid_targets, family
     for seed, length, block_size, tree_size in ((1, 9, 8, 8), (3, 5, 8, 24)):
         prompt = random_prompt(seed, length)
         expected = plain_greedy(target, prompt, 30)
-        result = speculative_decode(target, TreeReferenceProposer(expected, 4, seed), prompt, 30, block_size,
+        result = speculative_decode(target, TreeReferenceProposer(expected, 4, seed), prompt, max_new_tokens=30,
+                                    block_size=block_size,
                                     tree_size=tree_size)
         assert torch.equal(result.output_ids, expected), (seed, length, block_size, tree_size)
         assert len(set(result.acceptance_lengths[0])) > 1
@@ -347,7 +354,8 @@ def test_a_users_hooks_on_a_mixer_see_the_trees_columns_and_shape_the_output():
         prompt = random_prompt(5, 7)
         expected = plain_greedy(target, prompt, 20)
         shapes.clear()
-        result = speculative_decode(target, TreeReferenceProposer(expected, 3, 5), prompt, 20, 6, tree_size=7)
+        result = speculative_decode(target, TreeReferenceProposer(expected, 3, 5), prompt, max_new_tokens=20,
+                                    block_size=6, tree_size=7)
         assert torch.equal(result.output_ids, expected)
         assert (1, 8) in shapes and {rows for rows, _ in shapes} == {1}  # the tree's columns, never the paths
     finally:
@@ -565,11 +573,13 @@ def test_a_kernel_that_keeps_its_conv_state_privately_is_refused_before_any_forw
     target.register_forward_pre_hook(lambda module, args: forwards.append(1))
     calls.clear()
     with pytest.raises(ValueError, match=r"Hub kernels .*causal_conv1d_forward.*use_kernels=False"):
-        speculative_decode(target, ReferenceProposer(expected, corrupt_seed=4), prompt, 24, 6)
+        speculative_decode(target, ReferenceProposer(expected, corrupt_seed=4), prompt, max_new_tokens=24,
+                           block_size=6)
     assert not forwards and not calls
     monkeypatch.setattr(recurrent_dflash, "kernel_replacements", lambda mixer: [])
     with pytest.raises(AssertionError, match="a token the target would not produce"):  # its state escaped the rollback
-        speculative_decode(target, ReferenceProposer(expected, corrupt_seed=4), prompt, 24, 6)
+        speculative_decode(target, ReferenceProposer(expected, corrupt_seed=4), prompt, max_new_tokens=24,
+                           block_size=6)
 
 
 @needs_hybrid
@@ -587,7 +597,8 @@ def test_a_chains_rollback_replays_only_the_gated_delta_recurrence(hybrid_target
     handles = [mixer.module.register_forward_hook(lambda *args: forwards.append(1)) for mixer in mixers]
     handles.append(target.get_decoder().register_forward_hook(lambda *args: decoder_forwards.append(1)))
     try:
-        result = speculative_decode(target, ReferenceProposer(expected, corrupt_seed=5), prompt, 30, 6)
+        result = speculative_decode(target, ReferenceProposer(expected, corrupt_seed=5), prompt, max_new_tokens=30,
+                                    block_size=6)
     finally:
         for handle in handles:
             handle.remove()

@@ -76,6 +76,7 @@ LAYERS = (
     {"kernels_dflash", "tree_dflash"},
     {"proposer_dflash", "target_dflash"},
     {"settings_dflash", "recurrent_dflash", "static_dflash"},
+    {"steps_dflash"},
     {"generation_dflash"},
     {"modeling_dflash"},
     {"conversion", "push", "cost_model", "loading", "training.objective", "training.recipe"},

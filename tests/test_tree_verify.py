@@ -119,11 +119,13 @@ def test_recursive_rejection_at_a_node_keeps_the_target_distribution(num_childre
 def test_greedy_tree_equals_generate_and_accepts_more_than_the_chain(target, seed, length, block_size, tree_size):
     prompt = random_prompt(seed, length)
     expected = plain_greedy(target, prompt, 40)
-    tree = speculative_decode(target, TreeReferenceProposer(expected, 4, seed), prompt, 40, block_size,
+    tree = speculative_decode(target, TreeReferenceProposer(expected, 4, seed), prompt, max_new_tokens=40,
+                              block_size=block_size,
                               tree_size=tree_size)
     assert torch.equal(tree.output_ids, expected)
     assert set(tree.verified_lengths[0][:-1]) <= {tree_size + 1}
-    chain = speculative_decode(target, TreeReferenceProposer(expected, 4, seed), prompt, 40, block_size)
+    chain = speculative_decode(target, TreeReferenceProposer(expected, 4, seed), prompt, max_new_tokens=40,
+                               block_size=block_size)
     assert torch.equal(chain.output_ids, expected)
     if block_size > 2:
         assert tree.tau > chain.tau, (tree.tau, chain.tau)  # the tree accepted tokens the argmax chain missed
@@ -139,7 +141,8 @@ def test_a_left_padded_batch_of_trees(target, hybrid_family):
     prompts = [random_prompt(seed, length)[0].tolist() for seed, length in ((1, 5), (2, 17), (3, 11))]
     references = [plain_greedy(target, torch.tensor([prompt]), 30) for prompt in prompts]
     input_ids, attention_mask = left_pad(prompts, 0)
-    result = speculative_decode(target, TreeReferenceProposer(references, 3, 4), input_ids, 30, 6,
+    result = speculative_decode(target, TreeReferenceProposer(references, 3, 4), input_ids, max_new_tokens=30,
+                                block_size=6,
                                 attention_mask=attention_mask, tree_size=10)
     for row, (prompt, reference) in enumerate(zip(prompts, references)):
         assert result.new_tokens(row) == reference[0, len(prompt):].tolist(), row
@@ -151,11 +154,13 @@ def test_a_stop_token_inside_the_tree_and_max_new_tokens_mid_tree(target):
     free = plain_greedy(target, prompt, 30)[0, 8:].tolist()
     stop = next(token for index, token in enumerate(free) if index >= 5 and token not in free[:index])
     expected = plain_greedy(target, prompt, 30, stop_token_ids=[stop])
-    result = speculative_decode(target, TreeReferenceProposer(plain_greedy(target, prompt, 40), 2, 1), prompt, 30,
-                                8, stop_token_ids=[stop], tree_size=6)
+    result = speculative_decode(target, TreeReferenceProposer(plain_greedy(target, prompt, 40), 2, 1), prompt,
+                                max_new_tokens=30,
+                                block_size=8, stop_token_ids=[stop], tree_size=6)
     assert torch.equal(result.output_ids, expected)
-    result = speculative_decode(target, TreeReferenceProposer(plain_greedy(target, prompt, 40), 2, 1), prompt, 13,
-                                8, tree_size=6)
+    result = speculative_decode(target, TreeReferenceProposer(plain_greedy(target, prompt, 40), 2, 1), prompt,
+                                max_new_tokens=13,
+                                block_size=8, tree_size=6)
     assert torch.equal(result.output_ids, plain_greedy(target, prompt, 13))
 
 
@@ -242,6 +247,22 @@ def test_dflash2_tree_candidates_are_the_selectors_transitions(target):
     torch.testing.assert_close(transitions.sum(-1), torch.ones(4, 4))
     assert torch.equal(proposal.candidate_probabilities[0], transitions[:, 0])
     assert not torch.allclose(transitions[1, 0], transitions[1, 1])  # a child's rank depends on its parent
+
+
+def test_the_loop_plants_dflash2_trees_by_the_selectors_transitions(target, monkeypatch):
+    """A DFlash2 draft's trees in the loop rank a node's children by the selector's transitions after their parent
+    (the proposal's `candidate_transitions` reach `build_trees`), and the output is still the target's own."""
+    from dflash_hf import steps_dflash
+
+    draft = make_variant_draft("dflash2", seed=3)
+    given = []
+    build = steps_dflash.build_trees
+    monkeypatch.setattr(steps_dflash, "build_trees",
+                        lambda *args: given.append(args[-1]) or build(*args))
+    prompt = random_prompt(3, 9)
+    output = draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=24, tree_size=6)
+    assert torch.equal(output, plain_greedy(target, prompt, 24))
+    assert given and all(transitions is not None for transitions in given)
 
 
 def test_dflash2_sampled_trees_keep_the_target_distribution(small_vocabulary):

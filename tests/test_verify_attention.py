@@ -66,7 +66,8 @@ def test_the_loop_never_changes_the_targets_attention(cpu_kernels):
             seen.append(target.config._attn_implementation)
             return torch.zeros(len(step.row_ids), step.block_size - 1, dtype=torch.long)
 
-    speculative_decode(target, Watching(), random_prompt(4, 5), 10, 4, cpu_kernels=cpu_kernels)
+    speculative_decode(target, Watching(), random_prompt(4, 5), max_new_tokens=10, block_size=4,
+                       cpu_kernels=cpu_kernels)
     assert seen and set(seen) == {"sdpa"}
 
 

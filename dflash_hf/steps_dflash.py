@@ -1,0 +1,393 @@
+"""One draft-and-verify step over the active rows, and its two strategies: a chain and a tree.
+
+A step runs `plan_step` (the block's positions), `propose` (the proposer's tokens for it), then its strategy's
+`arrange` (a chain: cut to a worthwhile width when step costs are given; a tree: planted from the draft's candidates)
+and `verify` (one target pass; what it judged, as a `Verdict`), then `commit` (the committed tokens) and
+`keep_context` (the cache columns and features of what was committed). The stages return what they produce; the
+decode state changes in `commit` and `keep_context` only (and `propose` hands the unseen features to the proposer).
+
+`ChainStep` and `TreeStep` are the strategies (`StepStrategy`): each has its own arrange and verify, and a new one
+plugs in without touching the others, as a `CandidateGenerator` does in Transformers' assisted decoding.
+`generation_dflash.DecodeSession` runs the steps. See docs/architecture.md.
+
+Hub remote code: imports only torch and transformers.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from .cache_dflash import CacheColumns, crop_cache, host_to_device, to_host
+from .proposer_dflash import DraftStep, Proposal, Proposer
+from .recurrent_dflash import PathPlan, RecurrentStates
+from .sampling_dflash import commit_block, draw_uniforms, process_logits, sample_from, speculative_sample
+from .settings_dflash import DecodingSettings, StepCosts
+from .static_dflash import StaticVerifier
+from .target_dflash import FeatureCapture, verify_forward
+from .tree_dflash import MAX_CANDIDATES, DraftTree, build_trees, tree_attention_mask, walk_greedy, walk_sampled
+
+# --- What a step reads and changes -----------------------------------------------------------------------------------
+
+
+@dataclass
+class TargetContext:
+    """Target features of positions the proposer has not seen yet."""
+
+    hidden: torch.Tensor  # [n, C, L*H]; zero where `valid` is False
+    position_ids: torch.Tensor  # [n, C]
+    valid: torch.Tensor | None  # [n, C] bool; None: every column is a real position
+
+    @classmethod
+    def of(cls, hidden: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor | None) -> TargetContext:
+        """Features with padding and rejected columns zeroed (they carry no signal)."""
+        return cls(hidden if valid is None else torch.where(valid[..., None], hidden, 0.0), position_ids, valid)
+
+    def seen(self) -> TargetContext:
+        """No new features: an empty context of the same rows (a copy, so the handed-over features can be freed)."""
+        hidden = self.hidden.new_empty((self.hidden.shape[0], 0, self.hidden.shape[2]))
+        return TargetContext(hidden, self.position_ids[:, :0].clone(), None)
+
+    def select_rows(self, index: torch.Tensor) -> TargetContext:
+        """The rows `index` [n'] of this context."""
+        return TargetContext(self.hidden[index], self.position_ids[index],
+                             None if self.valid is None else self.valid[index])
+
+
+@dataclass
+class DecodeState:
+    """Everything one call of the loop changes while it runs; rows are indexed as the caller passed them."""
+
+    input_ids: torch.Tensor  # [N, T] as passed (left padding kept)
+    prompts: list[list[int]]  # per row, without padding
+    generated: list[list[int]]  # per row: committed tokens; the last one is pending
+    acceptance_lengths: list[list[int]]  # per row: tokens committed by each verify step
+    verified_lengths: list[list[int]]  # per row: tokens verified by each step
+    finished: list[bool]
+    active: list[int]  # rows still decoding, in the caches' row order
+    cache: Any  # the target's KV cache, shared by the active rows
+    cache_argument: str  # the forward keyword that takes it
+    columns: CacheColumns  # which of its columns are each row's positions
+    layer_ids: list[int] | None  # target layers the proposer reads (None: it needs no features)
+    context: TargetContext | None  # features the proposer has not seen yet
+    started: float  # perf_counter() at the prefill
+    recurrent: RecurrentStates | None = None  # a hybrid target's recurrent layers (rolled back after each verify)
+    static: StaticVerifier | None = None  # compile=True: the compiled verify and its static cache (static_dflash)
+    first_token_time: float = 0.0
+
+    @property
+    def device(self) -> torch.device:
+        """The target's device."""
+        return self.input_ids.device
+
+
+@dataclass
+class StepPlan:
+    """One step's verify block over the active rows."""
+
+    width: int  # b: tokens verified per row (the pending token and b - 1 proposals)
+    counts: list[int]  # per row: positions it may still commit (max_new_tokens)
+    positions: torch.Tensor  # [n, b]: absolute positions s .. s + b - 1 (a tree: s + each column's depth)
+    pending: torch.Tensor  # [n, 1]: the pending token of each row
+    tree: DraftTree | None = None  # a tree step: the b - 1 drafted nodes of each row (tree_dflash)
+
+
+@dataclass
+class Verdict:
+    """What one verify judged, per active row: the proposals in the order the target judged them, the target's token
+    at each of those positions and one after, and the verify columns they sit in."""
+
+    proposed: list[list[int]]  # per row: a chain's b - 1 proposals, or a tree's path to the accepted leaf
+    target_tokens: list[list[int]]  # per row: the target's token after the pending one and after each of `proposed`
+    columns: list[list[int]]  # per row: the verify column of each of `proposed` (a chain: 1 .. b - 1)
+    features: torch.Tensor | None  # [n, b, L*H]: the target features of every verified column (None: not read)
+
+
+# --- The stages every strategy shares --------------------------------------------------------------------------------
+
+
+def pick_block(logits: torch.Tensor, rows: list[int], settings: DecodingSettings) -> torch.Tensor:
+    """The target's tokens [n, b] for logits [n, b, V]: its argmax, or a sample per position (row i drawn with the
+    generator of row rows[i])."""
+    if settings.temperature == 0.0:
+        return logits.argmax(dim=-1)
+    probabilities = process_logits(logits.flatten(0, 1), settings.temperature, settings.top_k, settings.top_p)
+    uniforms = draw_uniforms([settings.generators[row] for row in rows], logits.shape[1], logits.device)  # [n, b]
+    return sample_from(probabilities.softmax(dim=-1).view(logits.shape), uniforms)
+
+
+def plan_step(state: DecodeState, settings: DecodingSettings) -> StepPlan:
+    """The step's block: as wide as the block size, or what the longest active row still needs (a compiled verify:
+    always the block size)."""
+    remaining = [settings.max_new_tokens - len(state.generated[row]) for row in state.active]
+    width = settings.block_size if state.static is not None else min(settings.block_size, max(remaining))
+    starts = [len(state.prompts[row]) + len(state.generated[row]) - 1 for row in state.active]
+    return StepPlan(
+        width=width,
+        counts=[max(min(width, left), 1) for left in remaining],  # 1: a finished row kept in a compiled batch
+        positions=host_to_device(starts, state.device)[:, None] + torch.arange(width, device=state.device),
+        pending=host_to_device([[state.generated[row][-1]] for row in state.active], state.device),
+    )
+
+
+def propose(proposer: Proposer | None, state: DecodeState, step: StepPlan, settings: DecodingSettings,
+            num_candidates: int = 0) -> Proposal:
+    """The proposer's tokens [n, b - 1] for the step (with q if it sampled them, and `num_candidates` candidates per
+    position for a tree); it is handed the features it has not seen."""
+    if step.width == 1:
+        return Proposal(step.pending[:, :0])
+    context = state.context
+    draft_step = DraftStep(
+        prompts=[state.prompts[row] for row in state.active],
+        generated=[state.generated[row] for row in state.active],
+        target_hidden=None if context is None else context.hidden,
+        context_position_ids=None if context is None else context.position_ids,
+        context_valid=None if context is None else context.valid,
+        block_size=step.width,
+        row_ids=list(state.active),
+        block_position_ids=step.positions,
+        pending_ids=step.pending[:, 0],
+        temperature=settings.temperature,
+        top_k=settings.top_k,
+        top_p=settings.top_p,
+        generators=tuple(settings.generators[row] for row in state.active),
+        score_proposals=settings.step_costs is not None,
+        num_candidates=num_candidates,
+    )
+    state.context = None if context is None else context.seen()  # handed over
+    proposal = proposer.propose(draft_step)
+    proposal = proposal if isinstance(proposal, Proposal) else Proposal(proposal)
+    tokens = proposal.tokens.to(device=state.device, dtype=torch.long).reshape(len(state.active), step.width - 1)
+    return Proposal(tokens, proposal.draft_probabilities, proposal.confidences, proposal.candidate_tokens,
+                    proposal.candidate_probabilities, proposal.candidate_transitions)
+
+
+def target_pass(target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal: Proposal,
+                attention: dict[str, torch.Tensor], paths: PathPlan | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target over [pending, proposals] [n, b] with `attention` (mask and positions): its logits [n, b, V] and
+    the features [n, b, L*H] of every verified column (None: the proposer reads none). The cache grows in place; a
+    hybrid target's recurrent mixers run along `paths` (a tree's) or the block."""
+    input_ids = torch.cat((step.pending, proposal.tokens), dim=1)  # [n, b]
+    if state.static is not None:  # compile=True: the static-shape verify (static_dflash)
+        return state.static.verify(input_ids, step.positions, state.columns.valid)
+    capture = FeatureCapture(target, state.layer_ids, state.device)
+    with nullcontext() if state.recurrent is None else state.recurrent.recording(paths):
+        logits, outputs = verify_forward(
+            target, capture,
+            input_ids=input_ids,
+            use_cache=True, **attention, **{state.cache_argument: state.cache},
+        )
+    features = capture.result(outputs)  # [n, b, L*H] or None
+    del outputs  # its cache is state.cache; nothing else of it is kept
+    return logits.to(state.device), features
+
+
+def commit(state: DecodeState, step: StepPlan, verdict: Verdict, settings: DecodingSettings) -> list[int]:
+    """Per active row, `commit_block` of its judged proposals and the target's tokens: append what it commits, record
+    the step, mark finished rows; the accepted counts (-1: a row that had finished before the step, which a compiled
+    batch keeps; it keeps no column)."""
+    accepted_counts = []
+    for index, row in enumerate(state.active):
+        if state.finished[row]:  # a compiled verify's batch keeps finished rows: they commit and keep nothing
+            accepted_counts.append(-1)
+            continue
+        accepted, new_tokens, stopped = commit_block(verdict.proposed[index], verdict.target_tokens[index],
+                                                     step.counts[index], settings.stop_token_ids)
+        state.acceptance_lengths[row].append(accepted + 1)
+        state.verified_lengths[row].append(step.width)
+        state.generated[row].extend(new_tokens)
+        state.finished[row] = stopped or len(state.generated[row]) >= settings.max_new_tokens
+        accepted_counts.append(accepted)
+        if settings.streamers:
+            settings.streamers[row].put(torch.tensor(new_tokens))
+    return accepted_counts
+
+
+def keep_context(state: DecodeState, step: StepPlan, verdict: Verdict, accepted_counts: list[int]) -> None:
+    """Keep the verify columns of each row's pending token and committed proposals: in the cache (a hybrid target's
+    recurrent states advance over exactly those columns), and as new features for the proposer."""
+    kept_columns = [[] if count < 0 else [0] + columns[:count]
+                    for columns, count in zip(verdict.columns, accepted_counts)]
+    kept_width = max(max(columns, default=0) for columns in kept_columns) + 1
+    kept = torch.zeros(len(kept_columns), kept_width, dtype=torch.bool)
+    for row, columns in enumerate(kept_columns):
+        kept[row, columns] = True
+    kept = kept.to(state.device)  # [n, w]
+    state.columns.append(kept, [len(columns) for columns in kept_columns])
+    if state.static is None:  # a static cache is cut back by its next verify
+        crop_cache(state.cache, state.columns.width)
+    if state.recurrent is not None:
+        state.recurrent.advance(kept_columns, state.columns.width)
+    if verdict.features is None or state.context is None:
+        return  # no proposer reads features
+    holes = any(columns != list(range(kept_width)) for columns in kept_columns)
+    state.context = TargetContext.of(verdict.features[:, :kept_width], step.positions[:, :kept_width],
+                                     kept if holes else None)
+
+
+# --- The strategies --------------------------------------------------------------------------------------------------
+
+
+class StepStrategy(Protocol):
+    """How a step turns the proposer's block into what the target verifies, and reads the verdict."""
+
+    num_candidates: int  # top tokens per position the proposer is asked for (0: none)
+
+    def arrange(self, state: DecodeState, step: StepPlan, proposal: Proposal, settings: DecodingSettings
+                ) -> tuple[StepPlan, Proposal]:
+        """The step and the proposal to verify, made from the planned block and the proposer's output."""
+
+    def verify(self, target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal: Proposal,
+               settings: DecodingSettings) -> Verdict:
+        """One target pass over the arranged step (the cache holds its columns until `keep_context`)."""
+
+
+def worthwhile_width(confidences: torch.Tensor, counts: list[int], costs: StepCosts) -> int:
+    """The verify width w (1 .. b) with the most expected tokens per second for draft confidences [n, b - 1].
+
+    A row expects 1 + the sum over k < w of the draft's cumulative confidence in its first k proposals (at most its
+    count); a step costs the draft pass and a w-token verify. The width never changes which tokens are committed.
+    """
+    num_rows, width = confidences.shape[0], confidences.shape[1] + 1
+    survival = confidences.float().cumprod(dim=1)  # [n, b - 1]: P(the first k proposals are all accepted)
+    usable = torch.arange(1, width, device=survival.device)[None, :] < host_to_device(counts, survival.device)[:, None]
+    expected = torch.cat((survival.new_ones(num_rows, 1), (survival * usable).cumsum(dim=1) + 1), dim=1)  # [n, b]
+    seconds = torch.tensor(costs.verify[:width], device=survival.device) + costs.draft  # [b]
+    return int((expected.sum(dim=0) / seconds).argmax()) + 1
+
+
+def target_tokens(logits: torch.Tensor, proposal: Proposal, rows: list[int], step: StepPlan,
+                  settings: DecodingSettings) -> torch.Tensor:
+    """The target's token at each verified position [n, b], from its logits [n, b, V] (rows: the active rows).
+
+    Without q: its argmax or its sample at every position (a proposal is kept when it equals it). With q: speculative
+    sampling, so the row holds the accepted proposals, then the residual's (or p's) sample, then -1.
+    """
+    if proposal.draft_probabilities is None:
+        return pick_block(logits, rows, settings)
+    probabilities = process_logits(logits.flatten(0, 1), settings.temperature, settings.top_k, settings.top_p)
+    probabilities = probabilities.softmax(dim=-1).view(logits.shape)  # [n, b, V]: p
+    uniforms = draw_uniforms([settings.generators[row] for row in rows], step.width, logits.device)
+    limits = host_to_device([count - 1 for count in step.counts], logits.device)  # what max_new_tokens lets a row keep
+    accepted, tokens = speculative_sample(proposal.tokens, proposal.draft_probabilities, probabilities, uniforms,
+                                          limits)
+    columns = torch.arange(step.width, device=logits.device)[None, :]  # [1, b]
+    proposals = torch.nn.functional.pad(proposal.tokens, (0, 1), value=-1)  # [n, b]
+    picked = torch.where(columns < accepted[:, None], proposals, -1)
+    return torch.where(columns == accepted[:, None], tokens[:, None], picked)
+
+
+class ChainStep:
+    """The target verifies the pending token and the b - 1 proposals in a row; the longest matching prefix is kept.
+    With step costs (`settings.step_costs`), the block is first cut to `worthwhile_width`."""
+
+    num_candidates = 0
+
+    def arrange(self, state: DecodeState, step: StepPlan, proposal: Proposal, settings: DecodingSettings
+                ) -> tuple[StepPlan, Proposal]:
+        """The step as planned, or cut to the worthwhile width when step costs are given."""
+        confidences = proposal.proposal_confidences()
+        if settings.step_costs is None or confidences is None or step.width == 1:
+            return step, proposal
+        width = worthwhile_width(confidences, step.counts, settings.step_costs)
+        if width == step.width:
+            return step, proposal
+        probabilities = proposal.draft_probabilities
+        return (StepPlan(width, [min(width, count) for count in step.counts], step.positions[:, :width],
+                         step.pending),
+                Proposal(proposal.tokens[:, : width - 1],
+                         None if probabilities is None else probabilities[:, : width - 1]))
+
+    def verify(self, target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal: Proposal,
+               settings: DecodingSettings) -> Verdict:
+        """One pass over [pending, proposals]; the target's token at each of them, read to the host at once.
+
+        Positions are always passed: a cache's token counter is no source of positions (Transformers 5.25 reports
+        a recurrent layer's count for the whole cache). The mask is passed only where columns are not positions
+        (padding, holes); a compiled verify builds its own.
+        """
+        mask = None if state.static is not None else state.columns.attention_mask(step.width)
+        attention = {"position_ids": step.positions, **({} if mask is None else {"attention_mask": mask.long()})}
+        logits, features = target_pass(target, state, step, proposal, attention)
+        tokens_of_target = target_tokens(logits, proposal, state.active, step, settings)
+        judged = torch.cat((proposal.tokens, tokens_of_target), dim=1).tolist()  # the step's one device read
+        columns = list(range(1, step.width))
+        return Verdict([tokens[: step.width - 1] for tokens in judged],
+                       [tokens[step.width - 1 :] for tokens in judged], [columns] * len(judged), features)
+
+
+CHAIN = ChainStep()
+
+
+class TreeStep:
+    """The target verifies a tree of `size` drafted nodes per row, planted from the draft's top candidates at each
+    position (`tree_dflash`); each node attends to its ancestors, and the longest accepted root-to-leaf path is kept.
+    A block of one token (the last) is verified as a chain."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.num_candidates = min(MAX_CANDIDATES, size)
+
+    def arrange(self, state: DecodeState, step: StepPlan, proposal: Proposal, settings: DecodingSettings
+                ) -> tuple[StepPlan, Proposal]:
+        """The `size` nodes of highest draft path probability per row (from the proposal's candidates), as verify
+        columns 1 .. size at the positions of their depths."""
+        if step.width == 1:
+            return step, proposal
+        if proposal.candidate_tokens is None or proposal.candidate_probabilities is None:
+            raise ValueError("tree_size needs the proposer's top tokens per position (Proposal.candidate_tokens and "
+                             "candidate_probabilities, asked for by DraftStep.num_candidates); this proposer gave "
+                             "none.")
+        transitions = proposal.candidate_transitions  # [n, b - 1, k, k] (DFlash2) or None
+        candidates = to_host(proposal.candidate_tokens, proposal.candidate_probabilities, step.pending[:, 0],
+                             *(() if transitions is None else (transitions,)))  # one device read: [n, b - 1, k], ...
+        trees = build_trees(candidates[0].tolist(), candidates[1].tolist(), self.size,
+                            [min(step.width - 1, count - 1) for count in step.counts], candidates[2].tolist(),
+                            None if transitions is None else candidates[3].tolist())
+        depths = host_to_device([[0] + depths for depths in trees.depths], state.device)  # [n, 1 + N]
+        tree_step = StepPlan(1 + trees.size, step.counts, step.positions[:, :1] + depths, step.pending, trees)
+        return tree_step, Proposal(host_to_device(trees.tokens, state.device), proposal.draft_probabilities)
+
+    def verify(self, target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal: Proposal,
+               settings: DecodingSettings) -> Verdict:
+        """One pass over the root and the tree's nodes; per row the accepted path, walked on the host after one
+        device read (greedy: the argmax; sampling: p, q and the uniforms)."""
+        if step.tree is None:
+            return CHAIN.verify(target, state, step, proposal, settings)
+        trees, rows = step.tree, range(len(state.active))
+        dtype = target.get_input_embeddings().weight.dtype
+        mask = tree_attention_mask(trees, state.columns.valid if state.columns.has_holes else None,
+                                   state.columns.width, dtype if dtype.is_floating_point else torch.float32)
+        paths = None if state.recurrent is None else PathPlan.of([trees.paths(row) for row in rows], step.width,
+                                                                 state.device)
+        logits, features = target_pass(target, state, step, proposal,
+                                       {"attention_mask": mask, "position_ids": step.positions}, paths)
+        if settings.greedy:
+            argmax = to_host(logits.argmax(dim=-1))[0].tolist()  # [n, 1 + N]: the step's one read after the verify
+            walks = [walk_greedy(trees, row, argmax[row]) for row in rows]
+            finals = [argmax[row][path[-1] if path else 0] for row, path in zip(rows, walks)]
+        else:
+            probabilities = process_logits(logits.flatten(0, 1), settings.temperature, settings.top_k, settings.top_p)
+            probabilities = probabilities.softmax(dim=-1).view(logits.shape)  # [n, 1 + N, V]: p at every column
+            generators = [settings.generators[row] for row in state.active]
+            child_uniforms = draw_uniforms(generators, trees.size, logits.device)  # [n, N]
+            final_uniforms = draw_uniforms(generators, step.width, logits.device)  # [n, 1 + N]
+            draft_probabilities = proposal.draft_probabilities  # [n, b - 1, V]: q of the candidates, or None
+            # one device read; the walks then run on the host copies
+            p, child_uniforms, final_uniforms, *q = to_host(
+                probabilities, child_uniforms, final_uniforms,
+                *(() if draft_probabilities is None else (draft_probabilities,)))
+            sampled = [walk_sampled(trees, row, p[row], q[0][row] if q else None, child_uniforms[row].tolist(),
+                                    final_uniforms[row].tolist()) for row in rows]
+            walks, finals = [path for path, _ in sampled], [final for _, final in sampled]
+        proposed = [[trees.tokens[row][column - 1] for column in path] for row, path in zip(rows, walks)]
+        return Verdict(proposed, [path + [final] for path, final in zip(proposed, finals)], walks, features)
+
+
+def step_strategy(settings: DecodingSettings) -> StepStrategy:
+    """The call's strategy: a tree of `settings.tree_size` nodes, or a chain."""
+    return CHAIN if settings.tree_size is None else TreeStep(settings.tree_size)
