@@ -6,8 +6,20 @@ helpers.py; a test that edits a model, adds a hook or changes a config builds it
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+import tempfile
+
+# Under pytest-xdist (`-n auto`, README's test command): each worker gets its own Transformers remote-code module
+# cache (two workers loading exported folders of one name would write the same files) and its share of the cores.
+# Set before Transformers is imported, which reads HF_MODULES_CACHE once.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="dflash-hf-modules-")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 from helpers import make_draft, make_target
 from sampling_checks import sampling_target
 
