@@ -55,6 +55,80 @@ def prime_few_row_kernels(draft: DFlashDraftModel, target: torch.nn.Module, max_
     return sum(rows for _, _, rows in shapes.values())
 
 
+class StepStages:
+    """The loop's own stages, each ready to run once more after a prefilled context: one token of plain decoding, a
+    chain verify of a given width, a tree verify of a given size, a draft pass. Built inside `session.running()`,
+    after `session.prefill`; each run leaves the state as it found it once `discard` has run. A hybrid target's verify
+    includes its state rollback over half the verified columns (a tree's: half its first root-to-leaf path)."""
+
+    def __init__(self, session: DecodeSession) -> None:
+        self.session, self.state = session, session.state
+        self.block = session.plan()
+        self.proposal = session.propose(self.block)  # the draft reads the whole context once
+        self.single = session.plan(1)
+        self.last_only = last_logits_only(session.target)
+
+    def plain_token(self) -> Any:
+        """One token of `generate`: the target's own forward, its full LM head over that token."""
+        recurrent = self.state.recurrent
+        with recurrent.recording() if recurrent is not None else contextlib.nullcontext():  # so it is discarded
+            return self.session.target(input_ids=self.single.pending, position_ids=self.single.positions,
+                                       use_cache=True, **self.last_only,
+                                       **{self.state.cache_argument: self.state.cache})
+
+    def chain_verify(self, width: int) -> Callable[[], Any]:
+        """A verify of `width` tokens per row (the pending token and the first width - 1 proposals)."""
+        step = self.session.plan(width)
+        shortened = Proposal(self.proposal.tokens[:, : width - 1])
+        half = list(range(max(1, width // 2)))
+        return lambda: self.advance([half] * len(self.state.active), self.session.verify(step, shortened))
+
+    def tree_verify(self, tree_size: int) -> Callable[[], Any]:
+        """The verify of a tree of `tree_size` drafted nodes per row, planted from the draft's candidates, with its
+        greedy walk."""
+        tree = TreeStep(tree_size)
+        step, proposal = self.session.arrange(self.block, self.session.propose(self.block, tree), tree)
+        paths = [step.tree.paths(row)[0] for row in range(len(self.state.active))]
+        halves = [path[: max(1, len(path) // 2)] for path in paths]
+        return lambda: self.advance(halves, self.session.verify(step, proposal, tree))
+
+    def draft_pass(self) -> Any:
+        """A draft pass over the cached context and the block."""
+        return self.session.propose(self.block)
+
+    def advance(self, kept_columns: list[list[int]], verdict: Any) -> Any:
+        """A hybrid target's rollback after a verify, as the loop runs it: its states after `kept_columns`."""
+        if self.state.recurrent is not None:
+            self.state.recurrent.advance(kept_columns, self.state.columns.width)
+        return verdict
+
+    def discard(self) -> None:
+        """What the last run added leaves the cache again."""
+        self.session.discard_verify()
+
+
+def median_seconds(stages: dict[Any, Callable[[], Any]], discard: Callable[[], None], device: torch.device,
+                   repeats: int) -> dict[Any, float]:
+    """Median seconds of each stage over `repeats` rounds after a warm-up round; the stages take turns, so that a
+    slow spell of the machine spreads over all of them, and `discard` runs after each."""
+    def seconds(run: Callable[[], Any]) -> float:
+        synchronize(device)
+        started = time.perf_counter()
+        run()  # its outputs are not kept: freed here
+        synchronize(device)
+        elapsed = time.perf_counter() - started
+        discard()
+        return elapsed
+
+    for run in stages.values():
+        seconds(run)  # warm-up
+    samples: dict[Any, list[float]] = {name: [] for name in stages}
+    for _ in range(repeats):
+        for name, run in stages.items():
+            samples[name].append(seconds(run))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 @torch.no_grad()
 def time_step_stages(
     draft: DFlashDraftModel,
@@ -70,71 +144,21 @@ def time_step_stages(
     """Median seconds after a context [1, T] copied to `batch_size` rows: "target_1" (one token of plain decoding per
     row), "draft" (a draft pass over a `block_size` block), "verify" {w: a w-token verify per row} and "tree_verify"
     {N: the verify of a tree of N drafted nodes per row, planted from the draft's candidates, with its greedy walk}.
-
-    The verify and the draft pass are the loop's own stages (`DecodeSession`); the stages take turns, so that a slow
-    spell of the machine spreads over all of them. After each, the session discards what it added. A hybrid target's
-    verify includes its state rollback over half the verified columns (a tree's: half its first root-to-leaf path;
-    `recurrent_dflash`).
-    """
+    The stages are the loop's own (`StepStages`, through `DecodeSession`)."""
     input_ids = context_ids.repeat(batch_size, 1)
     settings = resolve_settings(target, input_ids, draft, block_size=block_size, max_new_tokens=block_size + 1,
                                 mask_token_id=mask_token_id, temperature=0.0, stop_token_ids=[],
                                 **neutral_overrides(getattr(target, "generation_config", None)))
     session = DecodeSession(target, dflash_proposer(draft, target, settings), settings)
-    last_only = last_logits_only(target)
     with session.running():
         session.prefill(input_ids)
-        block, single = session.plan(), session.plan(1)
-        proposal = session.propose(block)  # the draft reads the whole context once
-        recurrent = session.state.recurrent  # a hybrid target's recurrent layers, or None
-
-        def plain_step() -> Any:  # one token of `generate`: the target's own forward, its full LM head over that token
-            with recurrent.recording() if recurrent is not None else contextlib.nullcontext():  # so it is discarded
-                return target(input_ids=single.pending, position_ids=single.positions, use_cache=True, **last_only,
-                              **{session.state.cache_argument: session.state.cache})
-
-        def verify_pass(width: int) -> Callable[[], Any]:
-            step = session.plan(width)
-            shortened = Proposal(proposal.tokens[:, : width - 1])
-            if recurrent is None:
-                return lambda: session.verify(step, shortened)
-            half = list(range(max(1, width // 2)))
-            columns = session.state.columns.width
-            return lambda: (session.verify(step, shortened), recurrent.advance([half] * batch_size, columns))
-
-        def tree_verify_pass(tree_size: int) -> Callable[[], Any]:
-            tree = TreeStep(tree_size)
-            tree_step, tree_proposal = session.arrange(block, session.propose(block, tree), tree)
-
-            def run() -> None:
-                session.verify(tree_step, tree_proposal, tree)
-                if recurrent is not None:
-                    paths = [tree_step.tree.paths(row)[0] for row in range(batch_size)]
-                    recurrent.advance([path[: max(1, len(path) // 2)] for path in paths],
-                                      session.state.columns.width)
-            return run
-
-        def seconds(run: Callable[[], Any]) -> float:
-            synchronize(input_ids.device)
-            started = time.perf_counter()
-            run()  # its outputs are not kept: freed here
-            synchronize(input_ids.device)
-            elapsed = time.perf_counter() - started
-            session.discard_verify()  # a verify's (or the plain step's) columns leave the cache again
-            return elapsed
-
-        stages: dict[Any, Callable[[], Any]] = {"target_1": plain_step,
-                                                **{width: verify_pass(width) for width in verify_widths},
-                                                **{("tree", size): tree_verify_pass(size) for size in tree_sizes}}
+        stages = StepStages(session)
+        runs: dict[Any, Callable[[], Any]] = {"target_1": stages.plain_token,
+                                              **{width: stages.chain_verify(width) for width in verify_widths},
+                                              **{("tree", size): stages.tree_verify(size) for size in tree_sizes}}
         if block_size > 1:  # a block of 1 drafts nothing
-            stages["draft"] = lambda: session.propose(block)  # over the cached context and the block
-        for run in stages.values():
-            seconds(run)  # warm-up
-        samples: dict[Any, list[float]] = {name: [] for name in stages}
-        for _ in range(repeats):
-            for name, run in stages.items():
-                samples[name].append(seconds(run))
-    medians = {name: statistics.median(values) for name, values in samples.items()}
+            runs["draft"] = stages.draft_pass
+        medians = median_seconds(runs, stages.discard, input_ids.device, repeats)
     return {"target_1": medians["target_1"], "draft": medians.get("draft", 0.0),
             "verify": {width: medians[width] for width in verify_widths},
             "tree_verify": {size: medians[("tree", size)] for size in tree_sizes}}

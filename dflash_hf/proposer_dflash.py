@@ -10,7 +10,7 @@ Hub remote code: imports only torch and transformers.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -92,7 +92,7 @@ class DraftStep:
     block_position_ids: torch.Tensor | None = None  # [N, block_size]: positions s .. s + B - 1 on the target's device
     pending_ids: torch.Tensor | None = None  # [N]: the pending tokens on the target's device
     score_proposals: bool = False  # the loop wants the draft's confidence in each proposal (Proposal.confidences)
-    num_candidates: int = 0  # > 0: the loop wants each position's top tokens too (Proposal.candidate_tokens: trees)
+    num_candidates: int = 0  # > 0: the loop wants each position's top tokens too (Proposal.candidates: trees)
 
     @property
     def pending_tokens(self) -> list[int]:
@@ -111,30 +111,44 @@ class DraftStep:
 
 
 @dataclass
-class Proposal:
-    """Proposed tokens, and the distributions they were sampled from (None: proposed deterministically)."""
+class Candidates:
+    """Each position's k candidates, for a tree (`tree_size`): in the order a node tries them, the k most probable
+    tokens, or (a `SampledProposal`) a draw of k distinct tokens from q without replacement."""
 
-    tokens: torch.Tensor  # [N, B-1]
-    draft_probabilities: torch.Tensor | None = None  # [N, B-1, V]: q, after the same temperature / top-k / top-p as p
-    # [N, B-1]: the draft's confidence at each position, a function of its distributions only, never of a sampled
-    # token: a width chosen from the sampled tokens would bias which proposals get verified (None: not scored)
-    confidences: torch.Tensor | None = None
-    # trees: each position's k candidates, in the order a node tries them: the k most probable tokens, or (with q in
-    # draft_probabilities) a draw of k distinct tokens from q without replacement
-    candidate_tokens: torch.Tensor | None = None  # [N, B-1, k]
+    tokens: torch.Tensor  # [N, B-1, k]
     # [N, B-1, k]: each position's k largest draft probabilities, which shape the tree: never the sampled tokens' own,
     # so which candidates a node verifies does not depend on what was drawn
-    candidate_probabilities: torch.Tensor | None = None
+    probabilities: torch.Tensor
     # [N, B-1, k, k] (DFlash2's selector): the probability of candidate j at position p after candidate i at position
-    # p - 1; a node's children are then ranked by it (position 0 by candidate_probabilities, after the pending token)
-    candidate_transitions: torch.Tensor | None = None
+    # p - 1; a node's children are then ranked by it (position 0 by `probabilities`, after the pending token)
+    transitions: torch.Tensor | None = None
+
+
+@dataclass
+class Proposal:
+    """Tokens proposed without sampling (an argmax, a reference, any fixed rule): a proposal is kept when it equals
+    the target's own pick (greedy: its argmax; sampling: its sample). Every field after `tokens` is named."""
+
+    tokens: torch.Tensor  # [N, B-1]
+    # [N, B-1]: the draft's confidence at each position, a function of its distributions only, never of a sampled
+    # token: a width chosen from the sampled tokens would bias which proposals get verified (None: not scored)
+    confidences: torch.Tensor | None = field(default=None, kw_only=True)
+    candidates: Candidates | None = field(default=None, kw_only=True)  # asked for by a tree (DraftStep.num_candidates)
 
     def proposal_confidences(self) -> torch.Tensor | None:
-        """The draft's confidence at each position [N, B-1]: as scored, else the largest probability of q (None:
-        unknown)."""
-        if self.confidences is not None or self.draft_probabilities is None:
-            return self.confidences
-        return self.draft_probabilities.amax(dim=-1)
+        """The draft's confidence at each position [N, B-1], as scored (None: unknown)."""
+        return self.confidences
+
+
+@dataclass
+class SampledProposal(Proposal):
+    """Tokens drawn from the draft's distributions q: the loop accepts them by speculative (rejection) sampling."""
+
+    draft_probabilities: torch.Tensor = field(kw_only=True)  # [N, B-1, V]: q, after p's temperature / top-k / top-p
+
+    def proposal_confidences(self) -> torch.Tensor | None:
+        """The draft's confidence at each position [N, B-1]: as scored, else the largest probability of q."""
+        return self.draft_probabilities.amax(dim=-1) if self.confidences is None else self.confidences
 
 
 class Proposer(Protocol):
@@ -147,9 +161,10 @@ class Proposer(Protocol):
     target_layer_ids: list[int] | None
 
     def propose(self, step: DraftStep) -> torch.Tensor | Proposal:
-        """Proposed token ids [N, step.block_size - 1], or a `Proposal` that also gives their distributions q.
+        """Proposed token ids [N, step.block_size - 1], or a `Proposal` (with scores or a tree's `Candidates`), or a
+        `SampledProposal` that also gives the distributions q the tokens were drawn from.
 
-        With q the loop accepts by speculative (rejection) sampling; without, a proposal is kept when it equals
+        A `SampledProposal` is accepted by speculative (rejection) sampling; any other proposal is kept when it equals
         the target's own sample (greedy: its argmax). Both keep the target's distribution exactly.
         """
         ...
@@ -310,7 +325,7 @@ def top_candidates(logits: torch.Tensor, step: DraftStep, sample: bool) -> Propo
     count = min(step.num_candidates, logits.shape[-1])
     largest, tokens = probabilities.topk(count, dim=-1)  # [N, B-1, k]
     if not sample:
-        return Proposal(tokens[..., 0], candidate_tokens=tokens, candidate_probabilities=largest)
+        return Proposal(tokens[..., 0], candidates=Candidates(tokens, largest))
     uniforms = draw_uniforms(step.generators, logits.shape[1] * count, logits.device).view(*logits.shape[:2], count)
     remaining, drawn = probabilities.clone(), []
     for rank in range(count):  # ranks past a position's support are drawn from nothing; their shape probability is 0
@@ -318,7 +333,7 @@ def top_candidates(logits: torch.Tensor, step: DraftStep, sample: bool) -> Propo
         remaining.scatter_(-1, token[..., None], 0.0)
         drawn.append(token)
     tokens = torch.stack(drawn, dim=-1)  # [N, B-1, k]
-    return Proposal(tokens[..., 0], probabilities, candidate_tokens=tokens, candidate_probabilities=largest)
+    return SampledProposal(tokens[..., 0], candidates=Candidates(tokens, largest), draft_probabilities=probabilities)
 
 
 def draft_distribution(logits: torch.Tensor, step: DraftStep) -> torch.Tensor:
@@ -398,7 +413,7 @@ def select_candidates(selector: CandidateSelector, logits: torch.Tensor, hidden_
         return (candidates == sampled.tokens).int().argmax(dim=-1)  # its index among the candidates
 
     tokens = selector.walk(logits, hidden_states, anchor_tokens, sample_choice)
-    return Proposal(tokens, torch.stack(distributions, dim=1))
+    return SampledProposal(tokens, draft_probabilities=torch.stack(distributions, dim=1))
 
 
 def selector_candidates(selector: CandidateSelector, logits: torch.Tensor, hidden_states: torch.Tensor,
@@ -409,13 +424,12 @@ def selector_candidates(selector: CandidateSelector, logits: torch.Tensor, hidde
     candidates, scores = selector.transitions(logits, hidden_states, anchor_tokens)  # [N, P, K], [N, P, K, K]
     transitions = (scores / (step.temperature if step.temperature > 0.0 else 1.0)).softmax(dim=-1)
     tokens = selector.path(candidates, scores, lambda row_scores, row_candidates: row_scores.argmax(dim=-1))
-    return Proposal(tokens, candidate_tokens=candidates, candidate_probabilities=transitions[:, :, 0],
-                    candidate_transitions=transitions)
+    return Proposal(tokens, candidates=Candidates(candidates, transitions[:, :, 0], transitions))
 
 
-def sample_proposals(logits: torch.Tensor, step: DraftStep) -> Proposal:
+def sample_proposals(logits: torch.Tensor, step: DraftStep) -> SampledProposal:
     """Proposals sampled from the draft's q (logits [N, B-1, V] after the step's temperature, top-k, top-p), per row
     with that row's generator."""
     probabilities = draft_distribution(logits, step)  # [N, B-1, V]
     tokens = sample_from(probabilities, draw_uniforms(step.generators, logits.shape[1], logits.device))  # [N, B-1]
-    return Proposal(tokens, probabilities)
+    return SampledProposal(tokens, draft_probabilities=probabilities)

@@ -16,13 +16,13 @@ Hub remote code: imports only torch and transformers.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
 
 from .cache_dflash import CacheColumns, crop_cache, host_to_device, to_host
-from .proposer_dflash import DraftStep, Proposal, Proposer
+from .proposer_dflash import DraftStep, Proposal, Proposer, SampledProposal
 from .recurrent_dflash import PathPlan, RecurrentStates
 from .sampling_dflash import commit_block, draw_uniforms, process_logits, sample_from, speculative_sample
 from .settings_dflash import DecodingSettings, StepCosts
@@ -161,8 +161,7 @@ def propose(proposer: Proposer | None, state: DecodeState, step: StepPlan, setti
     proposal = proposer.propose(draft_step)
     proposal = proposal if isinstance(proposal, Proposal) else Proposal(proposal)
     tokens = proposal.tokens.to(device=state.device, dtype=torch.long).reshape(len(state.active), step.width - 1)
-    return Proposal(tokens, proposal.draft_probabilities, proposal.confidences, proposal.candidate_tokens,
-                    proposal.candidate_probabilities, proposal.candidate_transitions)
+    return replace(proposal, tokens=tokens)
 
 
 def target_pass(target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal: Proposal,
@@ -267,7 +266,7 @@ def target_tokens(logits: torch.Tensor, proposal: Proposal, rows: list[int], ste
     Without q: its argmax or its sample at every position (a proposal is kept when it equals it). With q: speculative
     sampling, so the row holds the accepted proposals, then the residual's (or p's) sample, then -1.
     """
-    if proposal.draft_probabilities is None:
+    if not isinstance(proposal, SampledProposal):
         return pick_block(logits, rows, settings)
     probabilities = process_logits(logits.flatten(0, 1), settings.temperature, settings.top_k, settings.top_p)
     probabilities = probabilities.softmax(dim=-1).view(logits.shape)  # [n, b, V]: p
@@ -296,11 +295,11 @@ class ChainStep:
         width = worthwhile_width(confidences, step.counts, settings.step_costs)
         if width == step.width:
             return step, proposal
-        probabilities = proposal.draft_probabilities
-        return (StepPlan(width, [min(width, count) for count in step.counts], step.positions[:, :width],
-                         step.pending),
-                Proposal(proposal.tokens[:, : width - 1],
-                         None if probabilities is None else probabilities[:, : width - 1]))
+        tokens = proposal.tokens[:, : width - 1]
+        shortened = (SampledProposal(tokens, draft_probabilities=proposal.draft_probabilities[:, : width - 1])
+                     if isinstance(proposal, SampledProposal) else Proposal(tokens))
+        return StepPlan(width, [min(width, count) for count in step.counts], step.positions[:, :width],
+                        step.pending), shortened
 
     def verify(self, target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal: Proposal,
                settings: DecodingSettings) -> Verdict:
@@ -338,19 +337,20 @@ class TreeStep:
         columns 1 .. size at the positions of their depths."""
         if step.width == 1:
             return step, proposal
-        if proposal.candidate_tokens is None or proposal.candidate_probabilities is None:
-            raise ValueError("tree_size needs the proposer's top tokens per position (Proposal.candidate_tokens and "
-                             "candidate_probabilities, asked for by DraftStep.num_candidates); this proposer gave "
-                             "none.")
-        transitions = proposal.candidate_transitions  # [n, b - 1, k, k] (DFlash2) or None
-        candidates = to_host(proposal.candidate_tokens, proposal.candidate_probabilities, step.pending[:, 0],
+        if proposal.candidates is None:
+            raise ValueError("tree_size needs the proposer's top tokens per position (Proposal.candidates, asked for "
+                             "by DraftStep.num_candidates); this proposer gave none.")
+        transitions = proposal.candidates.transitions  # [n, b - 1, k, k] (DFlash2) or None
+        candidates = to_host(proposal.candidates.tokens, proposal.candidates.probabilities, step.pending[:, 0],
                              *(() if transitions is None else (transitions,)))  # one device read: [n, b - 1, k], ...
         trees = build_trees(candidates[0].tolist(), candidates[1].tolist(), self.size,
                             [min(step.width - 1, count - 1) for count in step.counts], candidates[2].tolist(),
                             None if transitions is None else candidates[3].tolist())
         depths = host_to_device([[0] + depths for depths in trees.depths], state.device)  # [n, 1 + N]
         tree_step = StepPlan(1 + trees.size, step.counts, step.positions[:, :1] + depths, step.pending, trees)
-        return tree_step, Proposal(host_to_device(trees.tokens, state.device), proposal.draft_probabilities)
+        tokens = host_to_device(trees.tokens, state.device)  # [n, N]: the nodes; q stays per block position
+        return tree_step, (SampledProposal(tokens, draft_probabilities=proposal.draft_probabilities)
+                           if isinstance(proposal, SampledProposal) else Proposal(tokens))
 
     def verify(self, target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal: Proposal,
                settings: DecodingSettings) -> Verdict:
@@ -376,7 +376,8 @@ class TreeStep:
             generators = [settings.generators[row] for row in state.active]
             child_uniforms = draw_uniforms(generators, trees.size, logits.device)  # [n, N]
             final_uniforms = draw_uniforms(generators, step.width, logits.device)  # [n, 1 + N]
-            draft_probabilities = proposal.draft_probabilities  # [n, b - 1, V]: q of the candidates, or None
+            # [n, b - 1, V]: q the candidates were drawn from, or None (chosen, not drawn)
+            draft_probabilities = proposal.draft_probabilities if isinstance(proposal, SampledProposal) else None
             # one device read; the walks then run on the host copies
             p, child_uniforms, final_uniforms, *q = to_host(
                 probabilities, child_uniforms, final_uniforms,

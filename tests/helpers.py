@@ -317,7 +317,7 @@ class TreeReferenceProposer:
         self.k, self.rng = k, random.Random(seed)
 
     def propose(self, step: DraftStep):
-        from dflash_hf.proposer_dflash import Proposal
+        from dflash_hf.proposer_dflash import Candidates, Proposal
 
         tokens, probabilities = [], []
         for index, row in enumerate(step.row_ids):
@@ -336,8 +336,7 @@ class TreeReferenceProposer:
             tokens.append(row_tokens)
             probabilities.append(row_probabilities)
         candidate_tokens, candidate_probabilities = torch.tensor(tokens), torch.tensor(probabilities)
-        return Proposal(candidate_tokens[..., 0], candidate_tokens=candidate_tokens,
-                        candidate_probabilities=candidate_probabilities)
+        return Proposal(candidate_tokens[..., 0], candidates=Candidates(candidate_tokens, candidate_probabilities))
 
 
 # --- Reference math, prompts and files shared by several test modules ----------------------------------------

@@ -70,3 +70,30 @@ def test_pick_block_greedy_is_argmax_and_sampling_respects_top_k():
     for _ in range(50):
         picked = pick_block(logits, [0, 1, 2, 3], sampled)
         assert bool((allowed == picked[..., None]).any(-1).all())
+
+
+def test_the_proposals_type_decides_how_it_is_accepted():
+    """A `SampledProposal` is accepted by speculative sampling (with q = p every proposal is kept); a `Proposal` of
+    the same tokens is judged by equality (the target's own samples, whatever was proposed). The q of a sampled
+    proposal cannot be passed where a plain one's fields go."""
+    from dflash_hf.proposer_dflash import Proposal, SampledProposal
+    from dflash_hf.settings_dflash import DecodingSettings
+    from dflash_hf.steps_dflash import StepPlan, pick_block, target_tokens
+
+    logits = torch.randn(2, 4, 12, generator=torch.Generator().manual_seed(3))  # [n, b, V]
+    proposals = logits[:, :3].argmin(dim=-1)  # [n, b - 1]: the target's least likely tokens
+    p = logits.softmax(dim=-1)
+    step = StepPlan(4, [4, 4], torch.arange(4).repeat(2, 1), torch.zeros(2, 1, dtype=torch.long))
+
+    def settings() -> DecodingSettings:
+        return DecodingSettings(max_new_tokens=8, block_size=4, temperature=1.0,
+                                generators=tuple(torch.Generator().manual_seed(row) for row in range(2)))
+
+    sampled = target_tokens(logits, SampledProposal(proposals, draft_probabilities=p[:, :3]), [0, 1], step,
+                            settings())
+    assert torch.equal(sampled[:, :3], proposals)  # q = p: min(1, p / q) = 1 keeps all of them
+    plain = target_tokens(logits, Proposal(proposals), [0, 1], step, settings())
+    assert torch.equal(plain, pick_block(logits, [0, 1], settings()))
+    assert not torch.equal(plain[:, :3], proposals)
+    with pytest.raises(TypeError):
+        Proposal(proposals, p[:, :3])  # q is named, and only a SampledProposal has it

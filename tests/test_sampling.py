@@ -9,7 +9,7 @@ from sampling_checks import NUM_NEW, NUM_SAMPLES, assert_follows, chi_square_p_v
 from sampling_checks import SAMPLING_VOCAB as VOCAB
 
 from dflash_hf import DraftStep, speculative_decode
-from dflash_hf.proposer_dflash import DFlashProposer, Proposal
+from dflash_hf.proposer_dflash import DFlashProposer, Proposal, SampledProposal
 from dflash_hf.sampling_dflash import speculative_sample
 from dflash_hf.settings_dflash import StepCosts
 
@@ -62,7 +62,8 @@ class TokenDependentConfidence(DFlashProposer):
     def propose(self, step: DraftStep) -> Proposal:
         proposal = super().propose(step)
         sampled_q = proposal.draft_probabilities.gather(-1, proposal.tokens[..., None])[..., 0]
-        return Proposal(proposal.tokens, proposal.draft_probabilities, confidences=sampled_q)
+        return SampledProposal(proposal.tokens, draft_probabilities=proposal.draft_probabilities,
+                               confidences=sampled_q)
 
 
 @pytest.mark.parametrize("sample_proposals", [True, False, "token_dependent"])
@@ -217,7 +218,7 @@ class TargetSampleProposer:
             ids = torch.cat((ids, torch.tensor([[token]])), dim=1)
         if not self.with_probabilities:
             return torch.tensor([tokens])
-        return Proposal(torch.tensor([tokens]), torch.stack(distributions)[None])
+        return SampledProposal(torch.tensor([tokens]), draft_probabilities=torch.stack(distributions)[None])
 
 
 def test_speculative_sample_never_commits_the_proposal_it_rejected():

@@ -44,15 +44,35 @@ def imported_modules(module: str) -> set[str]:
     return found - {module}
 
 
-def test_the_loop_reads_in_one_screen():
-    """The loop is `DecodeSession.step` (`speculative_decode` only runs it): its stages fit one screen."""
+def documented_stages() -> list[str]:
+    """The first column of docs/architecture.md's stage table ("The loop"), in order."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    table = text[text.index("## The loop"):].split("\n\n")[2]
+    return re.findall(r"^\| `(\w+)` \|", table, flags=re.M)
+
+
+def stage_calls(function: ast.FunctionDef) -> list[str]:
+    """The names of the functions and methods a function calls, in source order."""
+    calls = [node for node in ast.walk(function) if isinstance(node, ast.Call)]
+    calls.sort(key=lambda node: (node.lineno, node.col_offset))
+    return [node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            for node in calls]
+
+
+def test_the_loop_runs_the_documented_stages_in_order():
+    """`DecodeSession.step` (which `speculative_decode` runs between `prefill` and `finish`) calls the stages of
+    docs/architecture.md's table in the table's order, and nothing else of the loop's: the documented loop is the
+    code's. It fits one screen."""
     tree = ast.parse(MODULES["dflash_hf.generation_dflash"].read_text())
     session = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "DecodeSession")
     step = next(node for node in session.body if isinstance(node, ast.FunctionDef) and node.name == "step")
+    stages = documented_stages()
+    assert stages[0] == "prefill" and stages[-1] == "finish", stages
+    assert stage_calls(step) == stages[1:-1]
     body_start = step.body[1].lineno if isinstance(step.body[0], ast.Expr) else step.body[0].lineno  # after the doc
     assert step.end_lineno - body_start + 1 <= 40
     loop = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "speculative_decode")
-    assert "session.step()" in ast.unparse(loop)
+    assert [call for call in stage_calls(loop) if call in stages + ["step"]] == ["prefill", "step", "finish"]
 
 
 def test_no_two_modules_import_each_other():

@@ -18,7 +18,7 @@ from sampling_checks import SAMPLING_VOCAB as VOCAB
 
 from dflash_hf import speculative_decode
 from dflash_hf.cache_dflash import left_pad
-from dflash_hf.proposer_dflash import DFlashProposer
+from dflash_hf.proposer_dflash import DFlashProposer, SampledProposal
 from dflash_hf.sampling_dflash import sample_from
 from dflash_hf.settings_dflash import StepCosts
 from dflash_hf.tree_dflash import build_trees, choose_child, tree_attention_mask, walk_greedy, walk_sampled
@@ -242,10 +242,10 @@ def test_dflash2_tree_candidates_are_the_selectors_transitions(target):
                          context_position_ids=torch.arange(8)[None], context_valid=None, block_size=5, row_ids=[0],
                          num_candidates=4)
         proposal = DFlashProposer(draft, target, draft.mask_token_id).propose(step)
-    transitions = proposal.candidate_transitions[0]  # [4, K, K]
-    assert transitions.shape == (4, 4, 4) and proposal.draft_probabilities is None  # chosen: one-hot q
+    transitions = proposal.candidates.transitions[0]  # [4, K, K]
+    assert transitions.shape == (4, 4, 4) and not isinstance(proposal, SampledProposal)  # chosen: one-hot q
     torch.testing.assert_close(transitions.sum(-1), torch.ones(4, 4))
-    assert torch.equal(proposal.candidate_probabilities[0], transitions[:, 0])
+    assert torch.equal(proposal.candidates.probabilities[0], transitions[:, 0])
     assert not torch.allclose(transitions[1, 0], transitions[1, 1])  # a child's rank depends on its parent
 
 
