@@ -10,8 +10,8 @@ context caches; `recurrent_dflash` snapshots and restores recurrent layers, and 
 Every verify step cuts the target's cache back to the accepted prefix, so a target must keep per-position keys and
 values: sliding-window layers get a cache layer that keeps every position (the model's own masks still apply the
 window). Layers whose cache holds a recurrent state (Gated DeltaNet in Qwen3-Next and Qwen3.5, Mamba-2, ...) are
-rolled back by `recurrent_dflash` instead, in the families of `ROLLBACK_MODEL_TYPES`; other recurrent targets are
-refused.
+rolled back by `recurrent_dflash` instead, in the families of `families_dflash.ROLLBACK_MODEL_TYPES`; other
+recurrent targets are refused.
 
 Hub remote code: imports only torch and transformers.
 """
@@ -22,6 +22,13 @@ from typing import Any, Sequence
 
 import torch
 
+from .families_dflash import (
+    HYBRID_TRANSFORMERS,
+    RECURRENT_LAYER_WORDS,
+    RECURRENT_MODEL_TYPES,
+    RECURRENT_REFUSALS,
+    ROLLBACK_MODEL_TYPES,
+)
 from .versions_dflash import TRANSFORMERS_VERSION, is_linear_attention_layer, refuses_crop
 
 # A cache is compacted when its width exceeds the longest row's real positions by more than this.
@@ -144,20 +151,6 @@ class CacheColumns:
 # --- The target's KV cache: a Transformers DynamicCache ---------------------------------------------------------
 
 
-# Words in a layer type (`layer_types`, `layers_block_type`) that mark a layer whose cache is a recurrent state
-# (linear attention, gated delta rule, state space, short convolution) rather than keys and values per position.
-RECURRENT_LAYER_WORDS = ("linear", "mamba", "ssm", "conv", "recurrent", "rwkv", "delta", "lstm", "hybrid", "retention")
-# Architectures with such layers whose config may not name them per layer: model_type -> the layers' type.
-RECURRENT_MODEL_TYPES = {
-    "mamba": "mamba", "mamba2": "mamba", "falcon_mamba": "mamba", "jamba": "mamba", "bamba": "mamba",
-    "zamba": "mamba", "zamba2": "mamba", "falcon_h1": "mamba", "granitemoehybrid": "mamba", "nemotron_h": "mamba",
-    "rwkv": "rwkv", "xlstm": "mlstm", "recurrent_gemma": "recurrent", "lfm2": "conv", "lfm2_moe": "conv",
-    "qwen3_next": "linear_attention", "qwen3_5": "linear_attention", "qwen3_5_moe": "linear_attention",
-    "kimi_linear": "linear_attention", "minimax": "linear_attention", "olmo_hybrid": "linear_attention",
-    "bailing_hybrid": "linear_attention",
-}
-
-
 def recurrent_layers(config: Any) -> dict[str, list[int]]:
     """The layer types of a decoder config whose cache is a recurrent state, each with its layer indices (maybe [])."""
     for name in ("layer_types", "layers_block_type"):
@@ -193,25 +186,6 @@ def _is_windowed(layer: Any) -> bool:
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
     return type(layer) is DynamicSlidingWindowLayer
-
-
-# Hybrid families whose recurrent layers `recurrent_dflash` rolls back (tested exact, tests/test_hybrid_targets.py),
-# on the Transformers versions whose cache API holds them as linear-attention cache layers (5.x): Gated DeltaNet
-# (Qwen3-Next, Qwen3.5/3.6, OLMo-Hybrid), Kimi Delta Attention, Mamba-2 (Nemotron-H, Granite 4 hybrid), LFM2's
-# short convolutions.
-ROLLBACK_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear", "nemotron_h",
-                        "granitemoehybrid", "lfm2", "lfm2_moe")
-HYBRID_TRANSFORMERS = "transformers 5.25 (the version dflash-hf tests hybrid targets with)"
-# Recurrent families that stay refused, and why (found on Transformers 5.24 with tiny models of each).
-RECURRENT_REFUSALS = {
-    "jamba": "its multi-token Mamba path starts the SSM state from zero instead of the cached state, so a verified "
-             "block cannot continue from the cache",
-    "bamba": "a multi-token forward over a cache numbers its positions from 0 unless told otherwise, which the "
-             "loop does not do for every verify",
-    "falcon_h1": "each layer keeps attention keys and a Mamba state in one cache layer, which the rollback does not "
-                 "split",
-    "minimax": "it keeps its linear-attention states in its own cache class (MiniMaxCache), which cannot be cut back",
-}
 
 
 def is_recurrent_layer(layer: Any) -> bool:

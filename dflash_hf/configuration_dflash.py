@@ -17,6 +17,7 @@ REMOTE_CODE_FILES = (
     "configuration_dflash.py",
     "modeling_dflash.py",
     "versions_dflash.py",
+    "families_dflash.py",
     "cache_dflash.py",
     "sampling_dflash.py",
     "devices_dflash.py",

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .devices_dflash import target_device, target_text_config
+from .families_dflash import LOGIT_SCALES, LOGIT_SOFT_CAPS
 from .kernels_dflash import few_row_kernels, few_row_logits, is_plain_linear
 
 
@@ -119,13 +120,6 @@ class FeatureCapture:
 # exactly lm_head(base(...))).
 _PLAIN_HEAD_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PROBE_LOCK = threading.Lock()
-# Config settings with which a target's forward post-processes the head's logits (Gemma's soft-capping, Cohere's and
-# Granite's scales, muP multipliers): soft caps act when set and non-zero, scales when set and not 1.
-LOGIT_SOFT_CAPS = ("final_logit_softcapping", "output_logit_soft_cap", "logits_soft_cap")
-LOGIT_SCALES = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_multiplier",
-                "logits_mup_width_multiplier")
-
-
 def logit_processing(config: Any) -> dict[str, Any]:
     """The settings of a target config that make its logits differ from the bare LM head's (empty: none)."""
     caps = {name: getattr(config, name, None) for name in LOGIT_SOFT_CAPS}

@@ -64,7 +64,7 @@ RECURRENT_FAMILIES = {
     "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", dict(
         num_hidden_layers=4, num_key_value_heads=2, conv_L_cache=3, moe_intermediate_size=32, num_dense_layers=1,
         num_experts=4, num_experts_per_tok=2, layer_types=["conv", "conv", "full_attention", "conv"])),
-    # refused: see cache_dflash.RECURRENT_REFUSALS
+    # refused: see families_dflash.RECURRENT_REFUSALS
     "jamba": ("JambaConfig", "JambaForCausalLM", dict(
         num_hidden_layers=4, num_key_value_heads=2, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
         expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4,

@@ -91,6 +91,7 @@ def test_no_two_modules_import_each_other():
 # GenerationMixin, and nothing in the loop imports the model. A new module must be placed here.
 LAYERS = (
     {"versions_dflash"},
+    {"families_dflash"},
     {"devices_dflash", "sampling_dflash", "cache_dflash", "configuration_dflash", "custom_generate_dflash", "prompts",
      "smollm2"},
     {"kernels_dflash", "tree_dflash"},

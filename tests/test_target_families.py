@@ -201,7 +201,7 @@ RECURRENT = {  # name -> (causal LM class, config class, settings beyond COMMON,
 
 @pytest.mark.parametrize("name", RECURRENT)
 def test_recurrent_state_targets_run_exactly_or_are_refused_before_any_forward(name):
-    from dflash_hf.cache_dflash import ROLLBACK_MODEL_TYPES
+    from dflash_hf.families_dflash import ROLLBACK_MODEL_TYPES
 
     model_class, config_class, settings, layer_type = RECURRENT[name]
     model_class, config_class = transformers_class(model_class), transformers_class(config_class)
