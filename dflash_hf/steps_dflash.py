@@ -212,10 +212,8 @@ def keep_context(state: DecodeState, step: StepPlan, verdict: Verdict, accepted_
     kept_columns = [[] if count < 0 else [0] + columns[:count]
                     for columns, count in zip(verdict.columns, accepted_counts)]
     kept_width = max(max(columns, default=0) for columns in kept_columns) + 1
-    kept = torch.zeros(len(kept_columns), kept_width, dtype=torch.bool)
-    for row, columns in enumerate(kept_columns):
-        kept[row, columns] = True
-    kept = kept.to(state.device)  # [n, w]
+    kept = host_to_device([[column in columns for column in range(kept_width)] for columns in kept_columns],
+                          state.device, torch.bool)  # [n, w]: from pinned memory, queued (no wait on a GPU)
     state.columns.append(kept, [len(columns) for columns in kept_columns])
     if state.static is None:  # a static cache is cut back by its next verify
         crop_cache(state.cache, state.columns.width)
