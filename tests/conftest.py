@@ -20,10 +20,22 @@ import torch  # noqa: E402
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 from helpers import make_draft, make_target
 from sampling_checks import sampling_target
 
 from dflash_hf import DFlashDraftModel
+
+# The slowest tests (MEASUREMENTS.md, "CI on every core") start first, so that under `-n auto` none of them is left
+# running alone at the end while the other workers idle.
+SLOWEST_FIRST = ("test_notebooks.py::test_notebook_executes", "test_sampling.py::test_shortened_steps",
+                 "test_hybrid_targets.py::test_sampling_keeps", "test_bench.py::test_data_parallel",
+                 "test_compiled.py::test_the_default_compiled_path")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run `SLOWEST_FIRST` before the rest (a stable sort: each group keeps its order)."""
+    items.sort(key=lambda item: not any(name in item.nodeid for name in SLOWEST_FIRST))
 
 
 @pytest.fixture(scope="session")
