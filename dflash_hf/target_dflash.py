@@ -120,6 +120,8 @@ class FeatureCapture:
 # exactly lm_head(base(...))).
 _PLAIN_HEAD_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PROBE_LOCK = threading.Lock()
+
+
 def logit_processing(config: Any) -> dict[str, Any]:
     """The settings of a target config that make its logits differ from the bare LM head's (empty: none)."""
     caps = {name: getattr(config, name, None) for name in LOGIT_SOFT_CAPS}

@@ -61,11 +61,9 @@ def proxy_pair(seed: int = 0) -> tuple[torch.nn.Module, DFlashDraftModel]:
 
 def synthetic_pair(name: str, device: torch.device) -> tuple[torch.nn.Module, DFlashDraftModel]:
     """The pair `bench --synthetic NAME` builds: full size in bfloat16 on a GPU, widths / 8 in float32 on a CPU."""
-    spec = synthetic_spec(name)
-    if device.type == "cuda":
-        return build_synthetic_pair(spec.target_config, spec.draft_config, device, torch.bfloat16)
-    target_config, draft_config = shrink_configs(spec.target_config, spec.draft_config, CPU_SHRINK)
-    return build_synthetic_pair(target_config, draft_config, device, torch.float32)
+    spec, gpu = synthetic_spec(name), device.type == "cuda"
+    target_config, draft_config = shrink_configs(spec.target_config, spec.draft_config, 1 if gpu else CPU_SHRINK)
+    return build_synthetic_pair(target_config, draft_config, device, torch.bfloat16 if gpu else torch.float32)
 
 
 def generate_costs(target: torch.nn.Module, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, list[int]]:
