@@ -122,6 +122,17 @@ class CacheColumns:
         self.real_counts = [count + added for count, added in zip(self.real_counts, kept_counts)]
         self.gapped = self.gapped or any(added < kept.shape[1] for added in kept_counts)
 
+    def copy(self) -> CacheColumns:
+        """The columns as they are now (a later `append` or compaction does not change the copy)."""
+        copied = CacheColumns(self.valid, list(self.real_counts), self.contiguous)
+        copied.gapped = self.gapped
+        return copied
+
+    def positions(self) -> torch.Tensor:
+        """The position of every column [N, W]: rows count their real columns from 0 (left-padded prompts); a hole
+        repeats the position before it (it is masked anyway)."""
+        return self.valid.long().cumsum(dim=1) - 1
+
     def attention_mask(self, new_columns: int) -> torch.Tensor | None:
         """2-D mask [N, W + new] over cached and new columns, or None when every column is real."""
         if not self.has_holes:
@@ -146,6 +157,59 @@ class CacheColumns:
         self.valid = self.valid.gather(1, index)
         self.gapped = False
         return index
+
+
+def verify_attention_mask(columns: CacheColumns, sees: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
+                          window: int | None = None, width: int | None = None) -> torch.Tensor:
+    """Additive mask [N, 1, b, width] of a verify of b columns at `positions` [N, b] after the cache's columns: a
+    verify column sees the row's cached positions and the verify columns `sees` [N, b, b] (bool) allows; with a
+    `window`, only keys less than `window` positions before it (counted in positions, not columns, so holes and a
+    tree's branches do not shift it; as Transformers' sliding_window_overlay); columns past the verify's (a static
+    cache's free room, up to `width`) are hidden. 0 where it attends, the dtype's minimum elsewhere."""
+    num_rows, cached_width = columns.valid.shape
+    verify_width = sees.shape[1]
+    cached = columns.valid[:, None, :].expand(num_rows, verify_width, cached_width)  # [N, b, W]
+    if window is not None:
+        cached = cached & (positions[:, :, None] - columns.positions()[:, None, :] < window)
+        sees = sees & (positions[:, :, None] - positions[:, None, :] < window)
+    allowed = torch.cat((cached, sees), dim=2)  # [N, b, W + b]
+    if width is not None:
+        allowed = torch.nn.functional.pad(allowed, (0, width - cached_width - verify_width), value=False)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def causal_sees(num_rows: int, width: int, device: torch.device) -> torch.Tensor:
+    """A chain's verify columns [N, b, b]: each sees itself and the columns before it."""
+    return torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(num_rows, width, width)
+
+
+def sliding_window(config: Any) -> int | None:
+    """The attention window (in positions) of a decoder config with sliding-window layers, or None."""
+    return getattr(config, "sliding_window", None) if has_windowed_layers(config) else None
+
+
+def attention_by_layer_type(config: Any, full: torch.Tensor, windowed: torch.Tensor | None = None
+                            ) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The `attention_mask` argument that gives each layer its mask: `full` for a target without sliding-window
+    layers; else per layer type (`full_attention`, `sliding_attention`: the mapping Transformers' models take in
+    place of the masks they would build), or `windowed` alone where every layer is windowed (no `layer_types`)."""
+    if windowed is None:
+        return full
+    types = getattr(config, "layer_types", None)
+    if not types:
+        return windowed
+    return {"full_attention": full, "sliding_attention": windowed}
+
+
+def windowed_mask_refusal(config: Any) -> str | None:
+    """Why masks by position cannot be given to this windowed target's layers (layer types other than full and
+    sliding attention), or None."""
+    types = set(getattr(config, "layer_types", None) or ())
+    other = sorted(types - {"full_attention", "sliding_attention"})
+    if sliding_window(config) is None or not other:
+        return None
+    return f"its layer types {other} take masks dflash-hf does not build"
 
 
 # --- The target's KV cache: a Transformers DynamicCache ---------------------------------------------------------

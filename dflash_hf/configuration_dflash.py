@@ -26,6 +26,7 @@ REMOTE_CODE_FILES = (
     "proposer_dflash.py",
     "recurrent_dflash.py",
     "static_dflash.py",
+    "backends_dflash.py",
     "tree_dflash.py",
     "settings_dflash.py",
     "steps_dflash.py",

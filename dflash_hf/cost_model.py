@@ -7,7 +7,6 @@ model". `bench`, `demo` and `train` choose "auto" and "adaptive" block sizes thr
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from .cache_dflash import host_to_device
 from .devices_dflash import target_device
 from .generation_dflash import DecodeSession, dflash_proposer, synchronize
 from .kernels_dflash import MAX_FEW_ROWS, cpu_kernels, few_row_product, is_plain_linear
@@ -22,7 +22,6 @@ from .modeling_dflash import DFlashDraftModel
 from .proposer_dflash import DraftVocabulary, Proposal, draft_vocab_ids
 from .settings_dflash import StepCosts, neutral_overrides, resolve_block_size, resolve_settings, tree_refusal
 from .steps_dflash import TreeStep
-from .target_dflash import last_logits_only
 
 BLOCK_SIZE_CANDIDATES = (2, 3, 4, 6, 8, 12, 16)  # what "auto" chooses among (and the draft's trained size)
 BLOCK_CHOICES = ("auto", "adaptive")
@@ -66,15 +65,10 @@ class StepStages:
         self.block = session.plan()
         self.proposal = session.propose(self.block)  # the draft reads the whole context once
         self.single = session.plan(1)
-        self.last_only = last_logits_only(session.target)
 
     def plain_token(self) -> Any:
         """One token of `generate`: the target's own forward, its full LM head over that token."""
-        recurrent = self.state.recurrent
-        with recurrent.recording() if recurrent is not None else contextlib.nullcontext():  # so it is discarded
-            return self.session.target(input_ids=self.single.pending, position_ids=self.single.positions,
-                                       use_cache=True, **self.last_only,
-                                       **{self.state.cache_argument: self.state.cache})
+        return self.state.backend.decode_token(self.single.pending, self.single.positions)
 
     def chain_verify(self, width: int) -> Callable[[], Any]:
         """A verify of `width` tokens per row (the pending token and the first width - 1 proposals)."""
@@ -97,9 +91,11 @@ class StepStages:
         return self.session.propose(self.block)
 
     def advance(self, kept_columns: list[list[int]], verdict: Any) -> Any:
-        """A hybrid target's rollback after a verify, as the loop runs it: its states after `kept_columns`."""
-        if self.state.recurrent is not None:
-            self.state.recurrent.advance(kept_columns, self.state.columns.width)
+        """What the loop's keep does after a verify (a hybrid target: its states rolled back to `kept_columns`)."""
+        width = max(max(columns) for columns in kept_columns) + 1
+        kept = host_to_device([[column in columns for column in range(width)] for columns in kept_columns],
+                              self.state.device, torch.bool)
+        self.state.backend.keep(kept_columns, kept)
         return verdict
 
     def discard(self) -> None:

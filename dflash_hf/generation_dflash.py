@@ -1,10 +1,11 @@
 """The DFlash decoding loop: draft a block, verify it in one target pass, keep the longest match.
 
-`speculative_decode` takes any proposer and runs a `DecodeSession`: `prefill`, then per step `drop_finished`,
-`compact_caches` and one step of the call's strategy (`steps_dflash`: `plan_step`, `propose`, the strategy's `arrange`
-and `verify`, `commit`, `keep_context`), then `finish`. A `DecodeState` holds what one call changes;
-`DecodingSettings` (settings_dflash) what it was asked. `spec_generate` wires the loop to a DFlash draft, and
-`DFlashGenerationMixin` gives a draft model its `spec_generate` method. See docs/architecture.md.
+`speculative_decode` takes any proposer and runs a `DecodeSession`: `prefill` (through the call's target backend,
+`backends_dflash`), then per step `drop_finished`, the backend's `compact` and one step of the call's strategy
+(`steps_dflash`: `plan_step`, `propose`, the strategy's `arrange` and `verify`, `commit`, `keep_context`), then
+`finish`. A `DecodeState` holds what one call changes; `DecodingSettings` (settings_dflash) what it was asked.
+`spec_generate` wires the loop to a DFlash draft, and `DFlashGenerationMixin` gives a draft model its `spec_generate`
+method. See docs/architecture.md.
 
 Hub remote code: imports only torch and transformers.
 """
@@ -20,24 +21,13 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .cache_dflash import (
-    CacheColumns,
-    check_cache,
-    config_cache,
-    crop_cache,
-    full_history_cache,
-    host_to_device,
-    left_padded_positions,
-    reorder_cache_columns,
-    select_cache_rows,
-)
-from .devices_dflash import target_device, target_text_config
+from .backends_dflash import target_backend
+from .cache_dflash import host_to_device, left_padded_positions
+from .devices_dflash import target_device
 from .kernels_dflash import cpu_kernels
 from .proposer_dflash import DFlashDraft, DFlashProposer, Proposal, Proposer
-from .recurrent_dflash import recurrent_states, rollback_mixers
 from .sampling_dflash import mean_acceptance_length
 from .settings_dflash import DecodingSettings, StepCosts, resolve_settings
-from .static_dflash import static_verifier
 from .steps_dflash import (
     DecodeState,
     StepPlan,
@@ -51,8 +41,7 @@ from .steps_dflash import (
     propose,
     step_strategy,
 )
-from .target_dflash import FeatureCapture, last_logits_only
-from .versions_dflash import cache_keyword, returned_cache
+from .target_dflash import FeatureCapture
 
 
 @dataclass
@@ -119,20 +108,11 @@ def synchronize(device: torch.device) -> None:
 
 def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
             layer_ids: list[int] | None, settings: DecodingSettings) -> DecodeState:
-    """Run the target over the prompts [N, T]: its cache, the first token of every row, the features of the prompts."""
-    config = target_text_config(target)
-    rollback_mixers(target, config_cache(config))  # refuses, before any forward, a target it could not roll back
-    cache_argument = cache_keyword(target)
+    """Run the target over the prompts [N, T] through the call's backend: its cache, the first token of every row,
+    the features of the prompts."""
     device = target_device(target)
     input_ids = input_ids.to(device)
-    num_rows, width = input_ids.shape
-    static = None if settings.compile is None else static_verifier(target, num_rows, layer_ids, settings.compile)
-    if static is None:
-        cache = full_history_cache(target, config)  # None: the target's own cache can be cropped
-        cache_arguments = {} if cache is None else {cache_argument: cache}
-    else:  # room for the prompts, every new token and one verify past the last
-        cache = static.new_cache(width + settings.max_new_tokens + settings.block_size)
-        cache_arguments = static.prefill_arguments(width)
+    backend = target_backend(target, settings, layer_ids, *input_ids.shape)  # refuses, before any forward
     padded = attention_mask is not None and not bool(attention_mask.bool().all())
     valid = attention_mask.to(device).bool() if padded else torch.ones_like(input_ids, dtype=torch.bool)  # [N, T]
     prompts = [ids[-length:].tolist() for ids, length in zip(input_ids, valid.sum(dim=1).tolist())]
@@ -141,22 +121,16 @@ def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     synchronize(device)
     started = time.perf_counter()
     positions = {"position_ids": left_padded_positions(valid), **({"attention_mask": valid.long()} if padded else {})}
-    with FeatureCapture(target, layer_ids, device) as capture:
-        outputs = target(input_ids=input_ids, use_cache=True, **positions, **last_logits_only(target),
-                         **capture.forward_arguments(), **cache_arguments)
-    windowed = cache is not None and static is None  # the target counts its attention window in cache columns
-    cache = returned_cache(outputs)
-    if static is None:
-        check_cache(cache, target, num_rows)
+    capture = FeatureCapture(target, layer_ids, device)
+    outputs = backend.prefill(input_ids, positions, valid, capture)
     features = capture.result(outputs)  # [N, T, L*H] or None
     state = DecodeState(
         input_ids=input_ids, prompts=prompts, generated=[], acceptance_lengths=[[] for _ in prompts],
-        verified_lengths=[[] for _ in prompts], finished=[], active=list(range(num_rows)), cache=cache,
-        cache_argument=cache_argument,
-        columns=CacheColumns(valid, [len(prompt) for prompt in prompts], contiguous=windowed), layer_ids=layer_ids,
+        verified_lengths=[[] for _ in prompts], finished=[], active=list(range(len(prompts))), backend=backend,
+        layer_ids=layer_ids,
         context=None if features is None else TargetContext.of(features, left_padded_positions(valid),
                                                                valid if padded else None),
-        started=started, recurrent=recurrent_states(target, cache), static=static,
+        started=started,
     )
     first_tokens = pick_block(outputs.logits[:, -1:], state.active, settings)[:, 0].tolist()
     del outputs
@@ -170,35 +144,20 @@ def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
 
 
 def drop_finished(state: DecodeState, proposer: Proposer | None) -> bool:
-    """Finished rows leave the batch, its caches and the proposer (a compiled verify's batch keeps its rows: their
-    tokens are not committed); whether any row is still active."""
+    """Finished rows leave the batch: the backend's cache (unless it keeps its rows: a compiled batch, whose
+    finished rows commit nothing), the features and the proposer; whether any row is still active."""
     still_active = [row for row in state.active if not state.finished[row]]
-    if state.static is not None:
-        return bool(still_active)
     if still_active and len(still_active) < len(state.active):
         keep = [state.active.index(row) for row in still_active]
         index = host_to_device(keep, state.device)
-        select_cache_rows(state.cache, index)
-        state.columns.select_rows(keep, index)
+        if not state.backend.drop_rows(keep, index):
+            return True
         if state.context is not None:
             state.context = state.context.select_rows(index)
         if hasattr(proposer, "select_rows"):
             proposer.select_rows(keep)
-    state.active = still_active
+        state.active = still_active
     return bool(still_active)
-
-
-def compact_caches(state: DecodeState, settings: DecodingSettings) -> None:
-    """Bounded memory: drop the target cache's holes once they pass the budget, or (a static cache) once the next
-    verify would not fit; the proposer compacts its own."""
-    if state.static is None:
-        order = state.columns.compaction()
-        if order is not None:
-            reorder_cache_columns(state.cache, order)
-        return
-    order = state.columns.compaction(room=state.static.capacity - settings.block_size)
-    if order is not None:
-        state.static.reorder_columns(order)
 
 
 def finish(state: DecodeState, settings: DecodingSettings) -> SpecGenerateOutput:
@@ -269,11 +228,11 @@ class DecodeSession:
         state, settings, strategy = self.state, self.settings, self.strategy
         if not drop_finished(state, self.proposer):
             return False
-        compact_caches(state, settings)
+        state.backend.compact()
         step = plan_step(state, settings)
         proposal = propose(self.proposer, state, step, settings, strategy.num_candidates)
         step, proposal = strategy.arrange(state, step, proposal, settings)
-        verdict = strategy.verify(self.target, state, step, proposal, settings)
+        verdict = strategy.verify(state, step, proposal, settings)
         accepted_counts = commit(state, step, verdict, settings)
         keep_context(state, step, verdict, accepted_counts)
         return True
@@ -301,14 +260,11 @@ class DecodeSession:
 
     def verify(self, step: StepPlan, proposal: Proposal, strategy: StepStrategy | None = None) -> Verdict:
         """One verify by `strategy` (default: the call's); the cache holds its columns until `discard_verify`."""
-        return (strategy or self.strategy).verify(self.target, self.state, step, proposal, self.settings)
+        return (strategy or self.strategy).verify(self.state, step, proposal, self.settings)
 
     def discard_verify(self) -> None:
-        """Forget the last verify (or any forward over the cache): the cache holds the committed columns again."""
-        if self.state.static is None:  # a static cache is cut back by its next verify
-            crop_cache(self.state.cache, self.state.columns.width)
-        if self.state.recurrent is not None:
-            self.state.recurrent.restore()
+        """Forget the last verify (and a keep after it): the backend's cache and columns as before it."""
+        self.state.backend.discard()
 
 
 @torch.no_grad()

@@ -25,6 +25,8 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .backends_dflash import TargetBackend  # noqa: F401
+
 # Transformers 4.57 copies, from a local folder loaded with trust_remote_code, only the files that the loaded module
 # imports itself, not what those import: every remote-code module the model needs is imported here (the ones marked
 # F401 for that alone), so that an exported folder loads there too; tests/test_structure.py checks none is missing.
@@ -48,7 +50,7 @@ from .proposer_dflash import DFlashProposer  # noqa: F401
 from .recurrent_dflash import recurrent_states  # noqa: F401
 from .sampling_dflash import process_logits  # noqa: F401
 from .settings_dflash import resolve_settings  # noqa: F401
-from .static_dflash import StaticVerifier  # noqa: F401
+from .static_dflash import StaticBackend  # noqa: F401
 from .steps_dflash import ChainStep  # noqa: F401
 from .target_dflash import verify_forward  # noqa: F401
 from .tree_dflash import build_trees  # noqa: F401

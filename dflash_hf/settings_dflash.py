@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .cache_dflash import has_windowed_layers, recurrent_layers
+from .cache_dflash import recurrent_layers, windowed_mask_refusal
 from .devices_dflash import MASKED_ATTENTION, execution_device, target_device, target_text_config
 from .proposer_dflash import DFlashDraft, draft_vocab_ids
 from .target_dflash import feature_modules
@@ -503,7 +503,7 @@ def resolve_settings(
     vocabulary_size = target.get_output_embeddings().weight.shape[0] if draft is not None else 0
     check_tree_size(tree_size, target, draft, step_costs)
     if compile is not False:
-        refusal = compile_refusal(target, tree_size, step_costs, cpu_kernels,
+        refusal = compile_refusal(target, step_costs, cpu_kernels,
                                   None if draft is None else draft.target_layer_ids)
         if refusal is not None:
             raise ValueError(refusal)
@@ -547,28 +547,31 @@ def tree_refusal(target: torch.nn.Module, draft: DFlashDraft | None, step_costs:
     if implementation not in MASKED_ATTENTION:
         return (f"tree_size needs the target's attention to take a 4-D mask ({', '.join(MASKED_ATTENTION)}); this "
                 f"target uses {implementation!r}: load it with attn_implementation=\"sdpa\".")
-    if has_windowed_layers(config):
-        return (f"tree_size is not supported with {type(target).__name__}: its sliding-window layers count their "
-                "window in cache columns, which a tree's branches break; pass tree_size=None.")
+    refusal = windowed_mask_refusal(config)
+    if refusal is not None:
+        return (f"tree_size is not supported with {type(target).__name__}: {refusal} (a tree's mask is built by "
+                "position for full and sliding-window attention); pass tree_size=None.")
     return None
 
 
-def compile_refusal(target: torch.nn.Module, tree_size: int | None, step_costs: Any, cpu_kernels: bool | None,
+def compile_refusal(target: torch.nn.Module, step_costs: Any, cpu_kernels: bool | None,
                     layer_ids: list[int] | None) -> str | None:
     """Why `compile=True` cannot run this call (`spec_generate` raises it), or None."""
     config = target_text_config(target)
     implementation = getattr(config, "_attn_implementation", None)
-    if tree_size is not None or step_costs is not None:
-        return "compile=True verifies a fixed-width chain: pass tree_size=None and step_costs=None."
+    if step_costs is not None:
+        return ("compile=True verifies at one fixed width, and step_costs chooses a width per step: pass "
+                "step_costs=None (a tree, tree_size=N, verifies more candidates at a fixed width).")
     if cpu_kernels:
         return ("compile=True runs Transformers' own kernels inside the compiled graph: pass cpu_kernels=False (or "
                 "leave it unset).")
     if recurrent_layers(config):
         return (f"compile=True is not supported with {type(target).__name__}: its recurrent layers are rolled back "
-                "outside a static cache; pass compile=False.")
-    if has_windowed_layers(config):
-        return (f"compile=True is not supported with {type(target).__name__}: its sliding-window layers count their "
-                "window in cache columns, which the static cache's holes break; pass compile=False.")
+                "to each row's accepted tokens by replaying their mixers, which has no fixed shape yet; pass "
+                "compile=False (the eager loop runs it exactly, chains and trees; README, \"Hybrid targets\").")
+    refusal = windowed_mask_refusal(config)
+    if refusal is not None:
+        return (f"compile=True is not supported with {type(target).__name__}: {refusal}; pass compile=False.")
     if implementation not in MASKED_ATTENTION:
         return (f"compile=True needs the target's attention to be one of {', '.join(MASKED_ATTENTION)}; this "
                 f"target uses {implementation!r}: load it with attn_implementation=\"sdpa\".")
@@ -580,8 +583,8 @@ def compile_refusal(target: torch.nn.Module, tree_size: int | None, step_costs: 
 
 def compile_options(option: bool | dict[str, Any], device: torch.device) -> dict[str, Any]:
     """The `torch.compile` options of `compile=option`: True gives inductor, with CUDA graphs on a GPU
-    (`mode="reduce-overhead"`); a dict is passed to `torch.compile` as it is. The graph is always whole
-    (`fullgraph=True`)."""
+    (`mode="reduce-overhead"`); a dict is passed to `torch.compile` with `fullgraph=True` unless it sets `fullgraph`
+    itself (a whole graph by default: a graph break would run part of every verify eagerly, without a word)."""
     if isinstance(option, dict):
-        return {**option, "fullgraph": True}
+        return {"fullgraph": True, **option}
     return {"mode": "reduce-overhead", "fullgraph": True} if device.type == "cuda" else {"fullgraph": True}

@@ -1,12 +1,15 @@
-"""The compiled path (`spec_generate(compile=True)`): the target verifies at a fixed width into a fixed-address cache
-under `torch.compile`, so that after the first verify no shape, address or guard changes and nothing recompiles; on
-a GPU the verify then runs as a CUDA graph (`mode="reduce-overhead"`). README, "Compiled decoding".
+"""The compiled target backend (`spec_generate(compile=True)`): the target verifies at a fixed width into a
+fixed-address cache under `torch.compile`, so that after the first verify no shape, address or guard changes and
+nothing recompiles; on a GPU the verify then runs as a CUDA graph (`mode="reduce-overhead"`). README, "Compiled
+decoding"; `backends_dflash` holds the seam and the eager backend.
 
 - The cache is a Transformers `StaticCache` of `capacity` columns, laid out as the eager loop lays out its
   DynamicCache: the prompts (left padding as holes), then each step's verified columns, rejected ones left as
   masked holes. A verify writes after the last kept column; holes are compacted in place, and only when the next
-  verify would not fit.
-- Every verify is `block_size` columns wide and reads a 2-D mask over all `capacity` columns.
+  verify would not fit. Sliding-window layers get a full-length layer too: the window is applied by the mask.
+- Every verify is as wide as the call's (a chain's block, or a tree's root and nodes) and reads a 4-D mask over all
+  `capacity` columns, built from positions (`cache_dflash.verify_attention_mask`): a chain's and a tree's verify are
+  the same graph, and a window is counted in positions, which holes do not shift.
 - The draft's features are the outputs of the chosen layers, stored by forward hooks that do nothing else and
   concatenated inside the compiled graph. The hooks are on the target only during a verify (`capturing`).
 - One `StaticVerifier` per target is kept and reused by later calls with the same rows, layers and options, so its
@@ -25,9 +28,18 @@ from typing import Any, Iterator
 
 import torch
 
-from .cache_dflash import gather_columns, static_capacity
+from .cache_dflash import (
+    CacheColumns,
+    attention_by_layer_type,
+    causal_sees,
+    gather_columns,
+    sliding_window,
+    static_capacity,
+    verify_attention_mask,
+)
 from .devices_dflash import target_device, target_text_config
-from .target_dflash import feature_modules, module_hidden_states
+from .target_dflash import FeatureCapture, feature_modules, module_hidden_states, prefill_forward
+from .tree_dflash import DraftTree, tree_sees
 from .versions_dflash import cache_keyword, rewind_static_cache, static_write_arguments
 
 
@@ -42,6 +54,8 @@ class StaticVerifier:
         self.captured: list[torch.Tensor | None] = [None] * len(self._modules)  # [N, b, H] per chosen layer
         self.hooks = [self._hook(slot) for slot in range(len(self._modules))]
         self.cache_argument = cache_keyword(target)
+        weight = target.get_input_embeddings().weight
+        self.mask_dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
         self.cache: Any = None
         self.capacity = 0  # the cache's columns
         self.written = 0  # columns of the cache up to the last forward's end (host-side; the cache is not asked)
@@ -73,12 +87,16 @@ class StaticVerifier:
         """An empty static cache with room for `columns` columns: the last one's, reset, where it is large enough
         (the same tensors, so a CUDA graph stays valid), else a new one (`static_capacity`)."""
         from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
 
         if self.cache is not None and self.capacity >= columns:
             self.cache.reset()
         else:
             self.capacity = static_capacity(columns)
             self.cache = StaticCache(config=target_text_config(self.target), max_cache_len=self.capacity)
+            # every position kept (a sliding-window layer's own would drop old ones); the mask applies the window
+            self.cache.layers = [StaticLayer(max_cache_len=self.capacity) if getattr(layer, "is_sliding", False)
+                                 else layer for layer in self.cache.layers]
         self.written = 0
         return self.cache
 
@@ -96,16 +114,15 @@ class StaticVerifier:
         features = torch.cat(self.captured, dim=-1) if self.captured else None  # [N, b, L*H]
         return outputs.logits, features
 
-    def verify(self, input_ids: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor
+    def verify(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: Any, kept: int
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The compiled verify of input_ids [N, b] at position_ids [N, b] after the cache's kept columns valid [N, W]
-        (W: the columns kept so far): (logits [N, b, V], features [N, b, L*H] or None)."""
-        kept, width = valid.shape[1], input_ids.shape[1]
+        """The compiled verify of input_ids [N, b] at position_ids [N, b] under `mask` ([N, 1, b, capacity], or one
+        per layer type), written after the cache's `kept` columns: (logits [N, b, V], features [N, b, L*H] or
+        None)."""
+        width = input_ids.shape[1]
         rewind_static_cache(self.cache, self.written - kept)  # drop what the last verify wrote but did not keep
         if kept + width > self.capacity:
             raise ValueError(f"The static cache holds {self.capacity} columns; this step needs {kept + width}.")
-        mask = torch.nn.functional.pad(valid, (0, self.capacity - kept), value=False)  # [N, capacity]
-        mask[:, kept : kept + width] = True
         write = static_write_arguments(self.target, kept, width, input_ids.device)
         self.written = kept + width
         with self.capturing():
@@ -135,3 +152,77 @@ def static_verifier(target: torch.nn.Module, num_rows: int, layer_ids: list[int]
                                                                                              options):
             verifier = _VERIFIERS[target] = StaticVerifier(target, num_rows, layer_ids, options)
         return verifier
+
+
+class StaticBackend:
+    """The compiled target backend of one call (`backends_dflash.TargetBackend`): its target's `StaticVerifier`
+    (graph and cache, reused across calls), the columns of this call, every verify `verify_width` wide. Finished
+    rows stay in the batch (a new row count would compile anew); they commit and keep nothing."""
+
+    def __init__(self, target: torch.nn.Module, layer_ids: list[int] | None, num_rows: int, options: dict[str, Any],
+                 columns_needed: int, verify_width: int) -> None:
+        self.target, self.layer_ids, self.verify_width = target, layer_ids, verify_width
+        self.verifier = static_verifier(target, num_rows, layer_ids, options)
+        self.columns_needed = columns_needed  # the prompts, every new token and one verify past the last
+        self.config = target_text_config(target)
+        self.window = sliding_window(self.config)
+        self.columns: CacheColumns | None = None
+        self.before: CacheColumns | None = None  # the columns before the last verify (what `discard` restores)
+
+    @property
+    def cache(self) -> Any:
+        """The target's StaticCache."""
+        return self.verifier.cache
+
+    def prefill(self, input_ids: torch.Tensor, attention: dict[str, torch.Tensor], valid: torch.Tensor,
+                capture: FeatureCapture) -> Any:
+        """The prompts' pass (eager) into the static cache, from its first column."""
+        self.verifier.new_cache(self.columns_needed)
+        outputs = prefill_forward(self.target, input_ids, attention, capture,
+                                  self.verifier.prefill_arguments(input_ids.shape[1]))
+        self.columns = CacheColumns(valid, valid.sum(dim=1).tolist())
+        return outputs
+
+    def step_width(self, block_size: int, longest_remaining: int) -> int:
+        """Always the whole block: the verify's width never changes."""
+        return block_size
+
+    def verify(self, input_ids: torch.Tensor, positions: torch.Tensor, tree: DraftTree | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The compiled verify of input_ids [N, b] at positions [N, b]: a chain (`tree` None) or a tree's root and
+        nodes, both under a 4-D mask over the cache's capacity."""
+        num_rows, width = input_ids.shape
+        if width != self.verify_width:
+            raise ValueError(f"A compiled verify is {self.verify_width} columns wide; this step verifies {width}.")
+        sees = causal_sees(num_rows, width, input_ids.device) if tree is None else tree_sees(tree, input_ids.device)
+        dtype = self.verifier.mask_dtype
+        arguments = dict(sees=sees, positions=positions, dtype=dtype, width=self.verifier.capacity)
+        full = verify_attention_mask(self.columns, **arguments)
+        windowed = None if self.window is None else verify_attention_mask(self.columns, window=self.window,
+                                                                          **arguments)
+        self.before = self.columns.copy()
+        return self.verifier.verify(input_ids, positions, attention_by_layer_type(self.config, full, windowed),
+                                    self.columns.width)
+
+    def keep(self, kept_columns: list[list[int]], kept: torch.Tensor) -> None:
+        """The verify's kept columns [N, w] join the cache's; the rest is overwritten by the next verify."""
+        self.columns.append(kept, [len(columns) for columns in kept_columns])
+
+    def discard(self) -> None:
+        """The columns as before the last verify (its writes are cut back by the next one's start)."""
+        if self.before is not None:
+            self.columns = self.before
+
+    def compact(self) -> None:
+        """Compaction in place, only once the next verify would not fit."""
+        order = self.columns.compaction(room=self.verifier.capacity - self.verify_width)
+        if order is not None:
+            self.verifier.reorder_columns(order)
+
+    def drop_rows(self, keep: list[int], index: torch.Tensor) -> bool:
+        """Finished rows stay (False): a batch of another size would compile anew."""
+        return False
+
+    def decode_token(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
+        """Not offered: the cost model times the eager loop (compile=True refuses step_costs)."""
+        raise ValueError("The compiled backend verifies at one fixed width; time steps with compile=False.")

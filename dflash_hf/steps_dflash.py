@@ -3,8 +3,11 @@
 A step runs `plan_step` (the block's positions), `propose` (the proposer's tokens for it), then its strategy's
 `arrange` (a chain: cut to a worthwhile width when step costs are given; a tree: planted from the draft's candidates)
 and `verify` (one target pass; what it judged, as a `Verdict`), then `commit` (the committed tokens) and
-`keep_context` (the cache columns and features of what was committed). The stages return what they produce; the
-decode state changes in `commit` and `keep_context` only (and `propose` hands the unseen features to the proposer).
+`keep_context` (the cache columns and features of what was committed). The target's side (its cache, the verify
+forward, keep and discard) is the call's backend (`backends_dflash.TargetBackend`: eager, compiled, or the eager one
+with a hybrid target's recurrent rollback); the stages call its methods and never ask which it is. What the loop
+records (tokens, lengths, finished rows) changes in `commit`; the backend's cache grows in `verify` and is cut back
+to what was committed in `keep_context`; `propose` hands the unseen features to the proposer.
 
 `ChainStep` and `TreeStep` are the strategies (`StepStrategy`): each has its own arrange and verify, and a new one
 plugs in without touching the others, as a `CandidateGenerator` does in Transformers' assisted decoding.
@@ -15,20 +18,17 @@ Hub remote code: imports only torch and transformers.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-from .cache_dflash import CacheColumns, crop_cache, host_to_device, to_host
+from .backends_dflash import TargetBackend
+from .cache_dflash import host_to_device, to_host
 from .proposer_dflash import DraftStep, Proposal, Proposer, SampledProposal
-from .recurrent_dflash import PathPlan, RecurrentStates
 from .sampling_dflash import commit_block, draw_uniforms, process_logits, sample_from, speculative_sample
 from .settings_dflash import DecodingSettings, StepCosts
-from .static_dflash import StaticVerifier
-from .target_dflash import FeatureCapture, verify_forward
-from .tree_dflash import MAX_CANDIDATES, DraftTree, build_trees, tree_attention_mask, walk_greedy, walk_sampled
+from .tree_dflash import MAX_CANDIDATES, DraftTree, build_trees, walk_greedy, walk_sampled
 
 # --- What a step reads and changes -----------------------------------------------------------------------------------
 
@@ -67,15 +67,11 @@ class DecodeState:
     acceptance_lengths: list[list[int]]  # per row: tokens committed by each verify step
     verified_lengths: list[list[int]]  # per row: tokens verified by each step
     finished: list[bool]
-    active: list[int]  # rows still decoding, in the caches' row order
-    cache: Any  # the target's KV cache, shared by the active rows
-    cache_argument: str  # the forward keyword that takes it
-    columns: CacheColumns  # which of its columns are each row's positions
+    active: list[int]  # rows in the backend's batch, in its row order (a compiled batch keeps finished rows)
+    backend: TargetBackend  # the target's cache and verify (backends_dflash)
     layer_ids: list[int] | None  # target layers the proposer reads (None: it needs no features)
     context: TargetContext | None  # features the proposer has not seen yet
     started: float  # perf_counter() at the prefill
-    recurrent: RecurrentStates | None = None  # a hybrid target's recurrent layers (rolled back after each verify)
-    static: StaticVerifier | None = None  # compile=True: the compiled verify and its static cache (static_dflash)
     first_token_time: float = 0.0
 
     @property
@@ -120,10 +116,9 @@ def pick_block(logits: torch.Tensor, rows: list[int], settings: DecodingSettings
 
 
 def plan_step(state: DecodeState, settings: DecodingSettings) -> StepPlan:
-    """The step's block: as wide as the block size, or what the longest active row still needs (a compiled verify:
-    always the block size)."""
+    """The step's block: as wide as the backend verifies, given the block size and the longest active row's need."""
     remaining = [settings.max_new_tokens - len(state.generated[row]) for row in state.active]
-    width = settings.block_size if state.static is not None else min(settings.block_size, max(remaining))
+    width = state.backend.step_width(settings.block_size, max(remaining))
     starts = [len(state.prompts[row]) + len(state.generated[row]) - 1 for row in state.active]
     return StepPlan(
         width=width,
@@ -164,27 +159,6 @@ def propose(proposer: Proposer | None, state: DecodeState, step: StepPlan, setti
     return replace(proposal, tokens=tokens)
 
 
-def target_pass(target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal: Proposal,
-                attention: dict[str, torch.Tensor], paths: PathPlan | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The target over [pending, proposals] [n, b] with `attention` (mask and positions): its logits [n, b, V] and
-    the features [n, b, L*H] of every verified column (None: the proposer reads none). The cache grows in place; a
-    hybrid target's recurrent mixers run along `paths` (a tree's) or the block."""
-    input_ids = torch.cat((step.pending, proposal.tokens), dim=1)  # [n, b]
-    if state.static is not None:  # compile=True: the static-shape verify (static_dflash)
-        return state.static.verify(input_ids, step.positions, state.columns.valid)
-    capture = FeatureCapture(target, state.layer_ids, state.device)
-    with nullcontext() if state.recurrent is None else state.recurrent.recording(paths):
-        logits, outputs = verify_forward(
-            target, capture,
-            input_ids=input_ids,
-            use_cache=True, **attention, **{state.cache_argument: state.cache},
-        )
-    features = capture.result(outputs)  # [n, b, L*H] or None
-    del outputs  # its cache is state.cache; nothing else of it is kept
-    return logits.to(state.device), features
-
-
 def commit(state: DecodeState, step: StepPlan, verdict: Verdict, settings: DecodingSettings) -> list[int]:
     """Per active row, `commit_block` of its judged proposals and the target's tokens: append what it commits, record
     the step, mark finished rows; the accepted counts (-1: a row that had finished before the step, which a compiled
@@ -207,23 +181,28 @@ def commit(state: DecodeState, step: StepPlan, verdict: Verdict, settings: Decod
 
 
 def keep_context(state: DecodeState, step: StepPlan, verdict: Verdict, accepted_counts: list[int]) -> None:
-    """Keep the verify columns of each row's pending token and committed proposals: in the cache (a hybrid target's
-    recurrent states advance over exactly those columns), and as new features for the proposer."""
+    """Keep the verify columns of each row's pending token and committed proposals: in the backend's cache (the rest
+    leaves it), and as new features for the proposer (each row's kept columns in order, left-aligned)."""
     kept_columns = [[] if count < 0 else [0] + columns[:count]
                     for columns, count in zip(verdict.columns, accepted_counts)]
     kept_width = max(max(columns, default=0) for columns in kept_columns) + 1
     kept = host_to_device([[column in columns for column in range(kept_width)] for columns in kept_columns],
                           state.device, torch.bool)  # [n, w]: from pinned memory, queued (no wait on a GPU)
-    state.columns.append(kept, [len(columns) for columns in kept_columns])
-    if state.static is None:  # a static cache is cut back by its next verify
-        crop_cache(state.cache, state.columns.width)
-    if state.recurrent is not None:
-        state.recurrent.advance(kept_columns, state.columns.width)
+    state.backend.keep(kept_columns, kept)
     if verdict.features is None or state.context is None:
         return  # no proposer reads features
-    holes = any(columns != list(range(kept_width)) for columns in kept_columns)
-    state.context = TargetContext.of(verdict.features[:, :kept_width], step.positions[:, :kept_width],
-                                     kept if holes else None)
+    longest = max(len(columns) for columns in kept_columns)
+    if all(columns == list(range(len(columns))) for columns in kept_columns):  # prefixes (a chain): the first columns
+        features, positions = verdict.features[:, :longest], step.positions[:, :longest]
+        valid = None if all(len(columns) == longest for columns in kept_columns) else kept[:, :longest]
+    else:  # a tree's paths: each row's kept columns gathered to the left
+        index = host_to_device([columns + [0] * (longest - len(columns)) for columns in kept_columns],
+                               state.device)  # [n, c]
+        features = verdict.features.gather(1, index[..., None].expand(-1, -1, verdict.features.shape[2]))
+        positions = step.positions.gather(1, index)
+        valid = host_to_device([[True] * len(columns) + [False] * (longest - len(columns))
+                                for columns in kept_columns], state.device, torch.bool)
+    state.context = TargetContext.of(features, positions, valid)
 
 
 # --- The strategies --------------------------------------------------------------------------------------------------
@@ -238,8 +217,7 @@ class StepStrategy(Protocol):
                 ) -> tuple[StepPlan, Proposal]:
         """The step and the proposal to verify, made from the planned block and the proposer's output."""
 
-    def verify(self, target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal: Proposal,
-               settings: DecodingSettings) -> Verdict:
+    def verify(self, state: DecodeState, step: StepPlan, proposal: Proposal, settings: DecodingSettings) -> Verdict:
         """One target pass over the arranged step (the cache holds its columns until `keep_context`)."""
 
 
@@ -299,17 +277,11 @@ class ChainStep:
         return StepPlan(width, [min(width, count) for count in step.counts], step.positions[:, :width],
                         step.pending), shortened
 
-    def verify(self, target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal: Proposal,
-               settings: DecodingSettings) -> Verdict:
+    def verify(self, state: DecodeState, step: StepPlan, proposal: Proposal, settings: DecodingSettings) -> Verdict:
         """One pass over [pending, proposals]; the target's token at each of them, read to the host at once.
-
-        Positions are always passed: a cache's token counter is no source of positions (Transformers 5.25 reports
-        a recurrent layer's count for the whole cache). The mask is passed only where columns are not positions
-        (padding, holes); a compiled verify builds its own.
-        """
-        mask = None if state.static is not None else state.columns.attention_mask(step.width)
-        attention = {"position_ids": step.positions, **({} if mask is None else {"attention_mask": mask.long()})}
-        logits, features = target_pass(target, state, step, proposal, attention)
+        Positions are always passed: a cache's token counter is no source of positions (Transformers 5.25 reports a
+        recurrent layer's count for the whole cache)."""
+        logits, features = state.backend.verify(torch.cat((step.pending, proposal.tokens), dim=1), step.positions)
         tokens_of_target = target_tokens(logits, proposal, state.active, step, settings)
         judged = torch.cat((proposal.tokens, tokens_of_target), dim=1).tolist()  # the step's one device read
         columns = list(range(1, step.width))
@@ -350,20 +322,14 @@ class TreeStep:
         return tree_step, (SampledProposal(tokens, draft_probabilities=proposal.draft_probabilities)
                            if isinstance(proposal, SampledProposal) else Proposal(tokens))
 
-    def verify(self, target: torch.nn.Module, state: DecodeState, step: StepPlan, proposal: Proposal,
-               settings: DecodingSettings) -> Verdict:
+    def verify(self, state: DecodeState, step: StepPlan, proposal: Proposal, settings: DecodingSettings) -> Verdict:
         """One pass over the root and the tree's nodes; per row the accepted path, walked on the host after one
         device read (greedy: the argmax; sampling: p, q and the uniforms)."""
         if step.tree is None:
-            return CHAIN.verify(target, state, step, proposal, settings)
+            return CHAIN.verify(state, step, proposal, settings)
         trees, rows = step.tree, range(len(state.active))
-        dtype = target.get_input_embeddings().weight.dtype
-        mask = tree_attention_mask(trees, state.columns.valid if state.columns.has_holes else None,
-                                   state.columns.width, dtype if dtype.is_floating_point else torch.float32)
-        paths = None if state.recurrent is None else PathPlan.of([trees.paths(row) for row in rows], step.width,
-                                                                 state.device)
-        logits, features = target_pass(target, state, step, proposal,
-                                       {"attention_mask": mask, "position_ids": step.positions}, paths)
+        logits, features = state.backend.verify(torch.cat((step.pending, proposal.tokens), dim=1), step.positions,
+                                                trees)
         if settings.greedy:
             argmax = to_host(logits.argmax(dim=-1))[0].tolist()  # [n, 1 + N]: the step's one read after the verify
             walks = [walk_greedy(trees, row, argmax[row]) for row in rows]

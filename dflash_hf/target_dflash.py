@@ -177,6 +177,15 @@ def last_logits_only(target: torch.nn.Module) -> dict[str, int]:
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
 
 
+def prefill_forward(target: torch.nn.Module, input_ids: torch.Tensor, attention: dict[str, torch.Tensor],
+                    capture: FeatureCapture, cache_arguments: dict[str, Any]) -> Any:
+    """The prompts' forward [N, T] into the cache `cache_arguments` give: features captured by `capture`, the LM head
+    over the last column only."""
+    with capture:
+        return target(input_ids=input_ids, use_cache=True, **attention, **last_logits_only(target),
+                      **capture.forward_arguments(), **cache_arguments)
+
+
 def verify_forward(target: torch.nn.Module, capture: FeatureCapture | None = None, **inputs: Any
                    ) -> tuple[torch.Tensor, Any]:
     """A verify pass: (logits [n, b, V], the forward's outputs with its cache); `capture` collects the features."""

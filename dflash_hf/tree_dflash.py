@@ -125,10 +125,8 @@ def build_trees(candidate_tokens: list[list[list[int]]], candidate_probabilities
     return trees
 
 
-def tree_attention_mask(trees: DraftTree, cached_valid: torch.Tensor | None, cached_width: int,
-                        dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask [n, 1, 1 + size, W + 1 + size]: a column sees the row's cached positions (`cached_valid`
-    [n, W], None: all W), its ancestors and itself; 0 where it attends, the dtype's minimum elsewhere."""
+def tree_sees(trees: DraftTree, device: torch.device) -> torch.Tensor:
+    """Which verify columns each column sees [n, 1 + size, 1 + size] (bool): its ancestors and itself."""
     num_rows, width = len(trees.tokens), trees.size + 1
     sees = torch.zeros(num_rows, width, width, dtype=torch.bool)
     for row, parents in enumerate(trees.parents):
@@ -136,12 +134,7 @@ def tree_attention_mask(trees: DraftTree, cached_valid: torch.Tensor | None, cac
         for node, parent in enumerate(parents, start=1):
             sees[row, node] = sees[row, parent]
             sees[row, node, node] = True
-    device = cached_valid.device if cached_valid is not None else torch.device("cpu")
-    cached = (torch.ones(num_rows, cached_width, dtype=torch.bool, device=device) if cached_valid is None
-              else cached_valid)
-    allowed = torch.cat((cached[:, None, :].expand(num_rows, width, cached_width), sees.to(device)), dim=2)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+    return sees.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else sees
 
 
 def walk_greedy(trees: DraftTree, row: int, argmax: list[int]) -> list[int]:

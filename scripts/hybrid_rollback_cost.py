@@ -74,7 +74,7 @@ def main() -> None:
     rows = []
     with session.running():
         session.prefill(context)
-        recurrent = session.state.recurrent
+        recurrent = session.state.backend.states
         step = session.plan()
 
         def verify() -> None:
@@ -86,7 +86,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 verify()
                 started = time.perf_counter()
-                recurrent.advance([list(range(kept))], session.state.columns.width)
+                recurrent.advance([list(range(kept))], session.state.backend.columns.width)
                 samples.append(time.perf_counter() - started)
                 session.discard_verify()
             return statistics.median(samples)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
+import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, DraftStep, left_pad
@@ -118,6 +120,52 @@ def make_hybrid_target(family: str = "qwen3_5", seed: int = 0, vocab_size: int =
     else:
         raise ValueError(family)
     model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+# Target families with attention layers only (tests/test_target_families.py, tests/test_compiled.py)
+WINDOW = 8  # sliding window of the windowed families: prompts and generations below cross it
+COMMON_DECODER = dict(vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, intermediate_size=128,
+                      num_hidden_layers=TARGET_LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=False)
+ALTERNATING = ["sliding_attention", "full_attention"] * (TARGET_LAYERS // 2)
+
+# family -> (causal LM class, config class, config settings beyond COMMON_DECODER)
+FAMILIES = {
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", None),  # helpers.make_target
+    "llama": ("LlamaForCausalLM", "LlamaConfig", None),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=WINDOW)),
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig",  # attention sinks; alternating sliding and full layers
+                dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW, layer_types=ALTERNATING)),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig",  # soft-capped logits: the verify must not use the bare head
+               dict(sliding_window=WINDOW, layer_types=ALTERNATING, final_logit_softcapping=3.0)),
+    "gemma4": ("Gemma4ForCausalLM", "Gemma4TextConfig",  # per-layer inputs, the last two layers reuse earlier K/V
+               dict(sliding_window=WINDOW, layer_types=ALTERNATING, final_logit_softcapping=3.0,
+                    hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB_SIZE, num_kv_shared_layers=2)),
+}
+WINDOWED = ["mistral", "gpt_oss", "gemma3", "gemma4"]
+SOFT_CAPPED = ["gemma3", "gemma4"]
+
+
+def transformers_class(name: str):
+    """The class `name` of the installed Transformers; skips the test (with the reason) when it has none."""
+    found = getattr(transformers, name, None)
+    if found is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    return found
+
+
+def build_target(family: str) -> torch.nn.Module:
+    """A tiny random float32 causal LM of `family` (FAMILIES) in eval mode, seed 0."""
+    model_class, config_class, settings = FAMILIES[family]
+    if settings is None:
+        return make_target(family, seed=0)
+    model_class, config_class = transformers_class(model_class), transformers_class(config_class)
+    torch.manual_seed(0)
+    model = model_class(config_class(**{**COMMON_DECODER, **settings}))
+    model.generation_config.eos_token_id = None  # random weights: no end-of-text token
     return model.eval()
 
 

@@ -1,5 +1,7 @@
-"""The compiled path (`compile=True`, static_dflash): exact against `generate` (greedy) and drawing what the eager loop
-draws (sampling), with no recompilation once the first verify has compiled, and refused up front where it cannot run.
+"""The compiled backend (`compile=True`, static_dflash) beside the eager one: chains and trees on every attention
+family (sliding windows included, counted by position) exact against `generate` (greedy) and drawing what the eager
+loop draws (sampling), with no recompilation once the first verify has compiled, and refused up front where it cannot
+run.
 
 Most tests compile with dynamo's `eager` backend: the same graph capture, guards and recompilations as inductor,
 without inductor's C++ build; one test runs the default (inductor) end to end.
@@ -10,7 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import (
+    WINDOW,
     ReferenceProposer,
+    TreeReferenceProposer,
+    build_target,
     make_draft,
     make_hybrid_target,
     make_target,
@@ -23,6 +28,7 @@ from torch._dynamo.utils import counters
 from dflash_hf import speculative_decode
 from dflash_hf.cache_dflash import left_pad
 from dflash_hf.proposer_dflash import DFlashProposer
+from dflash_hf.settings_dflash import StepCosts
 
 DYNAMO_ONLY = {"backend": "eager"}
 
@@ -157,7 +163,7 @@ def test_the_default_compiled_path_equals_generate():
 
 
 @pytest.mark.parametrize("arguments, message", [
-    (dict(tree_size=4), "fixed-width chain"),
+    (dict(step_costs=StepCosts(draft=0.0, verify=[1.0] * 8)), "step_costs=None"),
     (dict(cpu_kernels=True), "cpu_kernels=False"),
 ])
 def test_compile_is_refused_with_what_it_cannot_run(arguments, message):
@@ -185,3 +191,99 @@ def test_a_compiled_call_keeps_neither_model_alive():
     del target, draft
     gc.collect()
     assert [reference() for reference in references] == [None, None]
+
+
+# --- Every strategy on every backend and attention family ------------------------------------------------------------
+
+STRATEGY_FAMILIES = ["qwen3", "llama", "mistral", "gemma3", "gpt_oss"]  # windows: all layers, or every other layer
+
+
+def family_target(family: str) -> torch.nn.Module:
+    """A tiny target of the family (sliding window WINDOW where it has one), at one thread."""
+    return build_target(family)
+
+
+def decode_family_batch(target, tree_size: int | None, compile: dict | None, seed: int, block_size: int,
+                        lengths: tuple[int, ...], max_new_tokens: int = 20):
+    """A left-padded batch whose rows are longer than the window, each decoded by a proposer of the target's own
+    continuation that goes wrong at random (a chain's, or a tree's candidates with the truth at a random rank);
+    asserts every row equals its own greedy decode. The result."""
+    prompts = [random_prompt(seed * 10 + row, length)[0].tolist() for row, length in enumerate(lengths)]
+    references = [plain_greedy(target, torch.tensor([prompt]), max_new_tokens) for prompt in prompts]
+    input_ids, attention_mask = left_pad(prompts, pad_token_id=0)
+    proposer = (ReferenceProposer(references, target, corrupt_seed=seed) if tree_size is None
+                else TreeReferenceProposer(references, 3, seed))
+    result = speculative_decode(target, proposer, input_ids, attention_mask=attention_mask,
+                                max_new_tokens=max_new_tokens, block_size=block_size, tree_size=tree_size,
+                                compile=compile or False)
+    for row, reference in enumerate(references):
+        assert result.new_tokens(row) == reference[0, len(prompts[row]):].tolist(), row
+    return result
+
+
+@pytest.mark.parametrize("family", STRATEGY_FAMILIES)
+@pytest.mark.parametrize("tree_size", [None, 6])
+def test_compiled_chains_and_trees_equal_generate_on_every_attention_family(family, tree_size):
+    """Greedy, batches of left-padded rows crossing the window, rows accepting different lengths: each row is its own
+    greedy decode; a second call of other prompt lengths and length budget compiles no new graph."""
+    target = family_target(family)
+    torch._dynamo.reset()
+    counters.clear()
+    result = decode_family_batch(target, tree_size, DYNAMO_ONLY, seed=1, block_size=5,
+                                 lengths=(2 * WINDOW + 3, 4))
+    assert len({length for row in result.acceptance_lengths for length in row}) > 1
+    graphs = compiled_graphs()
+    assert graphs == 1, counters["stats"]  # the verify (these proposers run no draft)
+    decode_family_batch(target, tree_size, DYNAMO_ONLY, seed=2, block_size=5, lengths=(3, WINDOW + 5),
+                        max_new_tokens=17)
+    assert compiled_graphs() == graphs, counters["stats"]
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "gpt_oss"])
+def test_eager_trees_count_the_window_in_positions(family):
+    """Trees on sliding-window targets, eagerly: a tree's branches are columns but not positions, so the window is
+    applied by a mask built from positions; every row equals its own greedy decode, over several seeds."""
+    target = family_target(family)
+    for seed in (3, 4):
+        decode_family_batch(target, 7, None, seed=seed, block_size=4 + seed, lengths=(2 * WINDOW + seed, 5))
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_a_compiled_tree_with_a_draft_commits_what_the_eager_tree_commits(variant):
+    """The draft's features of a tree's accepted path (gathered to the left) reach the compiled draft as the eager
+    one: the same tokens (the target's own) and the same acceptance lengths, step for step."""
+    target = make_target(seed=11)
+    draft = make_draft(11) if variant == "dflash" else make_variant_draft(variant, seed=11)
+    prompts = [random_prompt(seed, length)[0].tolist() for seed, length in ((12, 9), (13, 4))]
+    input_ids, attention_mask = left_pad(prompts, pad_token_id=0)
+    arguments = dict(target=target, input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=24,
+                     tree_size=8, return_stats=True)
+    eager = draft.spec_generate(**arguments)
+    compiled = draft.spec_generate(**arguments, compile=DYNAMO_ONLY)
+    for row, prompt in enumerate(prompts):
+        expected = plain_greedy(target, torch.tensor([prompt]), 24)[0, len(prompt):].tolist()
+        assert eager.new_tokens(row) == expected
+        assert compiled.new_tokens(row) == expected
+    def remaining(step: int) -> int:  # what the longest row still needs before eager step `step`
+        return max(24 - 1 - sum(row[:step]) for row in eager.acceptance_lengths)
+
+    # the eager loop narrows its last blocks (so its draft drafts otherwise); the compiled one never does
+    steps = next(step for step in range(len(eager.acceptance_lengths[0]) + 1) if remaining(step) < draft.block_size)
+    assert steps > 5
+    assert [row[:steps] for row in compiled.acceptance_lengths] == [row[:steps] for row in eager.acceptance_lengths]
+
+
+def test_compiled_tree_sampling_draws_the_tokens_the_eager_tree_draws():
+    """Same seed, same tokens for a sampled tree (the same uniforms for children and finals, the same candidates
+    drawn by the draft), up to the eager loop's last, narrower block. Power: other seeds draw other tokens."""
+    target, draft = make_target(seed=14), make_draft(14)
+    prompt = random_prompt(15, 6)
+    new_tokens, compared = 40, 40 - draft.block_size
+    arguments = dict(target=target, input_ids=prompt, max_new_tokens=new_tokens, temperature=1.0, tree_size=6)
+    outputs = set()
+    for seed in (0, 1, 2):
+        eager = draft.spec_generate(**arguments, seed=seed)[0, prompt.shape[1]:][:compared]
+        compiled = draft.spec_generate(**arguments, seed=seed, compile=DYNAMO_ONLY)[0, prompt.shape[1]:][:compared]
+        assert compiled.tolist() == eager.tolist(), seed
+        outputs.add(tuple(eager.tolist()))
+    assert len(outputs) == 3

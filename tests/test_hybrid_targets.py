@@ -191,11 +191,11 @@ def assert_states_equal_plain_forwards(target: torch.nn.Module, session: DecodeS
             continue
         committed = state.prompts[row] + state.generated[row][:-1]  # the pending token is not in the cache
         for layer, expected in plain_states(target, committed).items():
-            live = layer_tensors(state.cache.layers[layer])
+            live = layer_tensors(state.backend.cache.layers[layer])
             assert live.keys() == expected.keys(), layer
             for name, tensor in expected.items():
                 if tensor.dim() == 0:  # a token count
-                    holes = state.columns.width - len(committed)
+                    holes = state.backend.columns.width - len(committed)
                     assert int(live[name]) == int(tensor) + holes, (layer, name)
                 else:
                     torch.testing.assert_close(live[name][position], tensor[0], rtol=1e-4, atol=1e-5,
@@ -231,7 +231,7 @@ def verify_and_discard(target: torch.nn.Module) -> None:
     session = DecodeSession(target, ReferenceProposer(plain_greedy(target, prompt, 12)), settings)
     with session.running():
         session.prefill(prompt)
-        cache = session.state.cache
+        cache = session.state.backend.cache
         layers = recurrent_cache_layers(cache)
         before = {layer: {name: tensor.clone() for name, tensor in layer_tensors(cache.layers[layer]).items()}
                   for layer in layers}

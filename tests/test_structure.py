@@ -97,6 +97,7 @@ LAYERS = (
     {"kernels_dflash", "tree_dflash"},
     {"proposer_dflash", "target_dflash"},
     {"settings_dflash", "recurrent_dflash", "static_dflash"},
+    {"backends_dflash"},
     {"steps_dflash"},
     {"generation_dflash"},
     {"modeling_dflash"},

@@ -11,63 +11,24 @@ import pytest
 import torch
 import transformers
 from helpers import (
-    HIDDEN_SIZE,
-    TARGET_LAYERS,
-    VOCAB_SIZE,
+    COMMON_DECODER,
+    FAMILIES,
+    SOFT_CAPPED,
+    WINDOW,
+    WINDOWED,
     ReferenceProposer,
+    build_target,
     make_draft,
-    make_target,
     plain_greedy,
     random_prompt,
+    transformers_class,
 )
 
-from dflash_hf import generation_dflash, left_pad, speculative_decode
+from dflash_hf import backends_dflash, left_pad, speculative_decode
 from dflash_hf.target_dflash import plain_head_parts, verify_forward
 from dflash_hf.versions_dflash import cache_keyword, returned_cache
 
-WINDOW = 8  # sliding window of the windowed families: prompts and generations below cross it
 NEW_TOKENS = 24
-COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, intermediate_size=128, num_hidden_layers=TARGET_LAYERS,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-              initializer_range=0.1, tie_word_embeddings=False)
-ALTERNATING = ["sliding_attention", "full_attention"] * (TARGET_LAYERS // 2)
-
-# family -> (causal LM class, config class, config settings beyond COMMON)
-FAMILIES = {
-    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", None),  # helpers.make_target
-    "llama": ("LlamaForCausalLM", "LlamaConfig", None),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
-                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
-    "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=WINDOW)),
-    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig",  # attention sinks; alternating sliding and full layers
-                dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW, layer_types=ALTERNATING)),
-    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig",  # soft-capped logits: the verify must not use the bare head
-               dict(sliding_window=WINDOW, layer_types=ALTERNATING, final_logit_softcapping=3.0)),
-    "gemma4": ("Gemma4ForCausalLM", "Gemma4TextConfig",  # per-layer inputs, the last two layers reuse earlier K/V
-               dict(sliding_window=WINDOW, layer_types=ALTERNATING, final_logit_softcapping=3.0,
-                    hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB_SIZE, num_kv_shared_layers=2)),
-}
-WINDOWED = ["mistral", "gpt_oss", "gemma3", "gemma4"]
-SOFT_CAPPED = ["gemma3", "gemma4"]
-
-
-def transformers_class(name: str):
-    """The class `name` of the installed Transformers; skips the test (with the reason) when it has none."""
-    found = getattr(transformers, name, None)
-    if found is None:
-        pytest.skip(f"transformers {transformers.__version__} has no {name}")
-    return found
-
-
-def build_target(family: str) -> torch.nn.Module:
-    model_class, config_class, settings = FAMILIES[family]
-    if settings is None:
-        return make_target(family, seed=0)
-    model_class, config_class = transformers_class(model_class), transformers_class(config_class)
-    torch.manual_seed(0)
-    model = model_class(config_class(**{**COMMON, **settings}))
-    model.generation_config.eos_token_id = None  # random weights: no end-of-text token
-    return model.eval()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -131,8 +92,8 @@ def test_rows_accepting_different_lengths_keep_the_window_exact(targets, family,
     references = [plain_greedy(target, ids, max_new_tokens=NEW_TOKENS) for ids in prompts]
     input_ids, attention_mask = left_pad([ids[0].tolist() for ids in prompts], pad_token_id=0)
     compactions = []
-    reorder = generation_dflash.reorder_cache_columns
-    monkeypatch.setattr(generation_dflash, "reorder_cache_columns",
+    reorder = backends_dflash.reorder_cache_columns
+    monkeypatch.setattr(backends_dflash, "reorder_cache_columns",
                         lambda cache, index: compactions.append(index.shape) or reorder(cache, index))
     proposer = ReferenceProposer(references, corrupt_seed=6, corrupt_rows={1})
     result = speculative_decode(target, proposer, input_ids, max_new_tokens=NEW_TOKENS, block_size=6,
@@ -180,7 +141,7 @@ def test_plain_heads_keep_the_fast_path(targets, family):
 # --- Recurrent-state targets: rolled back (5.x, tests/test_hybrid_targets.py) or refused up front ------------------
 
 LINEAR_HEADS = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
-RECURRENT = {  # name -> (causal LM class, config class, settings beyond COMMON, layer type the message names)
+RECURRENT = {  # name -> (causal LM class, config class, settings beyond COMMON_DECODER, layer type the message names)
     "qwen3_next": ("Qwen3NextForCausalLM", "Qwen3NextConfig",
                    dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **LINEAR_HEADS),
                    "linear_attention"),
@@ -206,7 +167,7 @@ def test_recurrent_state_targets_run_exactly_or_are_refused_before_any_forward(n
     model_class, config_class, settings, layer_type = RECURRENT[name]
     model_class, config_class = transformers_class(model_class), transformers_class(config_class)
     torch.manual_seed(0)
-    target = model_class(config_class(**{**COMMON, **settings})).eval()
+    target = model_class(config_class(**{**COMMON_DECODER, **settings})).eval()
     draft = make_draft(0, block_size=8)  # the draft itself is fine
     prompt = random_prompt(500 + 8, 6)
     if name in ROLLBACK_MODEL_TYPES and hasattr(transformers, "Qwen3_5ForCausalLM"):  # rolled back on 5.x

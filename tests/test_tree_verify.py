@@ -17,11 +17,11 @@ from sampling_checks import NUM_NEW, NUM_SAMPLES, assert_follows, chi_square_p_v
 from sampling_checks import SAMPLING_VOCAB as VOCAB
 
 from dflash_hf import speculative_decode
-from dflash_hf.cache_dflash import left_pad
+from dflash_hf.cache_dflash import CacheColumns, left_pad, verify_attention_mask
 from dflash_hf.proposer_dflash import DFlashProposer, SampledProposal
 from dflash_hf.sampling_dflash import sample_from
 from dflash_hf.settings_dflash import StepCosts
-from dflash_hf.tree_dflash import build_trees, choose_child, tree_attention_mask, walk_greedy, walk_sampled
+from dflash_hf.tree_dflash import build_trees, choose_child, tree_sees, walk_greedy, walk_sampled
 
 # --- The tree itself -------------------------------------------------------------------------------------------------
 
@@ -56,7 +56,9 @@ def test_a_trees_paths_run_from_the_root_to_each_leaf_over_real_nodes_only():
 
 def test_each_column_sees_its_context_its_ancestors_and_itself():
     trees = build_trees([[[10, 11], [20, 21]]], [[[0.6, 0.4], [0.7, 0.3]]], 4, [2], [0])  # 10, 10-20, 11, 11-20
-    mask = tree_attention_mask(trees, torch.tensor([[True, False, True]]), 3, torch.float32)
+    columns = CacheColumns(torch.tensor([[True, False, True]]), [2])
+    positions = torch.tensor([[2, 3, 4, 3, 4]])  # the root at position 2, then each node at its depth
+    mask = verify_attention_mask(columns, tree_sees(trees, torch.device("cpu")), positions, torch.float32)
     sees = (mask[0, 0] == 0).int().tolist()
     assert sees == [[1, 0, 1, 1, 0, 0, 0, 0],
                     [1, 0, 1, 1, 1, 0, 0, 0],
@@ -64,6 +66,16 @@ def test_each_column_sees_its_context_its_ancestors_and_itself():
                     [1, 0, 1, 1, 0, 0, 1, 0],
                     [1, 0, 1, 1, 0, 0, 1, 1]]
     assert mask.min() == torch.finfo(torch.float32).min
+    # a window of 2 positions, counted in positions (the hole at column 1 is none): each column sees keys 0 or 1
+    # positions back, along its own branch only
+    windowed = verify_attention_mask(columns, tree_sees(trees, torch.device("cpu")), positions, torch.float32,
+                                     window=2, width=10)
+    sees = (windowed[0, 0] == 0).int().tolist()
+    assert sees == [[0, 0, 1, 1, 0, 0, 0, 0, 0, 0],
+                    [0, 0, 0, 1, 1, 0, 0, 0, 0, 0],
+                    [0, 0, 0, 0, 1, 1, 0, 0, 0, 0],
+                    [0, 0, 0, 1, 0, 0, 1, 0, 0, 0],
+                    [0, 0, 0, 0, 0, 0, 1, 1, 0, 0]]
 
 
 def test_the_sampled_walk_tries_children_against_the_residual():
