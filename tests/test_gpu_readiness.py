@@ -220,7 +220,7 @@ def test_prefill_memory_does_not_grow_with_the_number_of_target_layers():
         with torch.no_grad():
             prefill(target, input_ids, None, layer_ids, settings)  # one-time work (lazy buffers, kernel timing) first
             peak = peak_cpu_bytes(lambda: states.append(prefill(target, input_ids, None, layer_ids, settings)))  # noqa: B023
-            cache_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in states[0].cache.layers)
+            cache_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in states[0].backend.cache.layers)
             beyond_cache[num_layers] = peak - cache_bytes
             every_state[num_layers] = peak_cpu_bytes(lambda: target(input_ids, output_hidden_states=True))  # noqa: B023
         assert states[0].context.hidden.shape == (1, length, 2 * HIDDEN_SIZE)

@@ -9,6 +9,7 @@ from helpers import (
     TreeReferenceProposer,
     make_draft,
     make_hybrid_target,
+    make_target,
     make_variant_draft,
     plain_greedy,
     random_prompt,
@@ -305,26 +306,24 @@ def test_trees_are_refused_where_they_cannot_be_verified_exactly(target, draft):
                             step_costs=StepCosts(0.01, tuple([0.01] * 8)))
 
 
-def sliding_window_target() -> torch.nn.Module:
-    from transformers import MistralConfig, MistralForCausalLM
-
-    torch.manual_seed(0)
-    return MistralForCausalLM(MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                            head_dim=16, sliding_window=8)).eval()
+def flex_attention_target() -> torch.nn.Module:
+    """A target whose attention does not take a 4-D additive mask as given (flex attention)."""
+    target = make_target(seed=0)
+    target.config._attn_implementation = "flex_attention"
+    return target
 
 
-def test_a_sliding_window_target_is_refused_with_trees():
-    with pytest.raises(ValueError, match="sliding-window layers"):
-        make_draft(0).spec_generate(target=sliding_window_target(), input_ids=random_prompt(0, 4), max_new_tokens=4,
+def test_a_target_whose_attention_takes_no_given_mask_is_refused_with_trees():
+    with pytest.raises(ValueError, match="4-D mask"):
+        make_draft(0).spec_generate(target=flex_attention_target(), input_ids=random_prompt(0, 4), max_new_tokens=4,
                                     tree_size=4)
 
 
 def test_tree_size_auto_gives_the_chain_where_trees_are_refused():
     from dflash_hf.cost_model import choose_tree_size
 
-    sliding = sliding_window_target()
+    refused = flex_attention_target()
     draft = make_draft(0)
-    tree_size, rates = choose_tree_size(draft, sliding, random_prompt(0, 6)[0].tolist(), 4, 8, 1, [],
+    tree_size, rates = choose_tree_size(draft, refused, random_prompt(0, 6)[0].tolist(), 4, 8, 1, [],
                                         draft.mask_token_id)
     assert tree_size is None and list(rates) == [0] and rates[0] > 0
