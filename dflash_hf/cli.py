@@ -67,7 +67,8 @@ SHARED_OPTIONS: dict[str, dict] = {
                                "this machine (auto: on for a CPU target); the output is the same either way"),
     "--compile": dict(action="store_true",
                       help="verify with the compiled static-shape path (spec_generate(compile=True); README "
-                           "\"Compiled decoding\"): chains only; the untimed warm-up compiles"),
+                           "\"Compiled decoding\"): chains and trees; the untimed warm-up compiles, and compiled "
+                           "`generate` (static cache) is timed beside plain `generate`"),
     "--seed": dict(type=int, default=0, help="seed of the run's random draws (train: anchors, shuffling and the "
                                              "draft's initialisation; bench: the sampling generators)"),
 }
@@ -455,7 +456,8 @@ def main(argv: list[str] | None = None) -> None:
         from .demo import run_demo
 
         run_demo(args.max_new_tokens, bench_dtype(args.dtype, torch.device("cpu")), args.draft, args.block_size,
-                 cpu_kernels_choice(args.cpu_kernels), None if args.compile else args.tree_size or None,
+                 cpu_kernels_choice(args.cpu_kernels),
+                 None if args.compile and args.tree_size == "auto" else args.tree_size or None,  # auto times eager
                  compile=args.compile)
     elif args.command == "bench":
         from .benchmark import process_context

@@ -86,6 +86,10 @@ def run_demo(max_new_tokens: int = 256, dtype: torch.dtype = torch.float32, draf
     verified = "" if choice.step_costs is None else (f", adaptive: {summary['mean_verified_length']:.2f} "
                                                      "verified per step")
     rates = summary["tokens_per_s"]
+    if compile:  # the first (untimed) calls compiled both; the compiled baseline is what a GPU user compares with
+        print(f"\ncompiled: the first calls took {summary['warm_up_seconds']:.0f} s (torch.compile); compiled "
+              f"target.generate {rates['plain_compiled']:.1f} tokens/s, spec_generate "
+              f"{summary['speedup_vs_compiled']:.2f}x of it")
     print(f"\ntau {summary['tau']:.2f} | target.generate {rates['plain']:.1f} tokens/s | spec_generate "
           f"{rates['dflash']:.1f} tokens/s | speedup {summary['speedup']:.2f}x | identical to generate: "
           f"{summary['lossless']} ({dtype}, block size {choice.block_size} of {draft.block_size}{verified}, "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -22,7 +23,9 @@ from .settings_dflash import GenerationTokens, StepCosts, neutral_overrides, res
 from .target_dflash import last_logits_only
 from .versions_dflash import assisted_decoding_runs_recurrent_targets
 
-METHODS = ("plain", "dflash", "prompt_lookup", "transformers_dflash")  # the last: Transformers' own DFlash loop
+# "transformers_dflash": Transformers' own DFlash loop; "plain_compiled": `generate` compiled as Transformers documents
+# it (a static cache, the forward under torch.compile), timed with `--compile`: the baseline a GPU user compares with
+METHODS = ("plain", "dflash", "prompt_lookup", "transformers_dflash", "plain_compiled")
 VERDICTS = ("exact", "near-tie", "NO")
 # a near-tie: the target's two candidate logits within 16 ulps of the logit's magnitude in the run's dtype; in bf16
 # that is 1/8 of it, the tests' near-tie (`assert_equal_up_to_near_tie`); in float32 about 2e-6 of it
@@ -78,6 +81,26 @@ def assisted_decoding_refusal(target: torch.nn.Module) -> str | None:
     if recurrent_layers(target_text_config(target)) and not assisted_decoding_runs_recurrent_targets():
         return "refused by Transformers: a recurrent cache cannot be cropped"
     return None
+
+
+_COMPILED_FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> its compiled forward
+
+
+def compiled_generate(target: torch.nn.Module, input_ids: torch.Tensor, **generate_kwargs: Any) -> torch.Tensor:
+    """`target.generate` compiled as Transformers documents it: a static cache and the target's forward under
+    `torch.compile` (CUDA graphs on a GPU, `mode="reduce-overhead"`), with generate's own compile switched off
+    (`disable_compile`) so that one compiled forward runs on every device; the forward is compiled once per target
+    (the first call compiles) and set only for the call."""
+    compiled = _COMPILED_FORWARDS.get(target)
+    if compiled is None:
+        on_gpu = target_device(target).type == "cuda"
+        compiled = _COMPILED_FORWARDS[target] = torch.compile(
+            type(target).forward, fullgraph=True, **({"mode": "reduce-overhead"} if on_gpu else {}))
+    target.forward = compiled.__get__(target)
+    try:
+        return target.generate(input_ids, cache_implementation="static", disable_compile=True, **generate_kwargs)
+    finally:
+        del target.forward
 
 
 def near_tie_tolerance(logit: float, dtype: torch.dtype, ulps: float = NEAR_TIE_ULPS) -> float:
@@ -196,6 +219,8 @@ def measure_prompts(
         "plain": lambda: generated(target.generate(input_ids, **common)),
         "dflash": dflash,
     }
+    if settings.compile:  # the compiled DFlash against the compiled baseline, not only the eager one
+        methods["plain_compiled"] = lambda: generated(compiled_generate(target, input_ids, **common))
     # Transformers' assisted decoding takes one prompt; it is timed next to chains (a tree row would repeat it)
     assisted = len(prompts) == 1 and settings.tree_size is None and assisted_decoding_refusal(target) is None
     if settings.prompt_lookup_tokens and assisted:
@@ -305,6 +330,9 @@ def summarize(
         if plain > 0 and "prompt_lookup" in tokens_per_s else None,
         "speedup_transformers_dflash": tokens_per_s["transformers_dflash"] / plain
         if plain > 0 and "transformers_dflash" in tokens_per_s else None,
+        # the compiled DFlash against compiled `generate` (`--compile`); None where not timed
+        "speedup_vs_compiled": tokens_per_s["dflash"] / tokens_per_s["plain_compiled"]
+        if tokens_per_s.get("plain_compiled") else None,
         "bound": bound,
         "step_costs_ms": {k: v * 1000 for k, v in step_costs.items()} if step_costs else None,
         "adaptive_verify": verify_costs is not None,
@@ -314,6 +342,7 @@ def summarize(
         "lossless": lossless["dflash"],
         "lossless_prompt_lookup": lossless.get("prompt_lookup"),
         "lossless_transformers_dflash": lossless.get("transformers_dflash"),
+        "lossless_plain_compiled": lossless.get("plain_compiled"),
         "verdicts": verdicts,
         "divergences": divergences,
     }
@@ -336,12 +365,15 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     """The results as a Markdown table (one row per dataset, and per batch size N when some N > 1)."""
     batched = any(result.get("batch_size", 1) > 1 for result in results)
     trees = any(result.get("tree_size") or "tree_size_rates" in result for result in results)
+    compiled = any(result.get("speedup_vs_compiled") is not None for result in results)
     lines = [
         "| dataset | prompts |" + (" N |" if batched else "")
-        + " B |" + (" tree |" if trees else "") + " tau | plain tok/s | DFlash tok/s | prompt lookup tok/s"
-        + " | Transformers DFlash tok/s | speedup | bound | lossless |",
+        + " B |" + (" tree |" if trees else "") + " tau | plain tok/s |"
+        + (" compiled plain tok/s |" if compiled else "") + " DFlash tok/s | prompt lookup tok/s"
+        + " | Transformers DFlash tok/s | speedup |" + (" vs compiled |" if compiled else "") + " bound | lossless |",
         "|---|---:|" + ("---:|" if batched else "") + "---:|" + ("---:|" if trees else "")
-        + "---:|---:|---:|---:|---:|---:|---:|---|",
+        + "---:|---:|" + ("---:|" if compiled else "") + "---:|---:|---:|---:|" + ("---:|" if compiled else "")
+        + "---:|---|",
     ]
     for result in results:
         rates = result["tokens_per_s"]
@@ -359,12 +391,16 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
         if result.get("adaptive_verify"):  # drafted `block`, verified a worthwhile prefix of it per step
             block = f"{block} (adaptive, verified {result['mean_verified_length']:.2f})"
         tree = f"{result.get('tree_size') or 'chain'}" + (" (auto)" if "tree_size_rates" in result else "")
+        versus = result.get("speedup_vs_compiled")
+        compiled_rate = f" {rates['plain_compiled']:.1f} |" if "plain_compiled" in rates else " - |"
+        if result.get("lossless_plain_compiled") is False:
+            compiled_rate = compiled_rate[:-2] + " (NOT exact) |"
         lines.append(
             f"| {result['dataset']} | {result['num_prompts']} |{batch} {block} |"
-            + (f" {tree} |" if trees else "") + f" {result['tau']:.2f} | "
-            f"{rates['plain']:.1f} | {rates['dflash']:.1f} | {lookup} | {native} | "
-            f"{result['speedup']:.2f}x | {bound} | "
-            f"{lossless} |"
+            + (f" {tree} |" if trees else "") + f" {result['tau']:.2f} | {rates['plain']:.1f} |"
+            + (compiled_rate if compiled else "") + f" {rates['dflash']:.1f} | {lookup} | {native} | "
+            f"{result['speedup']:.2f}x |" + ((f" {versus:.2f}x |" if versus else " - |") if compiled else "")
+            + f" {bound} | {lossless} |"
         )
     return "\n".join(lines)
 
@@ -390,17 +426,19 @@ def evaluate_draft(
     `tokens`: stop, pad and mask ids (`generation_tokens`). `on_result(prompt_index, record)` sees each prompt's
     record as soon as it is measured; the method that runs first rotates from prompt to prompt. `step_costs`:
     adaptive verify length (`spec_generate(step_costs=...)`); `tree_size`: trees (`spec_generate(tree_size=...)`);
-    `compile`: the compiled verify (`spec_generate(compile=True)`), compiled by the untimed warm-up.
+    `compile`: the compiled verify (`spec_generate(compile=True)`) and compiled `generate` beside the eager one,
+    both compiled by the untimed warm-up (its seconds: `warm_up_seconds`).
     """
     if not prompts:
         raise ValueError("evaluate_draft needs at least one prompt.")
     block_size = resolve_block_size(block_size, draft.block_size)
     settings = BenchSettings(max_new_tokens=max_new_tokens, block_size=block_size, prompt_lookup_tokens=None,
                              step_costs=step_costs, cpu_kernels=cpu_kernels, tree_size=tree_size, compile=compile)
-    warm_up(draft, target, prompts[:1], settings, tokens)
+    warm_up_seconds = warm_up(draft, target, prompts[:1], settings, tokens)
     records = []
     for index, prompt in enumerate(prompts):
         records += measure_prompts(draft, target, [prompt], settings, tokens, turn=index)
         if on_result is not None:
             on_result(index, records[-1])
-    return summarize("evaluation", records, len(prompts), block_size, None, greedy=True, verify_costs=step_costs)
+    return {**summarize("evaluation", records, len(prompts), block_size, None, greedy=True, verify_costs=step_costs),
+            "warm_up_seconds": warm_up_seconds}

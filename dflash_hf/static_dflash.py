@@ -21,6 +21,7 @@ Hub remote code: imports only torch and transformers.
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from contextlib import contextmanager
@@ -41,6 +42,8 @@ from .devices_dflash import target_device, target_text_config
 from .target_dflash import FeatureCapture, feature_modules, module_hidden_states, prefill_forward
 from .tree_dflash import DraftTree, tree_sees
 from .versions_dflash import cache_keyword, rewind_static_cache, static_write_arguments
+
+logger = logging.getLogger(__name__)
 
 
 class StaticVerifier:
@@ -150,6 +153,10 @@ def static_verifier(target: torch.nn.Module, num_rows: int, layer_ids: list[int]
         verifier = _VERIFIERS.get(target)
         if verifier is None or (verifier.num_rows, verifier.layer_ids, verifier.options) != (num_rows, layer_ids,
                                                                                              options):
+            logger.warning(
+                "dflash-hf compile=True: this call compiles the target's verify and the draft's forward "
+                "(torch.compile; minutes the first time, less once torch's compile caches hold them); later calls "
+                "with this target and %d rows reuse them. See README, \"Compiled decoding\".", num_rows)
             verifier = _VERIFIERS[target] = StaticVerifier(target, num_rows, layer_ids, options)
         return verifier
 

@@ -493,6 +493,9 @@ def test_bench_compile_runs_the_compiled_path_end_to_end(saved_models, tmp_path,
         return original(self, *args, compile={"backend": "eager"} if compile is True else compile, **arguments)
 
     monkeypatch.setattr(DFlashGenerationMixin, "spec_generate", dynamo_only)
+    compile_with = torch.compile  # the compiled `generate` baseline: dynamo's eager backend too
+    monkeypatch.setattr(torch, "compile", lambda *args, **options: compile_with(
+        *args, **{**options, "backend": "eager", "mode": None}))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"turns": ["w5 w6 w7"]}\n{"turns": ["w8 w9"]}\n')
     out = tmp_path / "bench.json"
@@ -500,7 +503,11 @@ def test_bench_compile_runs_the_compiled_path_end_to_end(saved_models, tmp_path,
           "--prompt-lookup-tokens", "0", "--json", str(out), "--plot", ""])
     (result,) = json.loads(out.read_text())["results"]
     assert result["lossless"] is True and len(calls) >= 3 and all(compile is True for compile in calls)
-    assert "compiled: the warm-up took" in capsys.readouterr().out
+    # the compiled baseline ran, gave generate's own tokens, and the speedup is also read against it
+    assert result["lossless_plain_compiled"] is True and result["tokens_per_s"]["plain_compiled"] > 0
+    assert result["speedup_vs_compiled"] == result["tokens_per_s"]["dflash"] / result["tokens_per_s"]["plain_compiled"]
+    printed = capsys.readouterr().out
+    assert "compiled: the warm-up took" in printed and "| compiled plain tok/s |" in printed
 
 
 def test_demo_compile_reaches_the_demo(monkeypatch):
@@ -509,4 +516,6 @@ def test_demo_compile_reaches_the_demo(monkeypatch):
     seen = {}
     monkeypatch.setattr(demo, "run_demo", lambda *args, **kwargs: seen.update(args=args, kwargs=kwargs))
     main(["demo", "--compile", "--max-new-tokens", "8"])
-    assert seen["kwargs"]["compile"] is True and seen["args"][5] is None  # a chain: no tree size is chosen
+    assert seen["kwargs"]["compile"] is True and seen["args"][5] is None  # auto times eager trees: the chain
+    main(["demo", "--compile", "--tree-size", "8"])
+    assert seen["kwargs"]["compile"] is True and seen["args"][5] == 8  # a compiled tree, when asked for

@@ -133,6 +133,17 @@ def test_the_compiled_draft_drafts_what_the_eager_draft_drafts(variant):
     assert len(set(compiled.acceptance_lengths[0][:steps])) > 2
 
 
+def test_the_first_compiled_call_says_it_compiles_and_later_calls_do_not(caplog):
+    """A long compile is announced (a warning naming what compiles), once per target and batch size."""
+    target, draft = make_target(seed=16), make_draft(16)
+    with caplog.at_level("WARNING", logger="dflash_hf.static_dflash"):
+        for seed in (0, 1):
+            draft.spec_generate(target=target, input_ids=random_prompt(seed, 5), max_new_tokens=6,
+                                compile=DYNAMO_ONLY)
+    announced = [record for record in caplog.records if "compiles the target's verify" in record.getMessage()]
+    assert len(announced) == 1
+
+
 def test_no_recompilation_after_the_first_step():
     """Two graphs (the target's verify, the draft's forward) for the whole call while accepted lengths vary, and none
     for a second call of another prompt length and length budget (the caches' capacities are rounded up, so they are
