@@ -144,6 +144,23 @@ def test_the_first_compiled_call_says_it_compiles_and_later_calls_do_not(caplog)
     assert len(announced) == 1
 
 
+def test_compiled_eager_and_compiled_again_on_the_same_models_return_ordinary_tensors():
+    """The loop runs in inference mode; what outlives a call (the compiled verifier's static cache, the compiled
+    draft) is written only inside it, so a compiled call, an eager one and a compiled one again on the same models
+    all decode exactly; the ids returned are ordinary tensors the caller may edit in place, and the models still
+    train afterwards (no weight became an inference tensor)."""
+    target, draft = make_target(seed=17), make_draft(17)
+    prompt = random_prompt(17, 6)
+    expected = plain_greedy(target, prompt, 12)
+    for compile in (DYNAMO_ONLY, False, DYNAMO_ONLY):
+        output = draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=12, compile=compile)
+        assert output.tolist() == expected.tolist()
+        assert not output.is_inference()
+        output[0, -1] = 0  # would raise for an inference tensor outside inference mode
+    target(prompt).logits.sum().backward()
+    assert all(parameter.grad is not None for parameter in target.lm_head.parameters())
+
+
 def test_no_recompilation_after_the_first_step():
     """Two graphs (the target's verify, the draft's forward) for the whole call while accepted lengths vary, and none
     for a second call of another prompt length and length budget (the caches' capacities are rounded up, so they are
