@@ -82,7 +82,8 @@ class SpecGenerateOutput:
 
     @property
     def mean_verified_length(self) -> float:
-        """Mean tokens verified per step over every row's steps (the block size, unless steps were shortened)."""
+        """Mean tokens verified per step over every row's steps: the block size (a chain; less where steps were
+        shortened, by `step_costs` or at the end), or 1 + tree_size (a tree)."""
         return mean_acceptance_length(length for row in self.verified_lengths for length in row)
 
     @property

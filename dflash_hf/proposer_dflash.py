@@ -116,8 +116,10 @@ class Candidates:
     tokens, or (a `SampledProposal`) a draw of k distinct tokens from q without replacement."""
 
     tokens: torch.Tensor  # [N, B-1, k]
-    # [N, B-1, k]: each position's k largest draft probabilities, which shape the tree: never the sampled tokens' own,
-    # so which candidates a node verifies does not depend on what was drawn
+    # [N, B-1, k]: the scores that shape the tree, never the sampled tokens' own (so which candidates a node
+    # verifies does not depend on what was drawn): a DFlash draft's k largest probabilities, descending; a DFlash2
+    # draft's selector probabilities of its k candidates after the first candidate of the position before, in the
+    # selector's order (not sorted)
     probabilities: torch.Tensor
     # [N, B-1, k, k] (DFlash2's selector): the probability of candidate j at position p after candidate i at position
     # p - 1; a node's children are then ranked by it (position 0 by `probabilities`, after the pending token)

@@ -123,7 +123,7 @@ class StaticVerifier:
         per layer type), written after the cache's `kept` columns: (logits [N, b, V], features [N, b, L*H] or
         None)."""
         width = input_ids.shape[1]
-        rewind_static_cache(self.cache, self.written - kept)  # drop what the last verify wrote but did not keep
+        self.rewind(kept)  # drop what the last verify wrote but did not keep
         if kept + width > self.capacity:
             raise ValueError(f"The static cache holds {self.capacity} columns; this step needs {kept + width}.")
         write = static_write_arguments(self.target, kept, width, input_ids.device)
@@ -131,14 +131,18 @@ class StaticVerifier:
         with self.capturing():
             return self.compiled(self.target, input_ids, position_ids, mask, self.cache, write)
 
+    def rewind(self, kept: int) -> None:
+        """Cut the cache back to its first `kept` columns (the tensors keep their addresses)."""
+        rewind_static_cache(self.cache, self.written - kept)
+        self.written = kept
+
     def reorder_columns(self, index: torch.Tensor) -> None:
         """Compaction in place: every layer's first W' columns become the per-row columns index [N, W'] (the
         tensors keep their addresses); the write counter follows."""
         for layer in self.cache.layers:
             for states in (layer.keys, layer.values):
                 states[:, :, : index.shape[1]].copy_(gather_columns(states[:, :, : self.written], index))
-        rewind_static_cache(self.cache, self.written - index.shape[1])
-        self.written = index.shape[1]
+        self.rewind(index.shape[1])
 
 
 _VERIFIERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> its last StaticVerifier
@@ -216,9 +220,10 @@ class StaticBackend:
         self.columns.append(kept, [len(columns) for columns in kept_columns])
 
     def discard(self) -> None:
-        """The columns as before the last verify (its writes are cut back by the next one's start)."""
+        """The columns, and the cache's write counter, as before the last verify."""
         if self.before is not None:
             self.columns = self.before
+        self.verifier.rewind(self.columns.width)
 
     def compact(self) -> None:
         """Compaction in place, only once the next verify would not fit."""

@@ -225,7 +225,8 @@ def worthwhile_width(confidences: torch.Tensor, counts: list[int], costs: StepCo
     """The verify width w (1 .. b) with the most expected tokens per second for draft confidences [n, b - 1].
 
     A row expects 1 + the sum over k < w of the draft's cumulative confidence in its first k proposals (at most its
-    count); a step costs the draft pass and a w-token verify. The width never changes which tokens are committed.
+    count); a step costs the draft pass and a w-token verify. Greedy, the width never changes which tokens are
+    committed; sampling, a narrower verify draws fewer uniforms, so the draws (not their distribution) differ.
     """
     num_rows, width = confidences.shape[0], confidences.shape[1] + 1
     survival = confidences.float().cumprod(dim=1)  # [n, b - 1]: P(the first k proposals are all accepted)

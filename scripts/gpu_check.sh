@@ -2,7 +2,7 @@
 # The first thing to run on a lent GPU (no internet there): environment, tests/test_cuda.py, a synthetic bench where
 # `dflash-hf bench --synthetic` exists, then eager against compiled steps on the proxy (scripts/step_ops_proxy.py).
 # Installs nothing from the internet. Everything goes to stdout and, when $OUT is set, to $OUT/gpu_check.log
-# (pytest's JUnit XML and the bench JSON next to it). About 10 minutes at most.
+# (pytest's JUnit XML and the bench JSON next to it). About 13 minutes at most (the proxy's four compilations).
 #
 #   bash scripts/gpu_check.sh                      # from the repository root
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh
@@ -98,8 +98,10 @@ fi
 
 section "compiled path: eager against compile=True (CUDA graphs) on a launch-bound proxy"
 if [ -f scripts/step_ops_proxy.py ] && [ $((SECONDS - STARTED)) -lt "${PROXY_START_BEFORE:-450}" ]; then
-    # A random Qwen3 of 36 layers, width 64 (the arithmetic is negligible: what remains is the launches), 96 tokens
-    timeout "${PROXY_TIMEOUT:-150}" "$PY" scripts/step_ops_proxy.py --device cuda --no-tree
+    # A random Qwen3 of 36 layers, width 64 (the arithmetic is negligible: what remains is the launches), 96 tokens:
+    # generate eager and compiled (static cache), chain and tree of 8, each eager and compiled (compiled trees and
+    # sliding-window targets are also checked for exactness and CUDA graphs in tests/test_cuda.py)
+    timeout "${PROXY_TIMEOUT:-300}" "$PY" scripts/step_ops_proxy.py --device cuda
     echo "proxy exit status: $?"
 else
     echo "skipped: no scripts/step_ops_proxy.py, or ${PROXY_START_BEFORE:-450} s have passed"

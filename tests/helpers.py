@@ -134,6 +134,11 @@ ALTERNATING = ["sliding_attention", "full_attention"] * (TARGET_LAYERS // 2)
 FAMILIES = {
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", None),  # helpers.make_target
     "llama": ("LlamaForCausalLM", "LlamaConfig", None),
+    # Llama 3.1's rope scaling, its original context (16) below the tests' prompts, so the scaled frequencies count
+    "llama3_rope": ("LlamaForCausalLM", "LlamaConfig",
+                    dict(rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                                high_freq_factor=4.0,
+                                                                original_max_position_embeddings=16))),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
                   dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
     "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=WINDOW)),

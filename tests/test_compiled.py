@@ -223,7 +223,8 @@ def test_a_compiled_call_keeps_neither_model_alive():
 
 # --- Every strategy on every backend and attention family ------------------------------------------------------------
 
-STRATEGY_FAMILIES = ["qwen3", "llama", "mistral", "gemma3", "gpt_oss"]  # windows: all layers, or every other layer
+# llama3_rope: Llama 3.1's rope scaling; windows: in every layer (mistral), or in every other one (gemma3, gpt_oss)
+STRATEGY_FAMILIES = ["qwen3", "llama3_rope", "mistral", "gemma3", "gpt_oss"]
 
 
 def family_target(family: str) -> torch.nn.Module:
@@ -299,6 +300,24 @@ def test_a_compiled_tree_with_a_draft_commits_what_the_eager_tree_commits(varian
     steps = next(step for step in range(len(eager.acceptance_lengths[0]) + 1) if remaining(step) < draft.block_size)
     assert steps > 5
     assert [row[:steps] for row in compiled.acceptance_lengths] == [row[:steps] for row in eager.acceptance_lengths]
+
+
+@pytest.mark.parametrize("family", ["llama3_rope", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize("tree_size", [None, 6])
+def test_compiled_sampling_draws_what_the_eager_loop_draws_on_other_families(family, tree_size):
+    """Sampling with a DFlash draft on targets with scaled rope or sliding windows, chain and tree, prompts past the
+    window: the compiled backend draws the eager one's tokens (same seed), up to the eager loop's last, narrower
+    block; other seeds draw other tokens."""
+    target, draft = family_target(family), make_draft(18)
+    prompt = random_prompt(19, 2 * WINDOW + 2)
+    arguments = dict(target=target, input_ids=prompt, max_new_tokens=30, temperature=1.0, tree_size=tree_size)
+    outputs = set()
+    for seed in (0, 1):
+        eager = draft.spec_generate(**arguments, seed=seed)[0, prompt.shape[1]:][:30 - draft.block_size]
+        compiled = draft.spec_generate(**arguments, seed=seed, compile=DYNAMO_ONLY)[0, prompt.shape[1]:]
+        assert compiled[:30 - draft.block_size].tolist() == eager.tolist(), seed
+        outputs.add(tuple(eager.tolist()))
+    assert len(outputs) == 2
 
 
 def test_compiled_tree_sampling_draws_the_tokens_the_eager_tree_draws():

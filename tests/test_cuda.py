@@ -20,8 +20,10 @@ import pytest
 import torch
 from helpers import (
     VOCAB_SIZE,
+    WINDOW,
     ReferenceProposer,
     assert_equal_up_to_near_tie,
+    build_target,
     make_draft,
     make_target,
     make_tokenizer,
@@ -377,4 +379,25 @@ def test_cuda_compiled_path_runs_cuda_graphs_exactly_without_recompiling(dtype):
         print(f"{dtype}: graphs after call {seed + 1}: {counters['stats']['unique_graphs']}")
     assert counters["stats"]["unique_graphs"] == 2  # the verify and the draft forward, compiled once
     # Both run as CUDA graphs: inductor skips them for a graph that writes into an input without a fixed address
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+@pytest.mark.parametrize("family,tree_size", [("qwen3", 8), ("gemma3", None), ("gpt_oss", 6)])
+def test_cuda_compiled_trees_and_sliding_windows_run_cuda_graphs_exactly(family, tree_size):
+    """`compile=True` beyond a chain on a full-attention target: a tree (the 4-D mask and positions are graph inputs)
+    and sliding-window targets (the window counted by position), float32, prompts past the window: the target's own
+    greedy tokens, CUDA graphs with no skip, no new graph for a second call."""
+    from torch._dynamo.utils import counters
+
+    target = build_target(family).to(DEVICE)
+    draft = make_draft(3).to(DEVICE)
+    torch._dynamo.reset()
+    counters.clear()
+    for seed in (0, 1):
+        input_ids = random_prompt(2 * WINDOW + 3 + seed, seed)
+        expected = plain_greedy(target, input_ids, max_new_tokens=32)
+        output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=32, compile=True,
+                                     tree_size=tree_size)
+        assert_lossless(target, output, expected, torch.float32)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
