@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -18,6 +19,7 @@ from ..devices_dflash import target_device
 from ..prompts import read_conversations, user_prompt_ids
 from ..sampling_dflash import cut_after_stop
 from ..settings_dflash import generation_tokens
+from .processes import gather_json, num_rounds, process_state, round_share
 
 
 def read_prompts(paths: Iterable[str | Path], limit: int | None = None) -> list[str]:
@@ -25,9 +27,9 @@ def read_prompts(paths: Iterable[str | Path], limit: int | None = None) -> list[
     return [turns[0] for turns in read_conversations(list(paths), limit=limit)]
 
 
-def read_rows(path: str | Path) -> list[dict]:
+def read_rows(path: str | Path, repair: bool = True) -> list[dict]:
     """Complete rows of a response file (`.jsonl`, or a `.jsonl.gz` archive read as is); a line cut by an
-    interruption is dropped (and, in a `.jsonl`, rewritten away)."""
+    interruption is dropped (and, in a `.jsonl` with `repair`, rewritten away)."""
     path = Path(path)
     if not path.exists():
         return []
@@ -42,7 +44,7 @@ def read_rows(path: str | Path) -> list[dict]:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
             intact = False
-    if not intact and not archive:
+    if not intact and not archive and repair:
         path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return rows
 
@@ -68,9 +70,41 @@ def generate_responses(
     prompts sit in `prompts` (copied in, re-indexed). With a `draft`, the batches run through `spec_generate`
     (lossless, so the rows are the target's own output), otherwise `generate`.
     """
-    rows = {row["index"]: row for row in read_rows(output_path)}
+    state = process_state()
     prompt_ids = [user_prompt_ids(tokenizer, prompt) for prompt in prompts]  # rendered once, used below three times
-    other = next((i for i, row in sorted(rows.items()) if i < len(prompts) and row["prompt_ids"] != prompt_ids[i]),
+    if state.is_main_process:  # repairs a cut line and appends the seeded rows before any other process reads
+        rows = _stored_rows(output_path, prompt_ids, seed_paths, writer=True)
+    state.wait_for_everyone()
+    if not state.is_main_process:
+        rows = _stored_rows(output_path, prompt_ids, seed_paths, writer=False)
+    todo = [i for i in range(len(prompts)) if i not in rows]  # the same list on every process
+    device = target_device(target)
+    tokens = generation_tokens(target, tokenizer)  # stop on every EOS id, as bench and the evaluation do
+    if temperature > 0:
+        torch.manual_seed(seed + state.process_index)  # each process samples its own prompts
+    bar = _progress(len(prompts), len(rows), progress and state.is_main_process, "generating responses")
+    with open(output_path, "a", encoding="utf-8") if state.is_main_process else nullcontext() as handle:
+        for round_index in range(num_rounds(len(todo), batch_size, state.num_processes)):
+            indices = round_share(todo, batch_size, round_index, state.process_index, state.num_processes)
+            mine = _generate_rows(target, draft, [(i, prompt_ids[i]) for i in indices], tokens, device,
+                                  max_new_tokens, temperature)
+            generated = gather_json(mine, state)  # every process's rows of this round, in todo order
+            rows.update((row["index"], row) for row in generated)
+            if handle is not None:
+                handle.writelines(json.dumps(row) + "\n" for row in generated)
+                handle.flush()
+            bar.update(len(generated))
+    bar.close()
+    state.wait_for_everyone()  # the file is complete before any process goes on
+    return [rows[i] for i in range(len(prompts))]
+
+
+def _stored_rows(output_path: str | Path, prompt_ids: list[list[int]], seed_paths: Sequence[str | Path],
+                 writer: bool) -> dict[int, dict]:
+    """The rows already answered, by index: those of `output_path` (checked against `prompt_ids`) and those of the
+    seed files; the `writer` (the main process) repairs a cut line and appends the seeded rows to `output_path`."""
+    rows = {row["index"]: row for row in read_rows(output_path, repair=writer)}
+    other = next((i for i, row in sorted(rows.items()) if i < len(prompt_ids) and row["prompt_ids"] != prompt_ids[i]),
                  None)
     if other is not None:
         raise ValueError(f"row {other} of {output_path} answers another prompt than prompt {other} of these prompt "
@@ -78,29 +112,23 @@ def generate_responses(
                          "pass the matching prompts, or use a new --output")
     seeded = _seed_rows(prompt_ids, rows, seed_paths)
     rows.update((row["index"], row) for row in seeded)
-    with open(output_path, "a", encoding="utf-8") as handle:  # checked: now they are this run's rows
-        handle.writelines(json.dumps(row) + "\n" for row in seeded)
-    todo = [i for i in range(len(prompts)) if i not in rows]
-    device = target_device(target)
-    tokens = generation_tokens(target, tokenizer)  # stop on every EOS id, as bench and the evaluation do
-    if temperature > 0:
-        torch.manual_seed(seed)
-    bar = _progress(len(prompts), len(rows), progress, "generating responses")
-    with open(output_path, "a", encoding="utf-8") as handle:
-        for start in range(0, len(todo), batch_size):
-            indices = todo[start : start + batch_size]
-            batch_ids = [prompt_ids[i] for i in indices]
-            input_ids, attention_mask = left_pad(batch_ids, tokens.pad_token_id, device)  # [n, T]
-            responses = _respond(target, draft, input_ids, attention_mask, tokens, max_new_tokens, temperature)
-            for index, ids, generated in zip(indices, batch_ids, responses):
-                row = {"index": index, "prompt_ids": ids,
-                       "response_ids": cut_after_stop(generated, frozenset(tokens.stop_token_ids))}
-                rows[index] = row
-                handle.write(json.dumps(row) + "\n")
-            handle.flush()
-            bar.update(len(indices))
-    bar.close()
-    return [rows[i] for i in range(len(prompts))]
+    if writer and seeded:
+        with open(output_path, "a", encoding="utf-8") as handle:  # checked: now they are this run's rows
+            handle.writelines(json.dumps(row) + "\n" for row in seeded)
+    return rows
+
+
+def _generate_rows(target: torch.nn.Module, draft: torch.nn.Module | None, prompts: list[tuple[int, list[int]]],
+                   tokens: Any, device: torch.device, max_new_tokens: int, temperature: float) -> list[dict]:
+    """The rows {"index", "prompt_ids", "response_ids"} of one batch of (index, prompt ids); none for no prompts."""
+    if not prompts:  # a process with nothing left in this round still joins its gather
+        return []
+    batch_ids = [ids for _, ids in prompts]
+    input_ids, attention_mask = left_pad(batch_ids, tokens.pad_token_id, device)  # [n, T]
+    responses = _respond(target, draft, input_ids, attention_mask, tokens, max_new_tokens, temperature)
+    return [{"index": index, "prompt_ids": ids, "response_ids": cut_after_stop(generated,
+                                                                               frozenset(tokens.stop_token_ids))}
+            for (index, ids), generated in zip(prompts, responses)]
 
 
 def _seed_rows(prompt_ids: list[list[int]], rows: dict[int, dict], seed_paths: Sequence[str | Path]) -> list[dict]:
