@@ -24,8 +24,9 @@ import dflash_hf.training.trainer as trainer
 WRITE_EVENTS = {"os.mkdir", "os.rename", "os.replace", "os.remove", "os.rmdir", "shutil.rmtree", "os.truncate"}
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
-RANK = int(os.environ["RANK"])
-RECORD: dict[str, Any] = {"rank": RANK, "writes": [], "local_losses": [], "generated": [], "evaluations": 0}
+RANK = int(os.environ.get("RANK", 0))  # set by torchrun
+RECORD: dict[str, Any] = {"rank": RANK, "writes": [], "local_losses": [], "generated": [], "evaluations": 0,
+                          "recording": True}
 
 
 def watch_writes(output: Path) -> None:
@@ -42,8 +43,11 @@ def watch_writes(output: Path) -> None:
         else:
             return
         for path in paths:
-            if isinstance(path, (str, os.PathLike)) and os.path.abspath(path).startswith(root):
-                RECORD["writes"].append([event, os.path.relpath(os.path.abspath(path), root)])
+            if not isinstance(path, (str, os.PathLike)):  # a file descriptor
+                continue
+            path = os.path.abspath(path)
+            if path == root or path.startswith(root + os.sep):
+                RECORD["writes"].append([event, os.path.relpath(path, root)])
 
     sys.addaudithook(hook)
 
@@ -55,7 +59,8 @@ def record_calls() -> None:
 
     def counted_loss(*args, **kwargs):
         result = loss(*args, **kwargs)
-        RECORD["local_losses"].append(float(result.loss.detach()))
+        if RECORD["recording"]:
+            RECORD["local_losses"].append(float(result.loss.detach()))
         return result
 
     def counted_respond(target, draft, input_ids, *args, **kwargs):
@@ -81,16 +86,28 @@ def train_rows(count: int) -> list[dict]:
             for _ in range(count)]
 
 
+def weights_sum(draft: torch.nn.Module) -> float:
+    """The sum of all the draft's weights (equal on every process when they train one draft)."""
+    return float(sum(p.detach().double().sum() for p in draft.parameters()))
+
+
 def run_train(output: Path) -> None:
-    """`train_draft` on 5 rows (an uneven split over two processes), 2 epochs, a visible warm-up."""
+    """`train_draft` on 5 rows (an uneven split over two processes), 2 epochs, a visible warm-up; then the same run
+    interrupted after 3 steps and resumed (in OUTPUT's sibling `resumed`, seen by no audit hook)."""
     from helpers import make_draft, make_target
 
     settings = trainer.TrainingSettings(epochs=2, learning_rate=2e-3, num_anchors=8, warmup_ratio=0.25,
                                         checkpoint_every=2)
+    target, rows = make_target("qwen3", seed=4), train_rows(5)
     draft = make_draft(5, block_size=4)
-    log = trainer.train_draft(draft, make_target("qwen3", seed=4), train_rows(5), settings, output, progress=False)
-    RECORD["log_steps"] = log.steps
-    RECORD["weights_sum"] = float(sum(p.detach().double().sum() for p in draft.parameters()))
+    log = trainer.train_draft(draft, target, rows, settings, output, progress=False)
+    RECORD["log_steps"], RECORD["weights_sum"] = log.steps, weights_sum(draft)
+    RECORD["recording"] = False
+    resumed = output.parent / "resumed"
+    trainer.train_draft(make_draft(5, block_size=4), target, rows, settings, resumed, progress=False, max_steps=3)
+    draft = make_draft(6, block_size=4)  # other initial weights: the checkpoint's replace them
+    log = trainer.train_draft(draft, target, rows, settings, resumed, progress=False)
+    RECORD["resumed"] = {"losses": log.losses, "learning_rates": log.learning_rates, "weights_sum": weights_sum(draft)}
 
 
 def main() -> None:

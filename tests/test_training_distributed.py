@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,11 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import save_tiny_target_and_prompts
+from distributed_worker import train_rows
+from helpers import make_draft, make_target, save_tiny_target_and_prompts
 from transformers import get_cosine_schedule_with_warmup
 
 from dflash_hf.training.processes import gather_json, padded_shard, round_share
-from dflash_hf.training.trainer import CHECKPOINT_DIR, TrainingLog
+from dflash_hf.training.trainer import CHECKPOINT_DIR, TrainingLog, TrainingSettings, train_draft
 
 TESTS = Path(__file__).resolve().parent
 NUM_SEQUENCES, EPOCHS, WARMUP_RATIO, LEARNING_RATE = 5, 2, 0.25, 2e-3  # as distributed_worker.run_train
@@ -114,6 +116,23 @@ def test_the_logged_loss_is_the_mean_over_the_processes(train_run):
     assert log["losses"] == pytest.approx(means, rel=1e-6)
     assert log["losses"] != pytest.approx(records[0]["local_losses"], rel=1e-6)  # not the main process's own
     assert len(log["losses"]) == len(log["learning_rates"]) == log["steps"]  # one entry per optimiser step
+
+
+def test_a_resumed_run_equals_the_uninterrupted_one(train_run):
+    output, records = train_run  # the same run stopped after 3 of its 6 steps, then resumed from its checkpoint
+    log = training_log(output)
+    for record in records:
+        resumed = record["resumed"]
+        assert resumed["losses"] == log["losses"] and resumed["learning_rates"] == log["learning_rates"]
+        assert resumed["weights_sum"] == records[0]["weights_sum"]
+
+
+def test_a_checkpoint_resumes_on_its_own_number_of_processes(train_run, tmp_path):
+    output, _ = train_run
+    shutil.copytree(output / CHECKPOINT_DIR, tmp_path / CHECKPOINT_DIR)  # written by 2 processes; this test is 1
+    with pytest.raises(ValueError, match=r"run on 2 process\(es\), this one has 1.*--nproc_per_node 2"):
+        train_draft(make_draft(5, block_size=4), make_target("qwen3", seed=4), train_rows(5),
+                    TrainingSettings(epochs=2, num_anchors=8), tmp_path, progress=False)
 
 
 def test_only_the_main_process_writes_the_training_files(train_run):
