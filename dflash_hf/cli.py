@@ -448,13 +448,13 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     if args.command == "train":
-        from .benchmark import process_context
         from .training.command import run_train
+        from .training.processes import end_processes
 
         try:
             run_train(args, argv)
         finally:  # torchrun / accelerate processes: no communication thread left running at exit
-            process_context().close()
+            end_processes()
     elif args.command == "demo":
         from .demo import run_demo
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-import dflash_hf.benchmark
 import dflash_hf.training.command
 import dflash_hf.training.data
 import dflash_hf.training.trainer as trainer
+from dflash_hf.training.processes import end_processes
 
 WRITE_EVENTS = {"os.mkdir", "os.rename", "os.replace", "os.remove", "os.rmdir", "shutil.rmtree", "os.truncate"}
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
@@ -121,7 +121,7 @@ def main() -> None:
         from dflash_hf.cli import main as cli
 
         cli(sys.argv[4:])
-    dflash_hf.benchmark.process_context().close()  # the process group, before the interpreter exits
+    end_processes()  # the process group, before the interpreter exits
     records.mkdir(parents=True, exist_ok=True)
     (records / f"rank{RANK}.json").write_text(json.dumps(RECORD))
 

@@ -46,6 +46,7 @@ def run_two_processes(mode: str, folder: Path, *cli_args: str) -> tuple[Path, li
                str(TESTS / "distributed_worker.py"), mode, str(output), str(records), *cli_args]
     package_root = str(TESTS.parent)  # this checkout's dflash_hf, whatever is installed
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                   "CUDA_VISIBLE_DEVICES": "",  # CPU processes (gloo) on a GPU machine too: not two on one GPU
                    "PYTHONPATH": os.pathsep.join([package_root, str(TESTS), os.environ.get("PYTHONPATH", "")])}
     log = folder / "torchrun.log"  # a file, not a pipe: workers cannot keep the test waiting on their output
     with open(log, "w") as handle:

@@ -25,6 +25,13 @@ def process_state() -> PartialState:
     return PartialState(cpu=not torch.cuda.is_available())
 
 
+def end_processes() -> None:
+    """Shut the process group down, so that no communication thread is left running at exit (one process: nothing)."""
+    state = process_state()
+    if state.num_processes > 1:
+        state.destroy_process_group()
+
+
 def padded_shard(num_items: int, process_index: int, num_processes: int) -> list[int]:
     """The item indices process `process_index` of `num_processes` takes: every num_processes-th one from its index,
     wrapped round to the first items so that every process takes ceil(num_items / num_processes) of them.
