@@ -450,8 +450,12 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "train":
         from .training.command import run_train
+        from .training.processes import end_processes
 
-        run_train(args, argv)
+        try:
+            run_train(args, argv)
+        finally:  # torchrun / accelerate processes: no communication thread left running at exit
+            end_processes()
     elif args.command == "demo":
         from .demo import run_demo
 

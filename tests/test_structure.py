@@ -101,7 +101,7 @@ LAYERS = (
     {"steps_dflash"},
     {"generation_dflash"},
     {"modeling_dflash"},
-    {"conversion", "push", "cost_model", "loading", "training.objective", "training.recipe"},
+    {"conversion", "push", "cost_model", "loading", "training.objective", "training.recipe", "training.processes"},
     {"evaluation", "synthetic", "training.trainer", "training.data"},
     {"model_card", "demo", "benchmark"},
     {"training.command"},

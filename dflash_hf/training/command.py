@@ -21,19 +21,13 @@ from ..prompts import default_data_dir, user_prompt_ids
 from ..settings_dflash import check_draft_target, generation_tokens
 from ..smollm2 import SMOLLM2_MASK_TOKEN
 from .data import generate_responses, read_prompts
+from .processes import process_state
 from .recipe import draft_config_for, frequent_token_ids, initialize_from_target
 from .trainer import TrainingLog, TrainingSettings, train_draft
 
 # --target-dtype auto: the frozen target only gives features (and teacher logits), so it runs in bfloat16 on CUDA;
 # on CPU, float32 (few-row bfloat16 matmuls are slow without native bf16).
 AUTO_TARGET_DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float32}
-
-
-def training_device() -> torch.device:
-    """The device this process trains on: its GPU under CUDA (Accelerate's choice per process), else the CPU."""
-    from accelerate import PartialState
-
-    return PartialState(cpu=not torch.cuda.is_available()).device
 
 
 def training_target_dtype(choice: str, device: torch.device) -> torch.dtype:
@@ -62,24 +56,18 @@ def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> 
 
 
 def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    """Generate data, train, measure tau and speed the way `bench` does, save `OUTPUT/draft` with its card."""
+    """Generate data, train, measure tau and speed the way `bench` does, save `OUTPUT/draft` with its card.
+
+    Under `accelerate launch` / `torchrun` the processes share the generation and the training; the main process
+    alone writes files, evaluates and saves the draft (the others end once training is saved, returning {})."""
     started = time.perf_counter()
     output = Path(args.output)
-    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
-    prompt_files = args.prompts or [str(data_dir / "gsm8k_train.jsonl")]
-    check_train_arguments(args, prompt_files)
-    try:  # every prompt file is read (and its errors reported) before any model is loaded
-        prompts = training_prompts(prompt_files, args.num_prompts)
-        eval_file = args.eval_prompts or str(data_dir / "gsm8k_test.jsonl")
-        eval_texts = read_prompts([eval_file], args.num_eval) if args.num_eval else []
-    except (ValueError, FileNotFoundError) as error:
-        raise SystemExit(f"dflash-hf train: {error}") from error
-    if not prompts:
-        raise SystemExit(f"dflash-hf train: {', '.join(prompt_files)} hold no prompts")
-    if args.num_eval and not eval_texts:
-        raise SystemExit(f"dflash-hf train: {eval_file} holds no prompts to evaluate on (or pass --num-eval 0)")
-    output.mkdir(parents=True, exist_ok=True)
-    device = training_device()
+    prompt_files, prompts, eval_file, eval_texts = train_and_eval_prompts(args)
+    state = process_state()
+    if state.is_main_process:
+        output.mkdir(parents=True, exist_ok=True)
+    state.wait_for_everyone()  # the folder exists before any process looks into it
+    device = state.device
     target, tokenizer = load_target(args.target, DTYPES[args.gen_dtype])
     target = target.to(device)  # generation runs where training will
     rows = generate_responses(target, tokenizer, prompts, output / "responses.jsonl",
@@ -87,7 +75,8 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                               temperature=args.gen_temperature, seed=args.seed,
                               draft=generation_draft(args.gen_draft, target), seed_paths=args.responses)
     if args.generate_only:
-        print(f"{len(rows)} rows in {output / 'responses.jsonl'}")
+        if state.is_main_process:
+            print(f"{len(rows)} rows in {output / 'responses.jsonl'}")
         return {"num_rows": len(rows)}
     training_rows = rows[args.first_prompt:]  # the draft vocabulary below still counts every row
     if not training_rows:
@@ -100,6 +89,8 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     settings = TrainingSettings(epochs=args.epochs, learning_rate=args.learning_rate, num_anchors=args.num_anchors,
                                 distill=args.distill, seed=args.seed, mixed_precision=args.mixed_precision)
     log = train_draft(draft, target, training_rows, settings, output, max_steps=args.max_steps)
+    if not state.is_main_process:  # evaluating and saving are the main process's (a barrier would time out on a
+        return {}                  # long evaluation): train_draft returned once the log and checkpoint were written
     if args.draft_vocab_size:  # the draft proposes from the target's most frequent tokens in its own responses
         draft.config.dflash_config["draft_vocab"] = frequent_token_ids(
             [row["response_ids"] for row in rows], args.draft_vocab_size,
@@ -121,6 +112,25 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     (output / "evaluation.json").write_text(json.dumps(evaluation, indent=2))
     print(json.dumps(evaluation, indent=2))
     return evaluation
+
+
+def train_and_eval_prompts(args: argparse.Namespace) -> tuple[list[str], list[str], str, list[str]]:
+    """(prompt files, training prompts, evaluation file, evaluation prompts) of `train`'s arguments, all read before
+    any model is loaded; exits naming the first argument or file that cannot be used."""
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    prompt_files = args.prompts or [str(data_dir / "gsm8k_train.jsonl")]
+    check_train_arguments(args, prompt_files)
+    try:
+        prompts = training_prompts(prompt_files, args.num_prompts)
+        eval_file = args.eval_prompts or str(data_dir / "gsm8k_test.jsonl")
+        eval_texts = read_prompts([eval_file], args.num_eval) if args.num_eval else []
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(f"dflash-hf train: {error}") from error
+    if not prompts:
+        raise SystemExit(f"dflash-hf train: {', '.join(prompt_files)} hold no prompts")
+    if args.num_eval and not eval_texts:
+        raise SystemExit(f"dflash-hf train: {eval_file} holds no prompts to evaluate on (or pass --num-eval 0)")
+    return prompt_files, prompts, eval_file, eval_texts
 
 
 def training_prompts(prompt_files: list[str], counts: list[int]) -> list[str]:

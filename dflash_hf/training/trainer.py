@@ -1,7 +1,9 @@
 """The training loop: AdamW, cosine schedule with warm-up, gradient clipping, resumable checkpoints.
 
 One sequence per optimiser step, many anchors per sequence (docs/training.md). Runs as is on
-one CPU or GPU and data-parallel under `accelerate launch` (Accelerate is the distributed engine).
+one CPU or GPU and data-parallel under `accelerate launch` or `torchrun` (Accelerate is the distributed engine): each
+of N processes takes an equal shard of the sequences and one sequence per optimiser step, the gradients are averaged,
+the schedule counts optimiser steps, the log holds global values and only the main process writes.
 Cached target signals live on the host (pinned when CUDA is available) and go to the device one step at a time.
 """
 
@@ -22,6 +24,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from ..modeling_dflash import DFlashDraftModel
 from .objective import StepResult, TargetSignals, dflash_loss, target_signals, teacher_rows
+from .processes import padded_shard
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -62,13 +65,18 @@ class TrainingSettings:
 
 @dataclass
 class TrainingLog:
-    """What a run did: per-step loss, per-position accuracy of the last epoch, steps and seconds."""
+    """What a run did: per-step loss and learning rate, per-position accuracy of the last epoch, steps and seconds.
+
+    Global over the processes of a data-parallel run: one entry per optimiser step, the loss averaged over the
+    processes, the accuracy counted over all of them."""
 
     losses: list[float] = field(default_factory=list)
+    learning_rates: list[float] = field(default_factory=list)  # the rate each optimiser step applied
     position_accuracy: list[float] = field(default_factory=list)
     block_tau: float = 0.0  # last epoch: 1 + mean correct predictions before the first miss (greedy tau estimate)
     steps: int = 0
     seconds: float = 0.0
+    processes: int = 1  # data-parallel processes of the run (a checkpoint resumes on as many)
 
 
 def training_sequences(rows: list[dict], max_length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -189,13 +197,39 @@ def _optimizer_and_schedule(draft: torch.nn.Module, settings: TrainingSettings,
 
 
 def _optimizer_step(accelerator: Accelerator, draft: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: LRScheduler, loss: torch.Tensor, max_grad_norm: float) -> None:
-    """Back-propagate `loss`, clip the gradient norm, then step the optimiser and the schedule."""
+                    scheduler: LRScheduler, loss: torch.Tensor, max_grad_norm: float) -> float:
+    """Back-propagate `loss`, clip the gradient norm, then step the optimiser and the schedule (once, whatever the
+    number of processes: the scheduler is not handed to Accelerate, whose wrapper steps it once per process);
+    the learning rate the step applied."""
+    learning_rate = scheduler.get_last_lr()[0]
     optimizer.zero_grad()
     accelerator.backward(loss)
     accelerator.clip_grad_norm_(draft.parameters(), max_grad_norm)
     optimizer.step()
     scheduler.step()
+    return learning_rate
+
+
+@dataclass
+class StepTotals:
+    """One optimiser step over all processes: the mean loss and the accuracy counts summed."""
+
+    loss: float  # mean over the processes of each one's sequence loss
+    correct: torch.Tensor  # [B-1]: correct argmax predictions per block position, on the host
+    counted: torch.Tensor  # [B-1]: labels per block position, on the host
+    leading_correct: float  # sum over blocks of correct predictions before the first miss
+    blocks: int  # blocks of the step's sequences
+
+
+def step_totals(accelerator: Accelerator, result: StepResult) -> StepTotals:
+    """`result` of this process's sequence summed with the other processes' (one all-reduce; none on one process)."""
+    local = torch.cat([result.loss.detach().float().reshape(1), result.correct.float(), result.counted.float(),
+                       torch.stack([result.leading_correct.float().sum(),
+                                    torch.tensor(float(len(result.leading_correct)), device=result.loss.device)])])
+    total = accelerator.reduce(local, reduction="sum").cpu()  # [1 + 2 (B-1) + 2]
+    positions = len(result.correct)
+    return StepTotals(float(total[0] / accelerator.num_processes), total[1 : 1 + positions],
+                      total[1 + positions : 1 + 2 * positions], float(total[-2]), int(total[-1]))
 
 
 class _EpochAccuracy:
@@ -206,14 +240,16 @@ class _EpochAccuracy:
         self.counted = torch.zeros(block_size - 1)  # [B-1]: labels per block position
         self.leading_correct, self.blocks = 0.0, 0
 
-    def record(self, result: StepResult, log: TrainingLog) -> str:
-        """Log one finished step (count, loss, the epoch's accuracy so far) and return the progress-bar text."""
+    def record(self, totals: StepTotals, learning_rate: float, log: TrainingLog) -> str:
+        """Log one finished step (count, loss, learning rate, the epoch's accuracy so far) and return the
+        progress-bar text."""
         log.steps += 1
-        log.losses.append(float(result.loss.detach()))
-        self.correct += result.correct.cpu()
-        self.counted += result.counted.cpu()
-        self.leading_correct += float(result.leading_correct.sum())
-        self.blocks += len(result.leading_correct)
+        log.losses.append(totals.loss)
+        log.learning_rates.append(learning_rate)
+        self.correct += totals.correct
+        self.counted += totals.counted
+        self.leading_correct += totals.leading_correct
+        self.blocks += totals.blocks
         log.position_accuracy = (self.correct / self.counted.clamp(min=1)).tolist()
         log.block_tau = 1.0 + self.leading_correct / max(self.blocks, 1)
         accuracy = " ".join(f"{a:.2f}" for a in log.position_accuracy[:4])
@@ -222,16 +258,16 @@ class _EpochAccuracy:
 
 def _training_step(accelerator: Any, draft: torch.nn.Module, target: torch.nn.Module,
                    sequence: tuple[torch.Tensor, torch.Tensor, TargetSignals], optimization: tuple[Any, Any],
-                   settings: TrainingSettings, step: int) -> StepResult:
+                   settings: TrainingSettings, step: int) -> tuple[StepResult, float]:
     """The loss on one sequence (input ids, loss mask, target signals) under the settings' autocast, then one
-    optimiser step; the loss's result."""
+    optimiser step; the loss's result and the learning rate the step applied."""
     input_ids, loss_mask, signals = sequence
     autocast_dtype = MIXED_PRECISION[settings.mixed_precision]
     with torch.autocast(accelerator.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         result = dflash_loss(draft, target, input_ids, loss_mask, settings.num_anchors,
                              torch.Generator().manual_seed(settings.seed * 1_000_003 + step), signals)
-    _optimizer_step(accelerator, draft, *optimization, result.loss, settings.max_grad_norm)
-    return result
+    learning_rate = _optimizer_step(accelerator, draft, *optimization, result.loss, settings.max_grad_norm)
+    return result, learning_rate
 
 
 def train_draft(
@@ -245,22 +281,35 @@ def train_draft(
 ) -> TrainingLog:
     """Train `draft` on the target's regenerated rows; resumes from `output_dir/checkpoint/` if present.
 
-    `max_steps` stops early (the schedule still spans all epochs), e.g. to interrupt a run on purpose."""
+    `max_steps` stops early (the schedule still spans all epochs), e.g. to interrupt a run on purpose. Under
+    `accelerate launch` / `torchrun` every process calls this with the same rows: each takes an equal shard
+    (`padded_shard`), an optimiser step is one sequence per process, and only the main process writes
+    `output_dir`; all return the same log once it is written."""
     from accelerate import Accelerator
     from tqdm.auto import tqdm
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
     target.requires_grad_(False).to(accelerator.device)
-    shard = training_sequences(rows, settings.max_length)[accelerator.process_index :: accelerator.num_processes]
-    steps_per_epoch = len(shard)
+    sequences = training_sequences(rows, settings.max_length)
+    shard = [sequences[i] for i in padded_shard(len(sequences), accelerator.process_index,
+                                                accelerator.num_processes)]
+    steps_per_epoch = len(shard)  # the same on every process: one collective per step in each
     total_steps = steps_per_epoch * settings.epochs
     draft.train()
-    draft, optimizer, scheduler = accelerator.prepare(draft, *_optimizer_and_schedule(draft, settings, total_steps))
+    optimizer, scheduler = _optimizer_and_schedule(draft, settings, total_steps)
+    draft, optimizer = accelerator.prepare(draft, optimizer)  # not the scheduler: Accelerate's steps it N times
     unwrapped = accelerator.unwrap_model(draft)
     checkpoint_dir = output_dir / CHECKPOINT_DIR
-    log = load_checkpoint(checkpoint_dir, unwrapped, optimizer, scheduler) or TrainingLog()
+    log = load_checkpoint(checkpoint_dir, unwrapped, optimizer, scheduler) or TrainingLog(
+        processes=accelerator.num_processes)
+    if log.processes != accelerator.num_processes:
+        raise ValueError(f"{checkpoint_dir} was written by a run on {log.processes} process(es), this one has "
+                         f"{accelerator.num_processes}: the shards and the schedule differ; resume on {log.processes} "
+                         f"(accelerate launch --num_processes {log.processes}, torchrun --nproc_per_node "
+                         f"{log.processes}), or start a new --output")
     started, last = (time.perf_counter() - log.seconds,
                      total_steps if max_steps is None else min(total_steps, max_steps))
 
@@ -268,11 +317,11 @@ def train_draft(
         return target_signals(target, input_ids.to(accelerator.device), unwrapped.target_layer_ids,
                               settings.teacher_top_k if settings.distill else None, teacher_rows(loss_mask))
 
+    shown = progress and accelerator.is_main_process  # one progress bar, the main process's
     # on the host: the device holds one sequence's signals at a time
     cached = [on_host(signals_of(input_ids, loss_mask)) for input_ids, loss_mask in tqdm(
-        shard, desc="target features", disable=not progress)] if settings.cache_target and log.steps < last else None
-    bar = tqdm(total=total_steps, initial=log.steps, disable=not (progress and accelerator.is_main_process),
-               desc="training")
+        shard, desc="target features", disable=not shown)] if settings.cache_target and log.steps < last else None
+    bar = tqdm(total=total_steps, initial=log.steps, disable=not shown, desc="training")
     order_epoch, order, accuracy = -1, [], _EpochAccuracy(unwrapped.block_size)
     while log.steps < last:
         epoch, index = divmod(log.steps, steps_per_epoch)
@@ -282,9 +331,9 @@ def train_draft(
         input_ids, loss_mask = (t.to(accelerator.device) for t in shard[order[index]])
         signals = (cached[order[index]] if cached is not None else signals_of(input_ids, loss_mask)).to(
             accelerator.device, non_blocking=True)
-        result = _training_step(accelerator, draft, target, (input_ids, loss_mask, signals), (optimizer, scheduler),
-                                settings, log.steps)
-        bar.set_postfix_str(accuracy.record(result, log))
+        result, learning_rate = _training_step(accelerator, draft, target, (input_ids, loss_mask, signals),
+                                               (optimizer, scheduler), settings, log.steps)
+        bar.set_postfix_str(accuracy.record(step_totals(accelerator, result), learning_rate, log))
         bar.update(1)
         if log.steps % settings.checkpoint_every == 0 or log.steps == last:
             log.seconds = time.perf_counter() - started
@@ -293,5 +342,7 @@ def train_draft(
     bar.close()
     log.seconds = time.perf_counter() - started
     unwrapped.eval()
-    (output_dir / "training_log.json").write_text(json.dumps({"settings": asdict(settings), **asdict(log)}))
+    if accelerator.is_main_process:
+        (output_dir / "training_log.json").write_text(json.dumps({"settings": asdict(settings), **asdict(log)}))
+    accelerator.wait_for_everyone()  # no process leaves before the log and the last checkpoint are written
     return log

@@ -1,0 +1,130 @@
+"""One process of a two-process training run (tests/test_training_distributed.py starts two with torchrun).
+
+`python distributed_worker.py MODE OUTPUT RECORDS [CLI ARGS...]`. MODE `train` runs `train_draft` on tiny seeded
+models built here; MODE `cli` runs `dflash-hf train` with the CLI ARGS. Every process records what it did in
+RECORDS/rank<i>.json (outside OUTPUT): the files it wrote under OUTPUT (seen by an audit hook), the loss of each of
+its own sequences, the prompts it generated and the evaluations it ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import dflash_hf.training.command
+import dflash_hf.training.data
+import dflash_hf.training.trainer as trainer
+from dflash_hf.training.processes import end_processes
+
+WRITE_EVENTS = {"os.mkdir", "os.rename", "os.replace", "os.remove", "os.rmdir", "shutil.rmtree", "os.truncate"}
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+RANK = int(os.environ.get("RANK", 0))  # set by torchrun
+RECORD: dict[str, Any] = {"rank": RANK, "writes": [], "local_losses": [], "generated": [], "evaluations": 0,
+                          "recording": True}
+
+
+def watch_writes(output: Path) -> None:
+    """Record every file-system write under `output` by this process (Python's audit events)."""
+    root = str(output.resolve())
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open":
+            path, mode, flags = args
+            paths = [path] if (any(c in mode for c in "wax+") if isinstance(mode, str)
+                               else isinstance(flags, int) and flags & WRITE_FLAGS) else []
+        elif event in WRITE_EVENTS:
+            paths = args[:2] if event in ("os.rename", "os.replace") else args[:1]  # both ends of a rename
+        else:
+            return
+        for path in paths:
+            if not isinstance(path, (str, os.PathLike)):  # a file descriptor
+                continue
+            path = os.path.abspath(path)
+            if path == root or path.startswith(root + os.sep):
+                RECORD["writes"].append([event, os.path.relpath(path, root)])
+
+    sys.addaudithook(hook)
+
+
+def record_calls() -> None:
+    """Wrap the loss, the generation and the evaluation so this process counts its own calls."""
+    loss, respond = trainer.dflash_loss, dflash_hf.training.data._respond
+    evaluate = dflash_hf.training.command.evaluate_draft
+
+    def counted_loss(*args, **kwargs):
+        result = loss(*args, **kwargs)
+        if RECORD["recording"]:
+            RECORD["local_losses"].append(float(result.loss.detach()))
+        return result
+
+    def counted_respond(target, draft, input_ids, *args, **kwargs):
+        RECORD["generated"].append(input_ids.shape[0])
+        return respond(target, draft, input_ids, *args, **kwargs)
+
+    def counted_evaluate(*args, **kwargs):
+        RECORD["evaluations"] += 1
+        return evaluate(*args, **kwargs)
+
+    trainer.dflash_loss = counted_loss
+    dflash_hf.training.data._respond = counted_respond
+    dflash_hf.training.command.evaluate_draft = counted_evaluate
+
+
+def train_rows(count: int) -> list[dict]:
+    """`count` seeded rows of a 5-token prompt and a 16-token response."""
+    from helpers import VOCAB_SIZE
+
+    generator = torch.Generator().manual_seed(3)
+    return [{"prompt_ids": torch.randint(0, VOCAB_SIZE - 1, (5,), generator=generator).tolist(),
+             "response_ids": torch.randint(0, VOCAB_SIZE - 1, (16,), generator=generator).tolist()}
+            for _ in range(count)]
+
+
+def weights_sum(draft: torch.nn.Module) -> float:
+    """The sum of all the draft's weights (equal on every process when they train one draft)."""
+    return float(sum(p.detach().double().sum() for p in draft.parameters()))
+
+
+def run_train(output: Path) -> None:
+    """`train_draft` on 5 rows (an uneven split over two processes), 2 epochs, a visible warm-up; then the same run
+    interrupted after 3 steps and resumed (in OUTPUT's sibling `resumed`, seen by no audit hook)."""
+    from helpers import make_draft, make_target
+
+    settings = trainer.TrainingSettings(epochs=2, learning_rate=2e-3, num_anchors=8, warmup_ratio=0.25,
+                                        checkpoint_every=2)
+    target, rows = make_target("qwen3", seed=4), train_rows(5)
+    draft = make_draft(5, block_size=4)
+    log = trainer.train_draft(draft, target, rows, settings, output, progress=False)
+    RECORD["log_steps"], RECORD["weights_sum"] = log.steps, weights_sum(draft)
+    RECORD["recording"] = False
+    resumed = output.parent / "resumed"
+    trainer.train_draft(make_draft(5, block_size=4), target, rows, settings, resumed, progress=False, max_steps=3)
+    draft = make_draft(6, block_size=4)  # other initial weights: the checkpoint's replace them
+    log = trainer.train_draft(draft, target, rows, settings, resumed, progress=False)
+    RECORD["resumed"] = {"losses": log.losses, "learning_rates": log.learning_rates, "weights_sum": weights_sum(draft)}
+
+
+def main() -> None:
+    mode, output, records = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    torch.set_num_threads(1)
+    watch_writes(output)
+    record_calls()
+    if mode == "train":
+        run_train(output)
+    else:
+        from dflash_hf.cli import main as cli
+
+        cli(sys.argv[4:])
+    end_processes()  # the process group, before the interpreter exits
+    records.mkdir(parents=True, exist_ok=True)
+    (records / f"rank{RANK}.json").write_text(json.dumps(RECORD))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Training on two processes (torchrun, gloo on the CPU), each result compared with one process or the plain values.
+
+Two runs, each shared by the tests below it: `train_draft` on 5 sequences (an uneven split: 3 + 2) and `dflash-hf
+train` end to end on a tiny saved target. tests/distributed_worker.py is the program of each process; it records
+what its process did (files written, per-sequence losses, generated prompts) next to the run's output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from distributed_worker import train_rows
+from helpers import make_draft, make_target, save_tiny_target_and_prompts
+from transformers import get_cosine_schedule_with_warmup
+
+from dflash_hf.training.processes import gather_json, padded_shard, round_share
+from dflash_hf.training.trainer import CHECKPOINT_DIR, TrainingLog, TrainingSettings, train_draft
+
+TESTS = Path(__file__).resolve().parent
+NUM_SEQUENCES, EPOCHS, WARMUP_RATIO, LEARNING_RATE = 5, 2, 0.25, 2e-3  # as distributed_worker.run_train
+RUN_TIMEOUT_S = 120  # a run takes about 10 s on two cores
+
+
+def free_port() -> int:
+    """A TCP port no other process listens on now (one per run: parallel pytest workers do not collide)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_two_processes(mode: str, folder: Path, *cli_args: str) -> tuple[Path, list[dict]]:
+    """Run distributed_worker.py MODE on two processes; (the run's output folder, each process's record)."""
+    output, records = folder / "run", folder / "records"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+               str(TESTS / "distributed_worker.py"), mode, str(output), str(records), *cli_args]
+    package_root = str(TESTS.parent)  # this checkout's dflash_hf, whatever is installed
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                   "CUDA_VISIBLE_DEVICES": "",  # CPU processes (gloo) on a GPU machine too: not two on one GPU
+                   "PYTHONPATH": os.pathsep.join([package_root, str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    log = folder / "torchrun.log"  # a file, not a pipe: workers cannot keep the test waiting on their output
+    with open(log, "w") as handle:
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=environment, cwd=folder)
+        try:
+            process.wait(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:  # a hang (processes waiting on a collective): torchrun stops its workers
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=60)
+            pytest.fail(f"the two processes did not finish in {RUN_TIMEOUT_S} s (a hang): {log.read_text()[-3000:]}")
+    assert process.returncode == 0, log.read_text()[-4000:]
+    return output, [json.loads((records / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.fixture(scope="module")
+def train_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """`train_draft` on 5 sequences, 2 epochs, on two processes."""
+    return run_two_processes("train", tmp_path_factory.mktemp("train"))
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory) -> tuple[Path, list[dict], Path]:
+    """`dflash-hf train` on 5 prompts (generation, training, evaluation) on two processes; also the target folder."""
+    folder = tmp_path_factory.mktemp("cli")
+    prompts = save_tiny_target_and_prompts(folder, 5)
+    output, records = run_two_processes(
+        "cli", folder, "train", "--target", str(folder / "target"), "--output", str(folder / "run"),
+        "--prompts", str(prompts), "--num-prompts", "5", "--gen-batch-size", "2", "--gen-max-new-tokens", "8",
+        "--draft-block-size", "4", "--draft-layers", "1", "--mask-token", "w127", "--epochs", "1",
+        "--num-anchors", "6", "--eval-prompts", str(prompts), "--num-eval", "2", "--eval-max-new-tokens", "6",
+        "--eval-dtype", "float32")
+    return output, records, folder / "target"
+
+
+def training_log(output: Path) -> dict:
+    return json.loads((output / "training_log.json").read_text())
+
+
+def test_the_learning_rate_follows_the_single_process_schedule(train_run):
+    output, _ = train_run
+    total_steps = math.ceil(NUM_SEQUENCES / 2) * EPOCHS  # 6 optimiser steps of two sequences each
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=LEARNING_RATE)
+    schedule = get_cosine_schedule_with_warmup(optimizer, math.ceil(WARMUP_RATIO * total_steps), total_steps)
+    expected = []
+    for _ in range(total_steps):  # the rate each optimiser step applies, stepping the schedule once per step
+        expected.append(schedule.get_last_lr()[0])
+        optimizer.step()
+        schedule.step()
+    log = training_log(output)
+    assert log["learning_rates"] == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    state = json.loads((output / CHECKPOINT_DIR / "optimizer_scheduler.json").read_text())["scheduler"]
+    assert state["last_epoch"] == total_steps  # not 2 x total_steps: the schedule stepped once per optimiser step
+
+
+def test_uneven_shards_take_the_same_number_of_steps_on_every_process(train_run):
+    output, records = train_run  # 5 sequences: process 0 has 3, process 1 has 2 and repeats one to take 3
+    steps = math.ceil(NUM_SEQUENCES / 2) * EPOCHS
+    assert [len(record["local_losses"]) for record in records] == [steps, steps]  # one sequence per step each
+    assert [record["log_steps"] for record in records] == [steps, steps]
+    assert training_log(output)["steps"] == steps and training_log(output)["processes"] == 2
+    assert records[0]["weights_sum"] == records[1]["weights_sum"]  # the gradients were averaged: one draft
+
+
+def test_the_logged_loss_is_the_mean_over_the_processes(train_run):
+    output, records = train_run
+    log = training_log(output)
+    means = [(a + b) / 2 for a, b in zip(records[0]["local_losses"], records[1]["local_losses"], strict=True)]
+    assert log["losses"] == pytest.approx(means, rel=1e-6)
+    assert log["losses"] != pytest.approx(records[0]["local_losses"], rel=1e-6)  # not the main process's own
+    assert len(log["losses"]) == len(log["learning_rates"]) == log["steps"]  # one entry per optimiser step
+
+
+def test_a_resumed_run_equals_the_uninterrupted_one(train_run):
+    output, records = train_run  # the same run stopped after 3 of its 6 steps, then resumed from its checkpoint
+    log = training_log(output)
+    for record in records:
+        resumed = record["resumed"]
+        assert resumed["losses"] == log["losses"] and resumed["learning_rates"] == log["learning_rates"]
+        assert resumed["weights_sum"] == records[0]["weights_sum"]
+
+
+def test_a_checkpoint_resumes_on_its_own_number_of_processes(train_run, tmp_path):
+    output, _ = train_run
+    shutil.copytree(output / CHECKPOINT_DIR, tmp_path / CHECKPOINT_DIR)  # written by 2 processes; this test is 1
+    with pytest.raises(ValueError, match=r"run on 2 process\(es\), this one has 1.*--nproc_per_node 2"):
+        train_draft(make_draft(5, block_size=4), make_target("qwen3", seed=4), train_rows(5),
+                    TrainingSettings(epochs=2, num_anchors=8), tmp_path, progress=False)
+
+
+def test_only_the_main_process_writes_the_training_files(train_run):
+    output, records = train_run
+    assert records[1]["writes"] == []
+    written = {path.split(os.sep)[0] for _, path in records[0]["writes"]}
+    assert {"training_log.json", CHECKPOINT_DIR, f"{CHECKPOINT_DIR}.tmp"} <= written
+
+
+def test_the_command_generates_each_response_once_and_only_the_main_process_writes(cli_run):
+    output, records, target_folder = cli_run
+    rows = [json.loads(line) for line in (output / "responses.jsonl").read_text().splitlines()]
+    assert sorted(row["index"] for row in rows) == list(range(5))  # each prompt once
+    assert [record["generated"] for record in records] == [[2, 1], [2]]  # rounds of one batch of 2 per process
+    # the rows are the ones one process writes (the same batches: [0, 1] [2, 3] [4])
+    from dflash_hf.loading import load_target
+    from dflash_hf.training.data import generate_responses, read_prompts
+
+    target, tokenizer = load_target(str(target_folder), torch.float32)
+    alone = generate_responses(target, tokenizer, read_prompts([target_folder.parent / "prompts.jsonl"]),
+                               target_folder.parent / "alone.jsonl", batch_size=2, max_new_tokens=8, progress=False)
+    assert sorted(rows, key=lambda row: row["index"]) == alone
+
+    assert records[1]["writes"] == [] and records[1]["evaluations"] == 0  # one writer, one evaluation
+    assert records[0]["evaluations"] == 1
+    written = {path.split(os.sep)[0] for _, path in records[0]["writes"]}
+    assert {"responses.jsonl", "training_log.json", "evaluation.json", "draft", CHECKPOINT_DIR} <= written
+    assert training_log(output)["steps"] == 3 and json.loads((output / "evaluation.json").read_text())["lossless"]
+
+
+def test_shards_are_equal_and_cover_every_item():
+    for num_items, num_processes in [(5, 2), (8, 3), (1, 2), (6, 3), (0, 2)]:
+        shards = [padded_shard(num_items, rank, num_processes) for rank in range(num_processes)]
+        assert len({len(shard) for shard in shards}) == 1
+        assert {i for shard in shards for i in shard} == set(range(num_items))
+    assert [padded_shard(8, rank, 3) for rank in range(3)] == [[0, 3, 6], [1, 4, 7], [2, 5, 0]]
+    assert padded_shard(5, 0, 1) == [0, 1, 2, 3, 4]  # one process: every item once, in order
+
+
+def test_rounds_share_out_the_todo_list_in_order():
+    todo = [2, 3, 5, 7, 11]
+    assert [round_share(todo, 2, 0, rank, 2) for rank in range(2)] == [[2, 3], [5, 7]]
+    assert [round_share(todo, 2, 1, rank, 2) for rank in range(2)] == [[11], []]
+    assert [round_share(todo, 2, r, 0, 1) for r in range(3)] == [[2, 3], [5, 7], [11]]  # one process: batches
+
+
+def test_gather_on_one_process_and_the_log_of_an_older_checkpoint():
+    class Alone:
+        num_processes = 1
+
+    assert gather_json([{"index": 1}], Alone()) == [{"index": 1}]
+    assert TrainingLog(steps=2).processes == 1 and TrainingLog().learning_rates == []  # older state.json: defaults
