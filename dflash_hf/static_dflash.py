@@ -21,13 +21,13 @@ Hub remote code: imports only torch and transformers.
 
 from __future__ import annotations
 
-import logging
 import threading
 import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
+from transformers.utils import logging
 
 from .cache_dflash import (
     CacheColumns,
@@ -43,7 +43,7 @@ from .target_dflash import FeatureCapture, feature_modules, module_hidden_states
 from .tree_dflash import DraftTree, tree_sees
 from .versions_dflash import cache_keyword, rewind_static_cache, static_write_arguments
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 
 class StaticVerifier:
@@ -129,7 +129,15 @@ class StaticVerifier:
         write = static_write_arguments(self.target, kept, width, input_ids.device)
         self.written = kept + width
         with self.capturing():
-            return self.compiled(self.target, input_ids, position_ids, mask, self.cache, write)
+            try:
+                return self.compiled(self.target, input_ids, position_ids, mask, self.cache, write)
+            except torch._dynamo.exc.TorchDynamoException as error:  # its forward is not one graph (a data-dependent
+                # loop, say): refused by name, before any token of the call is committed
+                summary = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                raise ValueError(
+                    f"compile=True cannot capture {type(self.target).__name__}'s forward as one graph with the "
+                    f"installed Transformers and torch (torch.compile: {summary}); pass compile=False (the eager "
+                    "loop runs it exactly). See README, \"Compiled decoding\".") from error
 
     def rewind(self, kept: int) -> None:
         """Cut the cache back to its first `kept` columns (the tensors keep their addresses)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from helpers import (
     WINDOW,
     ReferenceProposer,
@@ -250,14 +251,23 @@ def decode_family_batch(target, tree_size: int | None, compile: dict | None, see
     return result
 
 
+# Transformers 4.57's gpt-oss experts loop over the experts a batch was routed to, which dynamo cannot capture
+ONE_GRAPH = {"gpt_oss": int(transformers.__version__.split(".")[0]) >= 5}
+
+
 @pytest.mark.parametrize("family", STRATEGY_FAMILIES)
 @pytest.mark.parametrize("tree_size", [None, 6])
 def test_compiled_chains_and_trees_equal_generate_on_every_attention_family(family, tree_size):
     """Greedy, batches of left-padded rows crossing the window, rows accepting different lengths: each row is its own
-    greedy decode; a second call of other prompt lengths and length budget compiles no new graph."""
+    greedy decode; a second call of other prompt lengths and length budget compiles no new graph. A forward that
+    torch.compile cannot capture whole is refused by name, with the alternative."""
     target = family_target(family)
     torch._dynamo.reset()
     counters.clear()
+    if not ONE_GRAPH.get(family, True):
+        with pytest.raises(ValueError, match="cannot capture .* as one graph.*compile=False"):
+            decode_family_batch(target, tree_size, DYNAMO_ONLY, seed=1, block_size=5, lengths=(2 * WINDOW + 3, 4))
+        return
     result = decode_family_batch(target, tree_size, DYNAMO_ONLY, seed=1, block_size=5,
                                  lengths=(2 * WINDOW + 3, 4))
     assert len({length for row in result.acceptance_lengths for length in row}) > 1
@@ -311,6 +321,10 @@ def test_compiled_sampling_draws_what_the_eager_loop_draws_on_other_families(fam
     target, draft = family_target(family), make_draft(18)
     prompt = random_prompt(19, 2 * WINDOW + 2)
     arguments = dict(target=target, input_ids=prompt, max_new_tokens=30, temperature=1.0, tree_size=tree_size)
+    if not ONE_GRAPH.get(family, True):  # refused by name there
+        with pytest.raises(ValueError, match="as one graph.*compile=False"):
+            draft.spec_generate(**arguments, seed=0, compile=DYNAMO_ONLY)
+        return
     outputs = set()
     for seed in (0, 1):
         eager = draft.spec_generate(**arguments, seed=seed)[0, prompt.shape[1]:][:30 - draft.block_size]
