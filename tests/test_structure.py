@@ -75,6 +75,22 @@ def test_the_loop_runs_the_documented_stages_in_order():
     assert [call for call in stage_calls(loop) if call in stages + ["step"]] == ["prefill", "step", "finish"]
 
 
+def test_the_stages_never_ask_which_backend_runs():
+    """The loop's stages (steps_dflash, generation_dflash) reach the target only through the backend's methods: no
+    module of a backend is imported there, and no attribute of one (a cache, its columns, recurrent states, a static
+    verifier) is read off the decode state or the backend."""
+    backend_modules = {"dflash_hf.static_dflash", "dflash_hf.recurrent_dflash"}
+    backend_internals = {"cache", "columns", "states", "verifier", "static", "recurrent", "inner", "cache_argument"}
+    for module in ("dflash_hf.steps_dflash", "dflash_hf.generation_dflash"):
+        tree = ast.parse(MODULES[module].read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level}
+        assert not {f"dflash_hf.{name}" for name in imported} & backend_modules, module
+        reads = {(ast.unparse(node.value), node.attr) for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+        leaked = sorted(f"{owner}.{name}" for owner, name in reads if name in backend_internals
+                        and (owner.endswith("state") or owner.endswith("backend")))
+        assert not leaked, f"{module} reads a backend's internals: {leaked}"
+
+
 def test_no_two_modules_import_each_other():
     graph = {module: imported_modules(module) for module in MODULES}
 
