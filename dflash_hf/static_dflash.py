@@ -180,7 +180,7 @@ class StaticBackend:
 
     def __init__(self, target: torch.nn.Module, layer_ids: list[int] | None, num_rows: int, options: dict[str, Any],
                  columns_needed: int, verify_width: int) -> None:
-        self.target, self.layer_ids, self.verify_width = target, layer_ids, verify_width
+        self.target, self.verify_width = target, verify_width
         self.verifier = static_verifier(target, num_rows, layer_ids, options)
         self.columns_needed = columns_needed  # the prompts, every new token and one verify past the last
         self.config = target_text_config(target)

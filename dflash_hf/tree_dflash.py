@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cache_dflash import host_to_device
 from .sampling_dflash import sample_from
 
 MAX_CANDIDATES = 8  # top tokens per block position that a tree may branch into
@@ -127,14 +128,14 @@ def build_trees(candidate_tokens: list[list[list[int]]], candidate_probabilities
 
 def tree_sees(trees: DraftTree, device: torch.device) -> torch.Tensor:
     """Which verify columns each column sees [n, 1 + size, 1 + size] (bool): its ancestors and itself."""
-    num_rows, width = len(trees.tokens), trees.size + 1
-    sees = torch.zeros(num_rows, width, width, dtype=torch.bool)
-    for row, parents in enumerate(trees.parents):
-        sees[row, 0, 0] = True
+    width = trees.size + 1
+    rows = []
+    for parents in trees.parents:
+        sees = [[column == 0 for column in range(width)]]  # the root sees itself
         for node, parent in enumerate(parents, start=1):
-            sees[row, node] = sees[row, parent]
-            sees[row, node, node] = True
-    return sees.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else sees
+            sees.append([seen or column == node for column, seen in enumerate(sees[parent])])
+        rows.append(sees)
+    return host_to_device(rows, device, torch.bool)
 
 
 def walk_greedy(trees: DraftTree, row: int, argmax: list[int]) -> list[int]:
