@@ -263,22 +263,27 @@ class DFlashAttention(nn.Module):
         self,
         block_states: torch.Tensor,
         context: torch.Tensor,
-        block_rope: tuple[torch.Tensor, torch.Tensor],
-        context_rope: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor],
         cache: DraftContextCache | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        batch, block_length, _ = block_states.shape  # block_states: [B, T, H], normalised
+        """Attention of the block rows [B, T, H] (normalised) over the context rows [B, C, H] (and the cached
+        ones) and the block; `rope`: cos and sin [B, C + T, D] of the context rows, then the block's."""
+        batch, block_length, _ = block_states.shape
+        context_length = context.shape[1]
+        cos, sin = rope
         query = self.q_proj(block_states).view(batch, block_length, self.num_heads, self.head_dim)
-        query = apply_rotary(self.q_norm(query).transpose(1, 2), *block_rope)  # [B, heads, T, D]
+        query = apply_rotary(self.q_norm(query).transpose(1, 2), cos[:, context_length:],
+                             sin[:, context_length:])  # [B, heads, T, D]
 
-        context_key, context_value = self._keys_values(context, *context_rope)  # context: [B, C, H]
-        block_key, block_value = self._keys_values(block_states, *block_rope)
+        # one projection, norm and rotation of the context and block rows together: [B, kv_heads, C + T, D]
+        keys, values = self._keys_values(torch.cat((context, block_states), dim=1), cos, sin)
+        context_key, block_key = keys.split((context_length, block_length), dim=2)
+        context_value, block_value = values.split((context_length, block_length), dim=2)
         if cache is not None:  # [B, kv_heads, cached C + C + T, D], written in place
             key, value = cache.attention_inputs(self.layer_idx, context_key, context_value, block_key, block_value)
         else:
-            key = torch.cat((context_key, block_key), dim=2)  # [B, kv_heads, C + T, D]
-            value = torch.cat((context_value, block_value), dim=2)
+            key, value = keys, values
 
         attend = attention_function(self.config._attn_implementation, masked=attention_mask is not None)
         output, _ = attend(
@@ -404,14 +409,13 @@ class DFlashDecoderLayer(nn.Module):
         self,
         hidden_states: torch.Tensor,
         context: torch.Tensor,
-        block_rope: tuple[torch.Tensor, torch.Tensor],
-        context_rope: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor],
         cache: DraftContextCache | None = None,
         attention_mask: torch.Tensor | None = None,
         block_length: int | None = None,
     ) -> torch.Tensor:
         block_length = block_length or hidden_states.shape[1]
-        attend = lambda rows: self.self_attn(rows, context, block_rope, context_rope, cache, attention_mask)  # noqa: E731
+        attend = lambda rows: self.self_attn(rows, context, rope, cache, attention_mask)  # noqa: E731
         hidden_states = hidden_states + self._around(attend, self.attention_conv, self.input_layernorm(hidden_states),
                                                      block_length)
         return hidden_states + self._around(self.mlp, self.mlp_conv, self.post_attention_layernorm(hidden_states),
@@ -542,15 +546,15 @@ class DFlashDraftModel(PreTrainedModel, DFlashGenerationMixin):
         """
         context = self.fuse_context(target_hidden)  # [B, C, H]
         hidden_states = block_embeddings.to(self.fc.weight.dtype)
-        block_rope = self.rotary_emb(block_position_ids, hidden_states.dtype)
-        context_rope = self.rotary_emb(context_position_ids, hidden_states.dtype)
         context_position_ids = context_position_ids.expand(block_position_ids.shape[0], -1)
+        # cos, sin [B, C + T, D] of the new context rows, then the block's: computed once for every layer
+        rope = self.rotary_emb(torch.cat((context_position_ids, block_position_ids), 1), hidden_states.dtype)
         if cache is not None:
             context_position_ids = cache.append_positions(context_position_ids)
         masks = self._layer_masks(attention_mask, block_position_ids,
                                   torch.cat((context_position_ids, block_position_ids), 1))
         for layer in self.layers:
-            hidden_states = layer(hidden_states, context, block_rope, context_rope, cache, masks[layer.attention_kind],
+            hidden_states = layer(hidden_states, context, rope, cache, masks[layer.attention_kind],
                                   block_length)
         return self.norm(hidden_states)
 
