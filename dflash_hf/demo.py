@@ -44,7 +44,8 @@ def run_demo(max_new_tokens: int = 256, dtype: torch.dtype = torch.float32, draf
     anything is timed; "adaptive": draft the trained block, verify per step the prefix worth its cost
     (`cost_model.resolve_block_choice`, as bench chooses). tree_size "auto": a tree of the size that decodes
     fastest here, or the chain (`cost_model.choose_tree_size`); None: the chain. `cpu_kernels`, `compile`: see
-    `spec_generate` (compiled: chains only, compiled by the untimed warm-up).
+    `spec_generate` (compiled: a chain, or a tree of a given size; compiled by the untimed warm-up, which also
+    compiles `generate` for the compiled baseline).
     """
     from .cost_model import choose_tree_size, resolve_block_choice
     from .evaluation import evaluate_draft
