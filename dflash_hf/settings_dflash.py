@@ -36,6 +36,27 @@ NEUTRAL_GENERATION_SETTINGS = {
     "watermarking_config": None, "output_scores": False, "output_logits": False, "return_dict_in_generate": False,
     "renormalize_logits": False, "remove_invalid_values": False, "prompt_lookup_num_tokens": None,
 }
+# The settings among them that choose another decoding method than one sample (or argmax) per position: what it is,
+# and why it stays refused, with the alternative. The others are logits processors, warpers, stopping criteria and
+# outputs, which the loop does not yet apply at each verified position (README, "What generate's arguments do").
+DECODING_MODES = {
+    "num_beams": ("beam search", "it keeps several hypotheses per row, and speculative decoding verifies one; "
+                                 "call target.generate for it"),
+    "num_beam_groups": ("diverse beam search", "it keeps several hypotheses per row; call target.generate for it"),
+    "diversity_penalty": ("diverse beam search", "it keeps several hypotheses per row; call target.generate for it"),
+    "num_return_sequences": ("several sequences per prompt", "repeat the prompt in the batch (sampling draws each "
+                                                             "row apart)"),
+    "penalty_alpha": ("contrastive search", "it re-ranks candidates by the hidden states of each one, which a block "
+                                            "verify does not compute; call target.generate for it"),
+    "dola_layers": ("DoLa decoding", "it contrasts early and final layers' logits, another distribution than the "
+                                     "target's; call target.generate for it"),
+    "guidance_scale": ("classifier-free guidance", "it needs a second, unconditional forward per step; call "
+                                                   "target.generate for it"),
+    "watermarking_config": ("watermarking", "its processor is not applied per verified position; call "
+                                            "target.generate for it"),
+    "prompt_lookup_num_tokens": ("prompt-lookup decoding", "another speculative method; call target.generate for "
+                                                           "it, or use DFlash's draft"),
+}
 CALL_SETTINGS = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "stop_token_ids",
                  "eos_token_id", "pad_token_id", "use_cache"}  # what a call may pass besides the neutral settings
 
@@ -220,9 +241,14 @@ def resolve_generation_choices(target: torch.nn.Module, prompt_length: int, gene
     config_source = "the generation config" if generation_config is not None else "target.generation_config"
     for name, value in unhonourable_settings(merged).items():
         source = "the call" if name in given else config_source
-        raise ValueError(f"{source} sets {name}={value!r}, which DFlash speculative decoding cannot apply (the output "
-                         f"would not be the target's own); pass {name}={NEUTRAL_GENERATION_SETTINGS[name]!r} "
-                         "to override it.")
+        neutral = f"pass {name}={NEUTRAL_GENERATION_SETTINGS[name]!r} to override it"
+        if name in DECODING_MODES:
+            mode, reason = DECODING_MODES[name]
+            raise ValueError(f"{source} sets {name}={value!r}: {mode} does not run inside DFlash speculative "
+                             f"decoding ({reason}); {neutral}.")
+        raise ValueError(f"{source} sets {name}={value!r}, which dflash-hf does not yet apply at each verified "
+                         "position, so the output would differ from `generate`'s with it; call target.generate for "
+                         f"it, or {neutral} (README, \"What generate's arguments do\").")
     temperature = _real_number(merged["temperature"], "temperature")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}.")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import make_draft, make_target
 from transformers import GenerationConfig
 
-from dflash_hf.settings_dflash import DEFAULT_MAX_NEW_TOKENS, resolve_generation_choices
+from dflash_hf.settings_dflash import DECODING_MODES, DEFAULT_MAX_NEW_TOKENS, resolve_generation_choices
 
 PROMPT = torch.tensor([[5, 9, 2, 44, 7, 3]])
 
@@ -73,6 +75,29 @@ def test_settings_the_loop_cannot_honour_are_refused(target, setting):
     target.generation_config.update(**setting)
     with pytest.raises(ValueError, match="target.generation_config sets"):
         draft.spec_generate(target=target, input_ids=PROMPT, max_new_tokens=4)
+
+
+MODE_VALUES = {"num_beams": 2, "num_beam_groups": 2, "diversity_penalty": 0.5, "num_return_sequences": 2,
+               "penalty_alpha": 0.6, "dola_layers": "low", "guidance_scale": 1.5,
+               "watermarking_config": {"greenlist_ratio": 0.25}, "prompt_lookup_num_tokens": 3}
+
+
+@pytest.mark.parametrize("name", sorted(DECODING_MODES))
+def test_each_decoding_mode_is_refused_by_name_before_any_forward(target, name, monkeypatch):
+    """Beam search, contrastive search, DoLa, guidance, watermarking, ...: the message names the method, why it does
+    not run inside speculative decoding and the alternative; the target never ran."""
+    calls = []
+    monkeypatch.setattr(type(target), "forward", lambda *args, **kwargs: calls.append(1))
+    mode, reason = DECODING_MODES[name]
+    with pytest.raises(ValueError, match=re.escape(f"{mode} does not run inside DFlash speculative decoding "
+                                                   f"({reason})")):
+        make_draft(13).spec_generate(target=target, input_ids=PROMPT, max_new_tokens=4, **{name: MODE_VALUES[name]})
+    assert calls == []
+
+
+def test_a_processor_is_refused_as_not_yet_applied_per_position_not_as_impossible(target):
+    with pytest.raises(ValueError, match="does not yet apply at each verified position.*target.generate"):
+        make_draft(13).spec_generate(target=target, input_ids=PROMPT, max_new_tokens=4, repetition_penalty=1.3)
 
 
 def test_the_call_overrides_a_setting_of_the_config_that_the_loop_cannot_honour(target):
