@@ -25,17 +25,16 @@ import torch
 
 from .cache_dflash import (
     CacheColumns,
-    attention_by_layer_type,
     check_cache,
     config_cache,
     crop_cache,
     full_history_cache,
+    position_attention,
     reorder_cache_columns,
     select_cache_rows,
     sliding_window,
-    verify_attention_mask,
 )
-from .devices_dflash import target_device, target_text_config
+from .devices_dflash import mask_dtype, target_device, target_text_config
 from .recurrent_dflash import PathPlan, RecurrentStates, rollback_mixers
 from .settings_dflash import DecodingSettings
 from .static_dflash import StaticBackend
@@ -118,13 +117,9 @@ class EagerBackend:
         if tree is None:
             mask = self.columns.attention_mask(width)
             return {"position_ids": positions, **({} if mask is None else {"attention_mask": mask.long()})}
-        dtype = self.target.get_input_embeddings().weight.dtype
-        arguments = dict(sees=tree_sees(tree, self.device), positions=positions,
-                         dtype=dtype if dtype.is_floating_point else torch.float32)
-        full = verify_attention_mask(self.columns, **arguments)
-        windowed = None if self.window is None else verify_attention_mask(self.columns, window=self.window,
-                                                                          **arguments)
-        return {"position_ids": positions, "attention_mask": attention_by_layer_type(self.config, full, windowed)}
+        mask = position_attention(self.columns, tree_sees(tree, self.device), positions, mask_dtype(self.target),
+                                  self.config, self.window)
+        return {"position_ids": positions, "attention_mask": mask}
 
     def verify(self, input_ids: torch.Tensor, positions: torch.Tensor, tree: DraftTree | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -189,15 +189,18 @@ def sliding_window(config: Any) -> int | None:
     return getattr(config, "sliding_window", None) if has_windowed_layers(config) else None
 
 
-def attention_by_layer_type(config: Any, full: torch.Tensor, windowed: torch.Tensor | None = None
-                            ) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The `attention_mask` argument that gives each layer its mask: `full` for a target without sliding-window
-    layers; else per layer type (`full_attention`, `sliding_attention`: the mapping Transformers' models take in
-    place of the masks they would build), or `windowed` alone where every layer is windowed (no `layer_types`)."""
-    if windowed is None:
+def position_attention(columns: CacheColumns, sees: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
+                       config: Any, window: int | None, width: int | None = None
+                       ) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The `attention_mask` argument of a verify by position (`verify_attention_mask`) that gives each layer of the
+    target (decoder `config`, its `sliding_window(config)` as `window`) its mask: one mask without a window; else per
+    layer type (`full_attention`, `sliding_attention`: the mapping Transformers' models take in place of the masks
+    they would build), or the windowed mask alone where every layer has the window (no `layer_types`)."""
+    full = verify_attention_mask(columns, sees, positions, dtype, width=width)
+    if window is None:
         return full
-    types = getattr(config, "layer_types", None)
-    if not types:
+    windowed = verify_attention_mask(columns, sees, positions, dtype, window=window, width=width)
+    if not getattr(config, "layer_types", None):
         return windowed
     return {"full_attention": full, "sliding_attention": windowed}
 

@@ -14,14 +14,13 @@ from typing import Any, Callable
 
 import torch
 
-from .cache_dflash import host_to_device
 from .devices_dflash import target_device
 from .generation_dflash import DecodeSession, dflash_proposer, synchronize
 from .kernels_dflash import MAX_FEW_ROWS, cpu_kernels, few_row_product, is_plain_linear
 from .modeling_dflash import DFlashDraftModel
 from .proposer_dflash import DraftVocabulary, Proposal, draft_vocab_ids
 from .settings_dflash import StepCosts, neutral_overrides, resolve_block_size, resolve_settings, tree_refusal
-from .steps_dflash import TreeStep
+from .steps_dflash import TreeStep, kept_mask
 
 BLOCK_SIZE_CANDIDATES = (2, 3, 4, 6, 8, 12, 16)  # what "auto" chooses among (and the draft's trained size)
 BLOCK_CHOICES = ("auto", "adaptive")
@@ -92,10 +91,7 @@ class StepStages:
 
     def advance(self, kept_columns: list[list[int]], verdict: Any) -> Any:
         """What the loop's keep does after a verify (a hybrid target: its states rolled back to `kept_columns`)."""
-        width = max(max(columns) for columns in kept_columns) + 1
-        kept = host_to_device([[column in columns for column in range(width)] for columns in kept_columns],
-                              self.state.device, torch.bool)
-        self.state.backend.keep(kept_columns, kept)
+        self.state.backend.keep(kept_columns, kept_mask(kept_columns, self.state.device))
         return verdict
 
     def discard(self) -> None:

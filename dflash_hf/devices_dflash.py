@@ -26,6 +26,13 @@ def target_text_config(target: torch.nn.Module) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def mask_dtype(target: torch.nn.Module) -> torch.dtype:
+    """The dtype of an additive attention mask for `target`: its embedding's, or float32 where that is not a float
+    (a quantized embedding)."""
+    dtype = target.get_input_embeddings().weight.dtype
+    return dtype if dtype.is_floating_point else torch.float32
+
+
 def execution_device(module: torch.nn.Module) -> torch.device:
     """Where `module` computes: its Accelerate hook's execution device (dispatched or offloaded), else its weights'."""
     hook = getattr(module, "_hf_hook", None)

@@ -31,14 +31,13 @@ from transformers.utils import logging
 
 from .cache_dflash import (
     CacheColumns,
-    attention_by_layer_type,
     causal_sees,
     gather_columns,
+    position_attention,
     sliding_window,
     static_capacity,
-    verify_attention_mask,
 )
-from .devices_dflash import target_device, target_text_config
+from .devices_dflash import mask_dtype, target_device, target_text_config
 from .target_dflash import FeatureCapture, feature_modules, module_hidden_states, prefill_forward
 from .tree_dflash import DraftTree, tree_sees
 from .versions_dflash import cache_keyword, rewind_static_cache, static_write_arguments
@@ -57,8 +56,7 @@ class StaticVerifier:
         self.captured: list[torch.Tensor | None] = [None] * len(self._modules)  # [N, b, H] per chosen layer
         self.hooks = [self._hook(slot) for slot in range(len(self._modules))]
         self.cache_argument = cache_keyword(target)
-        weight = target.get_input_embeddings().weight
-        self.mask_dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
+        self.mask_dtype = mask_dtype(target)
         self.cache: Any = None
         self.capacity = 0  # the cache's columns
         self.written = 0  # columns of the cache up to the last forward's end (host-side; the cache is not asked)
@@ -214,14 +212,10 @@ class StaticBackend:
         if width != self.verify_width:
             raise ValueError(f"A compiled verify is {self.verify_width} columns wide; this step verifies {width}.")
         sees = causal_sees(num_rows, width, input_ids.device) if tree is None else tree_sees(tree, input_ids.device)
-        dtype = self.verifier.mask_dtype
-        arguments = dict(sees=sees, positions=positions, dtype=dtype, width=self.verifier.capacity)
-        full = verify_attention_mask(self.columns, **arguments)
-        windowed = None if self.window is None else verify_attention_mask(self.columns, window=self.window,
-                                                                          **arguments)
+        mask = position_attention(self.columns, sees, positions, self.verifier.mask_dtype, self.config, self.window,
+                                  width=self.verifier.capacity)
         self.before = self.columns.copy()
-        return self.verifier.verify(input_ids, positions, attention_by_layer_type(self.config, full, windowed),
-                                    self.columns.width)
+        return self.verifier.verify(input_ids, positions, mask, self.columns.width)
 
     def keep(self, kept_columns: list[list[int]], kept: torch.Tensor) -> None:
         """The verify's kept columns [N, w] join the cache's; the rest is overwritten by the next verify."""

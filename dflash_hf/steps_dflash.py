@@ -180,14 +180,20 @@ def commit(state: DecodeState, step: StepPlan, verdict: Verdict, settings: Decod
     return accepted_counts
 
 
+def kept_mask(kept_columns: list[list[int]], device: torch.device) -> torch.Tensor:
+    """[n, w] bool: where each row keeps a verify column (w: one past the last column any row keeps); from pinned
+    memory, queued (no wait on a GPU)."""
+    width = max(max(columns, default=0) for columns in kept_columns) + 1
+    return host_to_device([[column in columns for column in range(width)] for columns in kept_columns], device,
+                          torch.bool)
+
+
 def keep_context(state: DecodeState, step: StepPlan, verdict: Verdict, accepted_counts: list[int]) -> None:
     """Keep the verify columns of each row's pending token and committed proposals: in the backend's cache (the rest
     leaves it), and as new features for the proposer (each row's kept columns in order, left-aligned)."""
     kept_columns = [[] if count < 0 else [0] + columns[:count]
                     for columns, count in zip(verdict.columns, accepted_counts)]
-    kept_width = max(max(columns, default=0) for columns in kept_columns) + 1
-    kept = host_to_device([[column in columns for column in range(kept_width)] for columns in kept_columns],
-                          state.device, torch.bool)  # [n, w]: from pinned memory, queued (no wait on a GPU)
+    kept = kept_mask(kept_columns, state.device)  # [n, w]
     state.backend.keep(kept_columns, kept)
     if verdict.features is None or state.context is None:
         return  # no proposer reads features
