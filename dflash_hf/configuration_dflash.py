@@ -20,6 +20,7 @@ REMOTE_CODE_FILES = (
     "families_dflash.py",
     "cache_dflash.py",
     "sampling_dflash.py",
+    "processors_dflash.py",
     "devices_dflash.py",
     "kernels_dflash.py",
     "target_dflash.py",

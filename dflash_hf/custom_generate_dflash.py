@@ -3,8 +3,9 @@
 `save_pretrained` writes this file as `custom_generate/generate.py` next to the draft's weights, so Transformers'
 Hub decoding strategies find it. It is loaded on its own (no sibling files): it loads the draft from the same folder
 or repo with the draft's remote code (`AutoModel`, once per folder, dtype and device), or takes `assistant_model=`,
-and runs `draft.spec_generate`. It returns what `generate` returns: the ids, or an output with `.sequences` when
-`return_dict_in_generate=True`.
+and runs `draft.spec_generate` with the arguments `generate` was given (logits processors, stopping criteria, stop
+strings with `tokenizer`, ...). It returns what `generate` returns: the ids, or a `GenerateDecoderOnlyOutput` with
+`sequences`, and `scores` / `logits` when asked, when `return_dict_in_generate=True`.
 
 Hub remote code: imports only torch and transformers.
 """
@@ -15,17 +16,17 @@ import inspect
 from typing import Any
 
 import torch
-from transformers import AutoModel, GenerationConfig
+from transformers import AutoModel
 from transformers.generation import GenerateDecoderOnlyOutput
 
 # Drafts already loaded: (folder or repo, dtype, device) -> draft.
 _LOADED_DRAFTS: dict[tuple[str, str, str], torch.nn.Module] = {}
-# `generate` arguments the loop cannot apply: refused when set (the output would not be the target's own).
-_REFUSED_WHEN_SET = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "negative_prompt_ids",
-                     "negative_prompt_attention_mask", "synced_gpus", "output_scores", "output_logits",
-                     "output_attentions", "output_hidden_states")
+# `generate` arguments the loop cannot apply: refused when set (guidance needs a second forward per step; a verify
+# computes no per-token attentions or hidden states in generate's layout; one process runs the loop).
+_REFUSED_WHEN_SET = ("negative_prompt_ids", "negative_prompt_attention_mask", "synced_gpus", "output_attentions",
+                     "output_hidden_states")
 # Arguments `generate` hands every custom function that mean nothing here.
-_IGNORED = ("use_model_defaults", "tokenizer", "assistant_tokenizer", "kwargs")
+_IGNORED = ("use_model_defaults", "assistant_tokenizer", "kwargs")
 
 
 def calling_custom_generate() -> str | None:
@@ -92,8 +93,8 @@ def generate(model: torch.nn.Module, inputs: torch.Tensor | None = None, **argum
     """DFlash speculative decoding of `model` (the target) with the arguments `generate` was given."""
     refused = [name for name in _REFUSED_WHEN_SET if arguments.pop(name, None)]  # unset (None, False, []): dropped
     if refused:
-        raise ValueError(f"generate(custom_generate=<DFlash draft>) cannot apply {', '.join(refused)}: DFlash "
-                         "verifies the draft against the target's own distribution; drop them or use plain generate.")
+        raise ValueError(f"generate(custom_generate=<DFlash draft>) cannot apply {', '.join(refused)} (README, \"What "
+                         "generate's arguments do\"); drop them or use plain generate.")
     for name in _IGNORED:
         arguments.pop(name, None)
     input_ids = inputs if inputs is not None else arguments.pop("input_ids", None)
@@ -112,11 +113,12 @@ def generate(model: torch.nn.Module, inputs: torch.Tensor | None = None, **argum
     generation_config = arguments.pop("generation_config", None)
     if arguments.get("attention_mask") is None and isinstance(input_ids, torch.Tensor):
         arguments["attention_mask"] = inferred_attention_mask(input_ids, model, generation_config, arguments)
-    as_output = bool(arguments.pop("return_dict_in_generate", None))
-    if generation_config is not None and getattr(generation_config, "return_dict_in_generate", False):
-        generation_config = GenerationConfig.from_dict({**generation_config.to_dict(),
-                                                        "return_dict_in_generate": False})
-        as_output = True
-    sequences = draft.spec_generate(target=model, input_ids=input_ids, generation_config=generation_config,
-                                    **arguments)
-    return GenerateDecoderOnlyOutput(sequences=sequences) if as_output else sequences
+    result = draft.spec_generate(target=model, input_ids=input_ids, generation_config=generation_config,
+                                 return_stats=True, **arguments)
+    config = generation_config if generation_config is not None else getattr(model, "generation_config", None)
+    as_output = arguments.get("return_dict_in_generate")
+    if as_output is None:
+        as_output = bool(getattr(config, "return_dict_in_generate", False))
+    if not as_output:
+        return result.output_ids
+    return GenerateDecoderOnlyOutput(sequences=result.output_ids, scores=result.scores, logits=result.logits)

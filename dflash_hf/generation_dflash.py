@@ -34,12 +34,15 @@ from .steps_dflash import (
     StepStrategy,
     TargetContext,
     Verdict,
+    apply_rules,
     commit,
     keep_context,
+    kept_scores,
     pick_block,
     plan_step,
     propose,
     step_strategy,
+    target_scores,
 )
 from .target_dflash import FeatureCapture
 
@@ -60,6 +63,16 @@ class SpecGenerateOutput:
     time_to_first_token: float = 0.0  # seconds: prefill and the first token of every row
     total_time: float = 0.0  # seconds: the whole generation
     block_size: int = 1
+    # generate's `scores` and `logits` (output_scores / output_logits with return_dict_in_generate): per new-token
+    # index, [N, V] float32, processed and raw; a row's entries after it ended are -inf (generate computes them from
+    # the padding it feeds an ended row)
+    scores: tuple[torch.Tensor, ...] | None = None
+    logits: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def sequences(self) -> torch.Tensor:
+        """The output ids [N, T + W], under the name `generate`'s outputs give them."""
+        return self.output_ids
 
     @property
     def num_output_tokens(self) -> int:
@@ -133,12 +146,21 @@ def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
                                                                valid if padded else None),
         started=started,
     )
-    first_tokens = pick_block(outputs.logits[:, -1:], state.active, settings)[:, 0].tolist()
+    logits = outputs.logits[:, -1:]  # [N, 1, V]
     del outputs
+    scores = target_scores(logits, lambda: [[ids] for ids in input_ids], state.active, settings)  # [N, 1, V]
+    first_tokens = pick_block(scores, state.active, settings)[:, 0].tolist()
     synchronize(device)
     state.first_token_time = time.perf_counter()
-    state.generated = [[token] for token in first_tokens]
-    state.finished = [token in settings.stop_token_ids or settings.max_new_tokens == 1 for token in first_tokens]
+    first = Verdict([[]] * len(prompts), [[token] for token in first_tokens], [[]] * len(prompts), None,
+                    *kept_scores(scores, logits, settings))
+    state.generated, state.scores, state.logits = ([[] for _ in prompts] for _ in range(3))
+    for row, token in enumerate(first_tokens):
+        stopped = token in settings.stop_token_ids
+        if settings.rules is not None:
+            stopped = apply_rules(state, row, row, first, 0, [token], stopped, settings.rules)[2]
+        state.generated[row] = [token]
+        state.finished.append(stopped or settings.max_new_tokens == 1)
     for token, streamer in zip(first_tokens, settings.streamers or ()):
         streamer.put(torch.tensor([token]))
     return state
@@ -168,6 +190,7 @@ def finish(state: DecodeState, settings: DecodingSettings) -> SpecGenerateOutput
     synchronize(state.device)
     ended = time.perf_counter()
     num_new_tokens = [len(tokens) for tokens in state.generated]
+    rules = settings.rules
     width = max(num_new_tokens)
     new_ids = host_to_device([tokens + [settings.pad_token_id] * (width - len(tokens)) for tokens in state.generated],
                              state.device, state.input_ids.dtype)  # [N, W]
@@ -180,7 +203,20 @@ def finish(state: DecodeState, settings: DecodingSettings) -> SpecGenerateOutput
         time_to_first_token=state.first_token_time - state.started,
         total_time=ended - state.started,
         block_size=settings.block_size,
+        scores=per_new_token(state.scores) if rules is not None and rules.output_scores else None,
+        logits=per_new_token(state.logits) if rules is not None and rules.output_logits else None,
     )
+
+
+def per_new_token(rows: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    """`generate`'s layout of per-token vectors: rows[i] holds row i's [k, V] blocks in order; one [N, V] per new-token
+    index, -inf where a row had ended."""
+    per_row = [torch.cat(blocks) for blocks in rows]  # [n_i, V]
+    width = max(blocks.shape[0] for blocks in per_row)
+    padded = torch.full((len(per_row), width, per_row[0].shape[1]), float("-inf"), device=per_row[0].device)
+    for row, blocks in enumerate(per_row):
+        padded[row, : blocks.shape[0]] = blocks
+    return tuple(padded.unbind(dim=1))
 
 
 # --- The loop --------------------------------------------------------------------------------------------------------
@@ -338,6 +374,10 @@ def spec_generate(
     generation_config: Any = None,
     tree_size: int | None = None,
     compile: bool | dict[str, Any] = False,
+    logits_processor: Any = None,
+    stopping_criteria: Any = None,
+    prefix_allowed_tokens_fn: Any = None,
+    tokenizer: Any = None,
     **generation_settings: Any,
 ) -> torch.Tensor | SpecGenerateOutput:
     """Generate with `target`, drafting blocks with `draft`; returns ids [N, prompt + new] (or stats too).
@@ -353,10 +393,11 @@ def spec_generate(
         generator=generator, seed=seed, streamer=streamer, step_costs=step_costs, draft_vocab=draft_vocab,
         max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
         stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, tree_size=tree_size, compile=compile,
-        **generation_settings)
+        logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, tokenizer=tokenizer, **generation_settings)
     result = speculative_decode(target, dflash_proposer(draft, target, settings, input_ids.shape[1]), input_ids,
                                 attention_mask=attention_mask, settings=settings)
-    return result if return_stats else result.output_ids
+    return result if return_stats or settings.return_dict else result.output_ids
 
 
 class DFlashGenerationMixin:

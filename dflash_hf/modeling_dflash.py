@@ -46,6 +46,7 @@ from .devices_dflash import MASKED_ATTENTION, materialized_weight, target_device
 from .families_dflash import ROLLBACK_MODEL_TYPES  # noqa: F401
 from .generation_dflash import DFlashGenerationMixin
 from .kernels_dflash import cpu_kernels  # noqa: F401
+from .processors_dflash import PositionRules  # noqa: F401
 from .proposer_dflash import DFlashProposer  # noqa: F401
 from .recurrent_dflash import recurrent_states  # noqa: F401
 from .sampling_dflash import process_logits  # noqa: F401

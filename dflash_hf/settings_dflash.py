@@ -18,6 +18,7 @@ import torch
 
 from .cache_dflash import recurrent_layers, windowed_mask_refusal
 from .devices_dflash import MASKED_ATTENTION, execution_device, target_device, target_text_config
+from .processors_dflash import CallPrompts, PositionRules, position_rules
 from .proposer_dflash import DFlashDraft, draft_vocab_ids
 from .target_dflash import feature_modules
 
@@ -35,10 +36,12 @@ NEUTRAL_GENERATION_SETTINGS = {
     "guidance_scale": 1.0, "stop_strings": None, "max_time": None, "penalty_alpha": None, "dola_layers": None,
     "watermarking_config": None, "output_scores": False, "output_logits": False, "return_dict_in_generate": False,
     "renormalize_logits": False, "remove_invalid_values": False, "prompt_lookup_num_tokens": None,
+    "encoder_no_repeat_ngram_size": 0, "top_h": None,
 }
 # The settings among them that choose another decoding method than one sample (or argmax) per position: what it is,
 # and why it stays refused, with the alternative. The others are logits processors, warpers, stopping criteria and
-# outputs, which the loop does not yet apply at each verified position (README, "What generate's arguments do").
+# outputs, which the loop applies at each verified position (processors_dflash; README, "What generate's arguments
+# do"); benchmarks set them all neutral to compare plain decoding (`neutral_overrides`).
 DECODING_MODES = {
     "num_beams": ("beam search", "it keeps several hypotheses per row, and speculative decoding verifies one; "
                                  "call target.generate for it"),
@@ -98,6 +101,8 @@ class DecodingSettings:
     draft_vocab: torch.Tensor | None = None  # [K]: the ids the draft proposes from (None: every token)
     tree_size: int | None = None  # given: each step verifies a tree of this many drafted tokens (None: a chain)
     compile: dict[str, Any] | None = None  # given: torch.compile options of the static-shape verify (static_dflash)
+    rules: PositionRules | None = None  # generate's processors and criteria at each position (None: none to apply)
+    return_dict: bool = False  # return_dict_in_generate: the call returns its output object, not the ids alone
 
     @property
     def greedy(self) -> bool:
@@ -188,18 +193,19 @@ def generation_tokens(target: torch.nn.Module, tokenizer: Any = None, draft: DFl
 # --- generate()'s conventions: settings from the target's generation config ------------------------------------------
 
 
-def unhonourable_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """The settings among `settings` that the loop cannot honour: set, and not at their neutral value."""
+def non_neutral_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings among `settings` that change `generate`'s decoding (a mode, a processor, a criterion, an output):
+    set, and not at their neutral value."""
     return {name: settings[name] for name, neutral in NEUTRAL_GENERATION_SETTINGS.items()
             if settings.get(name) is not None and settings[name] != neutral
             and not (name == "guidance_scale" and settings[name] == 1)}
 
 
 def neutral_overrides(generation_config: Any) -> dict[str, Any]:
-    """The neutral value of every setting in `generation_config` that the loop cannot honour (to compare like
-    with like)."""
+    """The neutral value of every setting in `generation_config` that changes plain decoding (benchmarks compare
+    like with like)."""
     settings = generation_config.to_dict() if generation_config is not None else {}
-    return {name: NEUTRAL_GENERATION_SETTINGS[name] for name in unhonourable_settings(settings)}
+    return {name: NEUTRAL_GENERATION_SETTINGS[name] for name in non_neutral_settings(settings)}
 
 
 @dataclass(frozen=True)
@@ -212,6 +218,7 @@ class GenerationChoices:
     top_p: float | None  # None: no top-p filter
     stop_token_ids: list[int]
     pad_token_id: int
+    settings: dict[str, Any]  # every setting, the call's over the generation config's (processors read theirs)
 
 
 def _real_number(value: Any, name: str) -> float:
@@ -228,8 +235,8 @@ def resolve_generation_choices(target: torch.nn.Module, prompt_length: int, gene
     """Merge a call's arguments over `generation_config` (default: the target's), the way `generate` does.
 
     `arguments`: max_new_tokens (or max_length), do_sample, temperature, top_k, top_p,
-    stop_token_ids (or eos_token_id), pad_token_id (None: not given), and settings the loop cannot honour,
-    accepted only at their neutral values.
+    stop_token_ids (or eos_token_id), pad_token_id (None: not given), and the GenerationConfig fields of processors,
+    criteria and outputs (NEUTRAL_GENERATION_SETTINGS); a decoding mode (DECODING_MODES) is refused by name.
     """
     config = generation_config if generation_config is not None else getattr(target, "generation_config", None)
     unknown = sorted(key for key in arguments if key not in CALL_SETTINGS and key not in NEUTRAL_GENERATION_SETTINGS)
@@ -239,16 +246,13 @@ def resolve_generation_choices(target: torch.nn.Module, prompt_length: int, gene
     settings = {k: v for k, v in (config.to_dict() if config is not None else {}).items() if v is not None}
     merged = {**GENERATE_DEFAULTS, **settings, **given}
     config_source = "the generation config" if generation_config is not None else "target.generation_config"
-    for name, value in unhonourable_settings(merged).items():
-        source = "the call" if name in given else config_source
-        neutral = f"pass {name}={NEUTRAL_GENERATION_SETTINGS[name]!r} to override it"
+    for name, value in non_neutral_settings(merged).items():
         if name in DECODING_MODES:
+            source = "the call" if name in given else config_source
             mode, reason = DECODING_MODES[name]
             raise ValueError(f"{source} sets {name}={value!r}: {mode} does not run inside DFlash speculative "
-                             f"decoding ({reason}); {neutral}.")
-        raise ValueError(f"{source} sets {name}={value!r}, which dflash-hf does not yet apply at each verified "
-                         "position, so the output would differ from `generate`'s with it; call target.generate for "
-                         f"it, or {neutral} (README, \"What generate's arguments do\").")
+                             f"decoding ({reason}); pass {name}={NEUTRAL_GENERATION_SETTINGS[name]!r} to override "
+                             "it.")
     temperature = _real_number(merged["temperature"], "temperature")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}.")
@@ -279,6 +283,7 @@ def resolve_generation_choices(target: torch.nn.Module, prompt_length: int, gene
         top_p=None if top_p in (None, 1.0) else top_p,
         stop_token_ids=stop_token_ids,
         pad_token_id=pad[0] if pad else default_pad_token_id(target, stop_token_ids),
+        settings=merged,
     )
 
 
@@ -504,6 +509,10 @@ def resolve_settings(
     draft_vocab: bool | Sequence[int] | torch.Tensor | None = None,
     tree_size: int | None = None,
     compile: bool | dict[str, Any] = False,
+    logits_processor: Any = None,
+    stopping_criteria: Any = None,
+    prefix_allowed_tokens_fn: Any = None,
+    tokenizer: Any = None,
     **generation_arguments: Any,
 ) -> DecodingSettings:
     """Every setting of one call, checked: the call's arguments over `generation_config` (default: the target's) as in
@@ -517,6 +526,12 @@ def resolve_settings(
         **generation_arguments)
     check_generation_inputs(target, input_ids, choices, attention_mask)
     num_rows, device = input_ids.shape[0], target_device(target)
+    padding = [0] * num_rows if attention_mask is None else (attention_mask == 0).sum(dim=1).tolist()
+    rules = position_rules(
+        choices.settings, CallPrompts(input_ids.to(device), padding, input_ids.shape[1] + choices.max_new_tokens),
+        temperature=choices.temperature, top_k=choices.top_k, top_p=choices.top_p,
+        stop_token_ids=choices.stop_token_ids, device=device, logits_processor=logits_processor,
+        stopping_criteria=stopping_criteria, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, tokenizer=tokenizer)
     if draft is not None:
         mask_token_id = check_draft_target(draft, target, mask_token_id, input_ids.shape[1] + choices.max_new_tokens)
     if step_costs is not None and not isinstance(step_costs, StepCosts):
@@ -542,7 +557,8 @@ def resolve_settings(
         generators=row_generators(generator, num_rows, device, seed if choices.temperature > 0 else None),
         streamers=row_streamers(streamer, num_rows), step_costs=step_costs,
         draft_vocab=None if draft is None else draft_vocab_ids(draft, draft_vocab, vocabulary_size),
-        tree_size=tree_size, compile=None if compile is False else compile_options(compile, device),
+        tree_size=tree_size, compile=None if compile is False else compile_options(compile, device), rules=rules,
+        return_dict=bool(choices.settings.get("return_dict_in_generate")),
     )
 
 

@@ -18,13 +18,14 @@ Hub remote code: imports only torch and transformers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Protocol
+from dataclasses import dataclass, field, replace
+from typing import Callable, Protocol
 
 import torch
 
 from .backends_dflash import TargetBackend
 from .cache_dflash import host_to_device, to_host
+from .processors_dflash import PositionRules
 from .proposer_dflash import DraftStep, Proposal, Proposer, SampledProposal
 from .sampling_dflash import commit_block, draw_uniforms, process_logits, sample_from, speculative_sample
 from .settings_dflash import DecodingSettings, StepCosts
@@ -73,6 +74,8 @@ class DecodeState:
     context: TargetContext | None  # features the proposer has not seen yet
     started: float  # perf_counter() at the prefill
     first_token_time: float = 0.0
+    scores: list[list[torch.Tensor]] = field(default_factory=list)  # per row: [k, V] processed scores per commit
+    logits: list[list[torch.Tensor]] = field(default_factory=list)  # per row: [k, V] raw logits per commit
 
     @property
     def device(self) -> torch.device:
@@ -100,19 +103,51 @@ class Verdict:
     target_tokens: list[list[int]]  # per row: the target's token after the pending one and after each of `proposed`
     columns: list[list[int]]  # per row: the verify column of each of `proposed` (a chain: 1 .. b - 1)
     features: torch.Tensor | None  # [n, b, L*H]: the target features of every verified column (None: not read)
+    scores: torch.Tensor | None = None  # [n, b, V]: processed scores, kept for criteria and outputs (rules)
+    logits: torch.Tensor | None = None  # [n, b, V]: raw logits, kept when the call returns them
 
 
 # --- The stages every strategy shares --------------------------------------------------------------------------------
 
 
-def pick_block(logits: torch.Tensor, rows: list[int], settings: DecodingSettings) -> torch.Tensor:
-    """The target's tokens [n, b] for logits [n, b, V]: its argmax, or a sample per position (row i drawn with the
-    generator of row rows[i])."""
-    if settings.temperature == 0.0:
-        return logits.argmax(dim=-1)
-    probabilities = process_logits(logits.flatten(0, 1), settings.temperature, settings.top_k, settings.top_p)
-    uniforms = draw_uniforms([settings.generators[row] for row in rows], logits.shape[1], logits.device)  # [n, b]
-    return sample_from(probabilities.softmax(dim=-1).view(logits.shape), uniforms)
+def target_scores(logits: torch.Tensor, prefixes: Callable[[], list[list[torch.Tensor]]], rows: list[int],
+                  settings: DecodingSettings) -> torch.Tensor:
+    """`generate`'s scores [n, b, V] at each verified position from the target's logits [n, b, V] (rows: the call's
+    rows): the call's processors and warpers at each position, given its prefix (`prefixes()`: per row, the ids
+    before each column); without processors, the logits (greedy) or temperature, top-k and top-p at once."""
+    if settings.rules is not None:
+        return settings.rules.scores(logits, prefixes(), rows)
+    if settings.greedy:
+        return logits
+    return process_logits(logits.flatten(0, 1), settings.temperature, settings.top_k, settings.top_p
+                          ).view(logits.shape)
+
+
+def pick_block(scores: torch.Tensor, rows: list[int], settings: DecodingSettings) -> torch.Tensor:
+    """The target's tokens [n, b] for its scores [n, b, V] (`target_scores`): their argmax, or a sample per position
+    (row i drawn with the generator of row rows[i])."""
+    if settings.greedy:
+        return scores.argmax(dim=-1)
+    uniforms = draw_uniforms([settings.generators[row] for row in rows], scores.shape[1], scores.device)  # [n, b]
+    return sample_from(scores.softmax(dim=-1), uniforms)
+
+
+def position_prefixes(state: DecodeState, step: StepPlan, nodes: torch.Tensor) -> list[list[torch.Tensor]]:
+    """Per active row, the ids [L] before each verify column, as `generate` would hold them: the prompt as passed,
+    the committed tokens (the pending one last), then a chain's proposals before the column, or a tree node's path
+    (nodes [n, b - 1]: the proposals or the tree's nodes)."""
+    prefixes = []
+    for index, row in enumerate(state.active):
+        committed = torch.cat((state.input_ids[row], host_to_device(state.generated[row], state.device)))  # [L]
+        if step.tree is None:
+            sequence = torch.cat((committed, nodes[index]))
+            prefixes.append([sequence[: committed.shape[0] + column] for column in range(step.width)])
+            continue
+        paths: list[list[int]] = [[]]  # per column: the tokens from the root's child down to it
+        for token, parent in zip(step.tree.tokens[index], step.tree.parents[index]):
+            paths.append(paths[parent] + [token])
+        prefixes.append([torch.cat((committed, host_to_device(path, state.device))) for path in paths])
+    return prefixes
 
 
 def plan_step(state: DecodeState, settings: DecodingSettings) -> StepPlan:
@@ -170,6 +205,9 @@ def commit(state: DecodeState, step: StepPlan, verdict: Verdict, settings: Decod
             continue
         accepted, new_tokens, stopped = commit_block(verdict.proposed[index], verdict.target_tokens[index],
                                                      step.counts[index], settings.stop_token_ids)
+        if settings.rules is not None:
+            accepted, new_tokens, stopped = apply_rules(state, row, index, verdict, accepted, new_tokens, stopped,
+                                                        settings.rules)
         state.acceptance_lengths[row].append(accepted + 1)
         state.verified_lengths[row].append(step.width)
         state.generated[row].extend(new_tokens)
@@ -178,6 +216,25 @@ def commit(state: DecodeState, step: StepPlan, verdict: Verdict, settings: Decod
         if settings.streamers:
             settings.streamers[row].put(torch.tensor(new_tokens))
     return accepted_counts
+
+
+def apply_rules(state: DecodeState, row: int, index: int, verdict: Verdict, accepted: int, new_tokens: list[int],
+                stopped: bool, rules: PositionRules) -> tuple[int, list[int], bool]:
+    """One row's commit under the call's rules (row: its index in the call; index: in the verify): cut at the first
+    new token after which a stopping criterion ends the row, as `generate` checks after every token; the scores and
+    logits the call returns recorded. (accepted proposals, tokens committed, whether the row ended)"""
+    columns = ([0] + verdict.columns[index])[: len(new_tokens)]  # the verify column that chose each new token
+    if rules.stopping is not None:
+        sequence = torch.cat((state.input_ids[row], host_to_device(state.generated[row] + new_tokens, state.device)))
+        stop = rules.first_stop(sequence, len(new_tokens), verdict.scores[index, columns])
+        if stop is not None:
+            accepted, new_tokens, stopped = min(accepted, stop), new_tokens[: stop + 1], True
+            columns = columns[: stop + 1]
+    if rules.output_scores:
+        state.scores[row].append(verdict.scores[index, columns])
+    if rules.output_logits:
+        state.logits[row].append(verdict.logits[index, columns])
+    return accepted, new_tokens, stopped
 
 
 def kept_mask(kept_columns: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -211,6 +268,16 @@ def keep_context(state: DecodeState, step: StepPlan, verdict: Verdict, accepted_
     state.context = TargetContext.of(features, positions, valid)
 
 
+def kept_scores(scores: torch.Tensor, logits: torch.Tensor, settings: DecodingSettings
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """What a verdict keeps of a verify's processed scores and raw logits [n, b, V]: what the call's criteria and
+    outputs read, else nothing."""
+    rules = settings.rules
+    if rules is None:
+        return None, None
+    return (scores if rules.keeps_scores else None), (logits.float() if rules.output_logits else None)
+
+
 # --- The strategies --------------------------------------------------------------------------------------------------
 
 
@@ -242,22 +309,22 @@ def worthwhile_width(confidences: torch.Tensor, counts: list[int], costs: StepCo
     return int((expected.sum(dim=0) / seconds).argmax()) + 1
 
 
-def target_tokens(logits: torch.Tensor, proposal: Proposal, rows: list[int], step: StepPlan,
+def target_tokens(scores: torch.Tensor, proposal: Proposal, rows: list[int], step: StepPlan,
                   settings: DecodingSettings) -> torch.Tensor:
-    """The target's token at each verified position [n, b], from its logits [n, b, V] (rows: the active rows).
+    """The target's token at each verified position [n, b], from its scores [n, b, V] (`target_scores`; rows: the
+    active rows).
 
     Without q: its argmax or its sample at every position (a proposal is kept when it equals it). With q: speculative
     sampling, so the row holds the accepted proposals, then the residual's (or p's) sample, then -1.
     """
     if not isinstance(proposal, SampledProposal):
-        return pick_block(logits, rows, settings)
-    probabilities = process_logits(logits.flatten(0, 1), settings.temperature, settings.top_k, settings.top_p)
-    probabilities = probabilities.softmax(dim=-1).view(logits.shape)  # [n, b, V]: p
-    uniforms = draw_uniforms([settings.generators[row] for row in rows], step.width, logits.device)
-    limits = host_to_device([count - 1 for count in step.counts], logits.device)  # what max_new_tokens lets a row keep
+        return pick_block(scores, rows, settings)
+    probabilities = scores.softmax(dim=-1)  # [n, b, V]: p
+    uniforms = draw_uniforms([settings.generators[row] for row in rows], step.width, scores.device)
+    limits = host_to_device([count - 1 for count in step.counts], scores.device)  # what max_new_tokens lets a row keep
     accepted, tokens = speculative_sample(proposal.tokens, proposal.draft_probabilities, probabilities, uniforms,
                                           limits)
-    columns = torch.arange(step.width, device=logits.device)[None, :]  # [1, b]
+    columns = torch.arange(step.width, device=scores.device)[None, :]  # [1, b]
     proposals = torch.nn.functional.pad(proposal.tokens, (0, 1), value=-1)  # [n, b]
     picked = torch.where(columns < accepted[:, None], proposals, -1)
     return torch.where(columns == accepted[:, None], tokens[:, None], picked)
@@ -289,11 +356,14 @@ class ChainStep:
         Positions are always passed: a cache's token counter is no source of positions (Transformers 5.25 reports a
         recurrent layer's count for the whole cache)."""
         logits, features = state.backend.verify(torch.cat((step.pending, proposal.tokens), dim=1), step.positions)
-        tokens_of_target = target_tokens(logits, proposal, state.active, step, settings)
+        scores = target_scores(logits, lambda: position_prefixes(state, step, proposal.tokens), state.active,
+                               settings)
+        tokens_of_target = target_tokens(scores, proposal, state.active, step, settings)
         judged = torch.cat((proposal.tokens, tokens_of_target), dim=1).tolist()  # the step's one device read
         columns = list(range(1, step.width))
         return Verdict([tokens[: step.width - 1] for tokens in judged],
-                       [tokens[step.width - 1 :] for tokens in judged], [columns] * len(judged), features)
+                       [tokens[step.width - 1 :] for tokens in judged], [columns] * len(judged), features,
+                       *kept_scores(scores, logits, settings))
 
 
 CHAIN = ChainStep()
@@ -337,16 +407,17 @@ class TreeStep:
         trees, rows = step.tree, range(len(state.active))
         logits, features = state.backend.verify(torch.cat((step.pending, proposal.tokens), dim=1), step.positions,
                                                 trees)
+        scores = target_scores(logits, lambda: position_prefixes(state, step, proposal.tokens), state.active,
+                               settings)
         if settings.greedy:
-            argmax = to_host(logits.argmax(dim=-1))[0].tolist()  # [n, 1 + N]: the step's one read after the verify
+            argmax = to_host(scores.argmax(dim=-1))[0].tolist()  # [n, 1 + N]: the step's one read after the verify
             walks = [walk_greedy(trees, row, argmax[row]) for row in rows]
             finals = [argmax[row][path[-1] if path else 0] for row, path in zip(rows, walks)]
         else:
-            probabilities = process_logits(logits.flatten(0, 1), settings.temperature, settings.top_k, settings.top_p)
-            probabilities = probabilities.softmax(dim=-1).view(logits.shape)  # [n, 1 + N, V]: p at every column
+            probabilities = scores.softmax(dim=-1)  # [n, 1 + N, V]: p at every column
             generators = [settings.generators[row] for row in state.active]
-            child_uniforms = draw_uniforms(generators, trees.size, logits.device)  # [n, N]
-            final_uniforms = draw_uniforms(generators, step.width, logits.device)  # [n, 1 + N]
+            child_uniforms = draw_uniforms(generators, trees.size, scores.device)  # [n, N]
+            final_uniforms = draw_uniforms(generators, step.width, scores.device)  # [n, 1 + N]
             # [n, b - 1, V]: q the candidates were drawn from, or None (chosen, not drawn)
             draft_probabilities = proposal.draft_probabilities if isinstance(proposal, SampledProposal) else None
             # one device read; the walks then run on the host copies
@@ -357,7 +428,8 @@ class TreeStep:
                                     final_uniforms[row].tolist()) for row in rows]
             walks, finals = [path for path, _ in sampled], [final for _, final in sampled]
         proposed = [[trees.tokens[row][column - 1] for column in path] for row, path in zip(rows, walks)]
-        return Verdict(proposed, [path + [final] for path, final in zip(proposed, finals)], walks, features)
+        return Verdict(proposed, [path + [final] for path, final in zip(proposed, finals)], walks, features,
+                       *kept_scores(scores, logits, settings))
 
 
 def step_strategy(settings: DecodingSettings) -> StepStrategy:

@@ -311,6 +311,22 @@ def make_tokenizer(vocab_size: int = VOCAB_SIZE):
     return tokenizer
 
 
+def make_char_tokenizer(vocab_size: int = VOCAB_SIZE):
+    """A character-level tokenizer (letters, digits, punctuation, space, then two-letter pieces) whose pieces join
+    without spaces, as stop strings need; ids 0, 1, 2: pad, end of text, unknown."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    symbols = ["<pad>", "<eos>", "<unk>"] + list(string.ascii_letters + string.digits + string.punctuation + " ")
+    symbols += [first + second for first in "etaoin" for second in "etaoinsr"][: vocab_size - len(symbols)]
+    backend = Tokenizer(models.WordLevel({symbol: i for i, symbol in enumerate(symbols)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
 class FixedLogitsTarget(torch.nn.Module):
     """A stand-in target whose next-token logits are `logits` [V] after any prefix; it records the prefixes it saw."""
 

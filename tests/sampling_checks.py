@@ -36,11 +36,18 @@ def warpers(temperature: float, top_k: int | None, top_p: float | None) -> Logit
     return LogitsProcessorList(chain)
 
 
-@torch.no_grad()
 def exact_joint(target: torch.nn.Module, input_ids: torch.Tensor, temperature: float, top_k: int | None,
                 top_p: float | None, num_new: int = NUM_NEW) -> dict[tuple[int, ...], float]:
     """P(x1 .. x_num_new) under plain sampling from the target with Transformers' own warpers."""
-    process, device = warpers(temperature, top_k, top_p), input_ids.device
+    return processed_joint(target, input_ids, warpers(temperature, top_k, top_p), num_new)
+
+
+@torch.no_grad()
+def processed_joint(target: torch.nn.Module, input_ids: torch.Tensor, process: LogitsProcessorList,
+                    num_new: int = NUM_NEW) -> dict[tuple[int, ...], float]:
+    """P(x1 .. x_num_new) under plain sampling from the target's logits processed by `process` (Transformers' own
+    processors and warpers, each prefix as the processors' input_ids)."""
+    device = input_ids.device
     probabilities = {(): 1.0}
     vocabulary = target.get_output_embeddings().weight.shape[0]
     for _ in range(num_new):

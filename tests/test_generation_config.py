@@ -63,9 +63,8 @@ def test_length_default_is_the_one_documented_difference(target):
     assert resolve_generation_choices(target, 6, GenerationConfig(max_length=40)).max_new_tokens == 34
 
 
-@pytest.mark.parametrize("setting", [{"num_beams": 3}, {"repetition_penalty": 1.3}, {"no_repeat_ngram_size": 2},
-                                     {"min_new_tokens": 5}, {"return_dict_in_generate": True}])
-def test_settings_the_loop_cannot_honour_are_refused(target, setting):
+@pytest.mark.parametrize("setting", [{"num_beams": 3}, {"guidance_scale": 1.5}])
+def test_a_decoding_mode_is_refused_from_the_call_the_passed_config_and_the_targets(target, setting):
     draft = make_draft(13)
     with pytest.raises(ValueError, match=f"the call sets {next(iter(setting))}="):
         draft.spec_generate(target=target, input_ids=PROMPT, max_new_tokens=4, **setting)
@@ -75,6 +74,20 @@ def test_settings_the_loop_cannot_honour_are_refused(target, setting):
     target.generation_config.update(**setting)
     with pytest.raises(ValueError, match="target.generation_config sets"):
         draft.spec_generate(target=target, input_ids=PROMPT, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("setting", [{"repetition_penalty": 1.3}, {"no_repeat_ngram_size": 2}])
+def test_a_processor_of_the_targets_config_or_a_passed_config_is_applied_as_generate_applies_it(target, setting):
+    """A processor set in a generation config (the target's, or one passed) is applied as `generate` applies it."""
+    kwargs = {"input_ids": PROMPT, "max_new_tokens": 16, "do_sample": False, "pad_token_id": 0}
+    plain = target.generate(attention_mask=torch.ones_like(PROMPT), **kwargs)
+    passed = GenerationConfig(**setting, do_sample=False)
+    expected = target.generate(attention_mask=torch.ones_like(PROMPT), generation_config=passed, max_new_tokens=16,
+                               input_ids=PROMPT, pad_token_id=0)
+    assert not torch.equal(expected, plain)  # the processor changes the output
+    assert torch.equal(make_draft(13).spec_generate(target=target, generation_config=passed, **kwargs), expected)
+    target.generation_config.update(**setting)
+    assert torch.equal(make_draft(13).spec_generate(target=target, **kwargs), expected)
 
 
 MODE_VALUES = {"num_beams": 2, "num_beam_groups": 2, "diversity_penalty": 0.5, "num_return_sequences": 2,
@@ -93,11 +106,6 @@ def test_each_decoding_mode_is_refused_by_name_before_any_forward(target, name, 
                                                    f"({reason})")):
         make_draft(13).spec_generate(target=target, input_ids=PROMPT, max_new_tokens=4, **{name: MODE_VALUES[name]})
     assert calls == []
-
-
-def test_a_processor_is_refused_as_not_yet_applied_per_position_not_as_impossible(target):
-    with pytest.raises(ValueError, match="does not yet apply at each verified position.*target.generate"):
-        make_draft(13).spec_generate(target=target, input_ids=PROMPT, max_new_tokens=4, repetition_penalty=1.3)
 
 
 def test_the_call_overrides_a_setting_of_the_config_that_the_loop_cannot_honour(target):

@@ -108,8 +108,8 @@ def test_no_two_modules_import_each_other():
 LAYERS = (
     {"versions_dflash"},
     {"families_dflash"},
-    {"devices_dflash", "sampling_dflash", "cache_dflash", "configuration_dflash", "custom_generate_dflash", "prompts",
-     "smollm2"},
+    {"devices_dflash", "sampling_dflash", "processors_dflash", "cache_dflash", "configuration_dflash",
+     "custom_generate_dflash", "prompts", "smollm2"},
     {"kernels_dflash", "tree_dflash"},
     {"proposer_dflash", "target_dflash"},
     {"settings_dflash", "recurrent_dflash", "static_dflash"},

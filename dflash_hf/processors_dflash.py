@@ -1,0 +1,232 @@
+"""`generate`'s logits processors, warpers and stopping criteria, applied at each verified position.
+
+A verify holds the target's logits at every drafted position, and the prefix of each position is known: the row's
+prompt as passed (left padding included, as `generate` sees it), its committed tokens, and the proposals before the
+position (a tree: the node's path). `PositionRules` runs a call's processors on each position with that prefix, so a
+greedy proposal is judged against the processed argmax and speculative sampling keeps the processed, warped
+distribution; and it finds the first committed position at which a stopping criterion ends a row, so a row stops
+where `generate` stops, also inside an accepted block.
+
+The processors are built here, in `generate`'s order, from Transformers' public classes (`generate`'s own builder is
+private and moves between releases). Each position is processed as a batch of one row, so a processor is called at
+every verified position (rejected ones included) and must depend only on its arguments; `prefix_allowed_tokens_fn`
+is still given its row's index in the call's batch. README, "What generate's arguments do".
+
+Hub remote code: imports only torch and transformers.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from transformers.generation import (
+    EncoderNoRepeatNGramLogitsProcessor,
+    EncoderRepetitionPenaltyLogitsProcessor,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    ExponentialDecayLengthPenalty,
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+    LogitsProcessorList,
+    MaxTimeCriteria,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    StoppingCriteriaList,
+    StopStringCriteria,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+# What the loop's own vectorised path (`sampling_dflash.process_logits`) already applies exactly.
+VECTORISED = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+
+@dataclass(frozen=True)
+class CallPrompts:
+    """What the processors of one call are built from: its prompts as passed and their lengths."""
+
+    input_ids: torch.Tensor  # [N, T], left padding kept
+    padding: list[int]  # per row: its left padding
+    max_length: int  # T + max_new_tokens: `generate`'s max_length
+
+
+def _given(config: Mapping[str, Any], name: str) -> Any:
+    """A setting of the merged call and generation config (None: not set)."""
+    return config.get(name)
+
+
+def _penalties(config: Mapping[str, Any], prompt: torch.Tensor, padding: int) -> list:
+    """The processors `generate` adds before its length rules, for one row (prompt [1, T])."""
+    processors: list = []
+    if _given(config, "sequence_bias") is not None:
+        processors.append(SequenceBiasLogitsProcessor(sequence_bias=config["sequence_bias"]))
+    if _given(config, "encoder_repetition_penalty") not in (None, 1.0):
+        processors.append(EncoderRepetitionPenaltyLogitsProcessor(config["encoder_repetition_penalty"], prompt))
+    if _given(config, "repetition_penalty") not in (None, 1.0):
+        # Transformers 5 leaves each row's left padding out of the penalty; 4.57 counts it (its class has no such
+        # argument): the class's own signature says which this release does
+        ignores_padding = "prompt_ignore_length" in inspect.signature(RepetitionPenaltyLogitsProcessor).parameters
+        processors.append(RepetitionPenaltyLogitsProcessor(config["repetition_penalty"],
+                                                           **({"prompt_ignore_length": padding}
+                                                              if ignores_padding else {})))
+    if (_given(config, "no_repeat_ngram_size") or 0) > 0:
+        processors.append(NoRepeatNGramLogitsProcessor(config["no_repeat_ngram_size"]))
+    if (_given(config, "encoder_no_repeat_ngram_size") or 0) > 0:
+        processors.append(EncoderNoRepeatNGramLogitsProcessor(config["encoder_no_repeat_ngram_size"], prompt))
+    return processors
+
+
+def _length_rules(config: Mapping[str, Any], prompts: CallPrompts, stop_token_ids: list[int], row: int,
+                  prefix_allowed_tokens_fn: Callable | None, device: torch.device) -> list:
+    """Bad words, length rules, the prefix constraint, forced and suppressed tokens, as `generate` orders them."""
+    processors: list = []
+    eos = stop_token_ids or None
+    width = prompts.input_ids.shape[1]
+    if _given(config, "bad_words_ids") is not None:
+        processors.append(NoBadWordsLogitsProcessor(config["bad_words_ids"], eos))
+    if eos is not None and (_given(config, "min_length") or 0) > 0:
+        processors.append(MinLengthLogitsProcessor(config["min_length"], eos, device=device))
+    if eos is not None and (_given(config, "min_new_tokens") or 0) > 0:
+        processors.append(MinNewTokensLengthLogitsProcessor(width, config["min_new_tokens"], eos, device=device))
+    if prefix_allowed_tokens_fn is not None:  # its batch index: the row's own, though each row is processed alone
+        processors.append(PrefixConstrainedLogitsProcessor(
+            lambda _, sequence: prefix_allowed_tokens_fn(row, sequence), 1))
+    if _given(config, "forced_bos_token_id") is not None:
+        processors.append(ForcedBOSTokenLogitsProcessor(config["forced_bos_token_id"]))
+    if _given(config, "forced_eos_token_id") is not None:
+        processors.append(ForcedEOSTokenLogitsProcessor(prompts.max_length, config["forced_eos_token_id"],
+                                                        device=device))
+    if _given(config, "remove_invalid_values") is True:
+        processors.append(InfNanRemoveLogitsProcessor())
+    if _given(config, "exponential_decay_length_penalty") is not None:
+        processors.append(ExponentialDecayLengthPenalty(config["exponential_decay_length_penalty"], eos, width))
+    if _given(config, "suppress_tokens") is not None:
+        processors.append(SuppressTokensLogitsProcessor(config["suppress_tokens"], device=device))
+    if _given(config, "begin_suppress_tokens") is not None:
+        begin = width if width > 1 or _given(config, "forced_bos_token_id") is None else width + 1
+        processors.append(SuppressTokensAtBeginLogitsProcessor(config["begin_suppress_tokens"], begin,
+                                                               device=device))
+    return processors
+
+
+def _warpers(config: Mapping[str, Any], temperature: float, top_k: int | None, top_p: float | None,
+             device: torch.device) -> list:
+    """The sampling warpers, in `generate`'s order (none when decoding greedily: temperature 0)."""
+    if temperature == 0.0:
+        return []
+    warpers: list = []
+    if temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if _given(config, "top_h") is not None:
+        from transformers.generation import TopHLogitsWarper  # Transformers 5 only; its config field too
+
+        warpers.append(TopHLogitsWarper(top_h=config["top_h"]))
+    if top_k is not None:
+        warpers.append(TopKLogitsWarper(top_k=top_k))
+    if top_p is not None:
+        warpers.append(TopPLogitsWarper(top_p=top_p))
+    if _given(config, "min_p") is not None:
+        warpers.append(MinPLogitsWarper(min_p=config["min_p"]))
+    if _given(config, "typical_p") not in (None, 1.0):
+        warpers.append(TypicalLogitsWarper(mass=config["typical_p"]))
+    if 0.0 < (_given(config, "epsilon_cutoff") or 0.0) < 1.0:
+        warpers.append(EpsilonLogitsWarper(epsilon=config["epsilon_cutoff"]))
+    if 0.0 < (_given(config, "eta_cutoff") or 0.0) < 1.0:
+        warpers.append(EtaLogitsWarper(epsilon=config["eta_cutoff"], device=device))
+    return warpers
+
+
+def _merged(defaults: list, custom: LogitsProcessorList | StoppingCriteriaList | None, kind: type) -> list:
+    """`generate`'s merge of a user's list into its own: a user's item replaces a built one of the same class; the
+    others follow."""
+    custom = list(custom or [])
+    merged = [next((item for item in custom if type(item) is type(default)), default) for default in defaults]
+    return kind(merged + [item for item in custom if item not in merged])
+
+
+@dataclass
+class PositionRules:
+    """A call's processors (one list per row: its prompt, padding and index) and stopping criteria, applied at each
+    verified position; what the call returns besides the ids."""
+
+    row_processors: list[LogitsProcessorList]  # per row, `generate`'s list for that row
+    stopping: StoppingCriteriaList | None  # None: only stop tokens and max_new_tokens end rows
+    output_scores: bool
+    output_logits: bool
+
+    @property
+    def keeps_scores(self) -> bool:
+        """Whether a verify's processed scores are read after it (criteria or outputs)."""
+        return self.stopping is not None or self.output_scores
+
+    def scores(self, logits: torch.Tensor, prefixes: list[list[torch.Tensor]], rows: list[int]) -> torch.Tensor:
+        """Processed scores [n, w, V] (float32) of logits [n, w, V]; prefixes[i][j]: the ids [L] before position j
+        of row rows[i]."""
+        processed = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        for index, row in enumerate(rows):
+            processors = self.row_processors[row]
+            for column, prefix in enumerate(prefixes[index]):
+                scores = logits[index, column][None].to(torch.float32, copy=True)  # [1, V]: processors may write
+                processed[index, column] = processors(prefix[None], scores)[0]
+        return processed
+
+    def first_stop(self, sequence: torch.Tensor, num_new: int, scores: torch.Tensor) -> int | None:
+        """The first of a row's `num_new` newly committed tokens (the last ones of `sequence` [L]) after which a
+        stopping criterion ends the row, or None; scores [num_new, V]: the processed scores each was chosen from."""
+        if self.stopping is None:
+            return None
+        start = sequence.shape[0] - num_new
+        for index in range(num_new):
+            if bool(self.stopping(sequence[None, : start + index + 1], scores[index : index + 1]).any()):
+                return index
+        return None
+
+
+def position_rules(config: Mapping[str, Any], prompts: CallPrompts, *, temperature: float, top_k: int | None,
+                   top_p: float | None, stop_token_ids: list[int], device: torch.device,
+                   logits_processor: LogitsProcessorList | None = None,
+                   stopping_criteria: StoppingCriteriaList | None = None,
+                   prefix_allowed_tokens_fn: Callable | None = None, tokenizer: Any = None) -> PositionRules | None:
+    """The call's `PositionRules` from `config` (the call's settings merged over the generation config), or None
+    when the loop's vectorised path already does what `generate` would (no processor beyond temperature, top-k and
+    top-p, no stopping criterion, no scores asked for)."""
+    if _given(config, "stop_strings") is not None and tokenizer is None:
+        raise ValueError("stop_strings needs the target's tokenizer: pass tokenizer=... as you would to generate.")
+    criteria: list = []
+    if _given(config, "max_time") is not None:
+        criteria.append(MaxTimeCriteria(max_time=config["max_time"], initial_timestamp=time.time()))
+    if _given(config, "stop_strings") is not None:
+        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=config["stop_strings"]))
+    stopping = _merged(criteria, stopping_criteria, StoppingCriteriaList)
+    warpers = _warpers(config, temperature, top_k, top_p, device)
+    row_processors = []
+    for row in range(prompts.input_ids.shape[0]):
+        prompt = prompts.input_ids[row : row + 1]  # [1, T]
+        built = (_penalties(config, prompt, prompts.padding[row])
+                 + _length_rules(config, prompts, stop_token_ids, row, prefix_allowed_tokens_fn, device))
+        row_processors.append(LogitsProcessorList(list(_merged(built, logits_processor, LogitsProcessorList))
+                                                  + warpers + ([LogitNormalization()]
+                                                               if _given(config, "renormalize_logits") else [])))
+    returned = bool(_given(config, "return_dict_in_generate"))  # generate returns scores only inside its output
+    output_scores = returned and bool(_given(config, "output_scores"))
+    output_logits = returned and bool(_given(config, "output_logits"))
+    beyond_vectorised = any(not isinstance(item, VECTORISED) for item in row_processors[0])  # every row: alike
+    if not (beyond_vectorised or stopping or output_scores or output_logits):
+        return None
+    return PositionRules(row_processors, stopping or None, output_scores, output_logits)
