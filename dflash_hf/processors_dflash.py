@@ -17,7 +17,6 @@ Hub remote code: imports only torch and transformers.
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -53,6 +52,8 @@ from transformers.generation import (
     TypicalLogitsWarper,
 )
 
+from .versions_dflash import REPETITION_PENALTY_SKIPS_PADDING
+
 # What the loop's own vectorised path (`sampling_dflash.process_logits`) already applies exactly.
 VECTORISED = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
@@ -79,12 +80,9 @@ def _penalties(config: Mapping[str, Any], prompt: torch.Tensor, padding: int) ->
     if _given(config, "encoder_repetition_penalty") not in (None, 1.0):
         processors.append(EncoderRepetitionPenaltyLogitsProcessor(config["encoder_repetition_penalty"], prompt))
     if _given(config, "repetition_penalty") not in (None, 1.0):
-        # Transformers 5 leaves each row's left padding out of the penalty; 4.57 counts it (its class has no such
-        # argument): the class's own signature says which this release does
-        ignores_padding = "prompt_ignore_length" in inspect.signature(RepetitionPenaltyLogitsProcessor).parameters
         processors.append(RepetitionPenaltyLogitsProcessor(config["repetition_penalty"],
                                                            **({"prompt_ignore_length": padding}
-                                                              if ignores_padding else {})))
+                                                              if REPETITION_PENALTY_SKIPS_PADDING else {})))
     if (_given(config, "no_repeat_ngram_size") or 0) > 0:
         processors.append(NoRepeatNGramLogitsProcessor(config["no_repeat_ngram_size"]))
     if (_given(config, "encoder_no_repeat_ngram_size") or 0) > 0:

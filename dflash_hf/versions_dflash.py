@@ -34,6 +34,9 @@ except ImportError:  # Transformers 4.x: recurrent states live in model-specific
 
 TRANSFORMERS_VERSION = transformers.__version__
 TRANSFORMERS_RELEASE = tuple(int(part) for part in TRANSFORMERS_VERSION.split(".")[:2])  # (5, 25)
+# `generate` leaves each row's left padding out of its repetition penalty in Transformers 5 (5.25 checked); 4.57.6
+# counts the padding (both tested against generate: tests/test_generate_arguments.py)
+REPETITION_PENALTY_SKIPS_PADDING = TRANSFORMERS_RELEASE >= (5, 0)
 
 
 def cache_keyword(target: torch.nn.Module) -> str:

@@ -98,6 +98,31 @@ def test_a_compiled_batch_keeps_rows_that_stopped_and_commits_nothing_for_them()
     assert min(result.num_new_tokens) < max(result.num_new_tokens)
 
 
+
+@pytest.mark.parametrize("tree_size", [None, 4])
+def test_generates_processors_and_stop_strings_run_on_the_compiled_backend(tree_size):
+    """The processors run on the compiled verify's logits, each row with its own prefix; a stop string ends a row of
+    the compiled batch where `generate` ends that row alone."""
+    from helpers import make_char_tokenizer
+
+    target, tokenizer = make_target(seed=3), make_char_tokenizer()
+    prompts = [random_prompt(seed, length)[0].tolist() for seed, length in ((4, 7), (5, 3))]
+    settings = {"repetition_penalty": 1.5, "no_repeat_ngram_size": 3}
+    references = [target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0,
+                                  **settings) for prompt in prompts]
+    stop = tokenizer.decode(references[0][0, len(prompts[0]) + 9 : len(prompts[0]) + 11])
+    expected = [target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0,
+                                stop_strings=stop, tokenizer=tokenizer, **settings) for prompt in prompts]
+    assert expected[0].shape[1] < len(prompts[0]) + 24
+    input_ids, attention_mask = left_pad(prompts, pad_token_id=0)
+    proposer = (TreeReferenceProposer(references, k=3, seed=1) if tree_size else
+                ReferenceProposer(references, corrupt_seed=2))
+    result = speculative_decode(target, proposer, input_ids, attention_mask=attention_mask, max_new_tokens=24,
+                                block_size=6, temperature=0.0, pad_token_id=0, tree_size=tree_size,
+                                stop_strings=stop, tokenizer=tokenizer, compile=DYNAMO_ONLY, **settings)
+    for row, reference in enumerate(expected):
+        assert result.new_tokens(row) == reference[0, len(prompts[row]):].tolist()
+
 @pytest.mark.parametrize("acceptance", ["rejection", "equality"])
 def test_compiled_sampling_draws_the_tokens_the_eager_loop_draws(acceptance):
     """Same seed, same tokens: the compiled verify changes no draw, so the target's distribution (tested for the

@@ -11,7 +11,7 @@ import textwrap
 
 import numpy as np
 import torch
-from helpers import make_draft, make_target
+from helpers import make_char_tokenizer, make_draft, make_target
 
 RUN_WITHOUT_PACKAGE = textwrap.dedent("""
     import json, sys
@@ -59,6 +59,30 @@ RUN_WITHOUT_PACKAGE = textwrap.dedent("""
         refusal = None
     except ValueError as error:
         refusal = str(error)
+
+    from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
+
+    class BoostResidue(LogitsProcessor):  # a user's processor that reads the prefix
+        def __call__(self, input_ids, scores):
+            scores = scores.clone()
+            scores[torch.arange(scores.shape[0]), (input_ids[:, -1] * 7) % scores.shape[1]] += 8.0
+            return scores
+
+    tokenizer = AutoTokenizer.from_pretrained(sys.argv[3])
+    processors = dict(repetition_penalty=1.3, logits_processor=LogitsProcessorList([BoostResidue()]))
+    unstopped = target.generate(input_ids=input_ids[1:], max_new_tokens=20, do_sample=False, pad_token_id=0,
+                                **processors)
+    stop = tokenizer.decode(unstopped[0, 6 + 7 : 6 + 9].tolist())
+    processed = dict(common, **processors, stop_strings=[stop], tokenizer=tokenizer, output_scores=True,
+                     return_dict_in_generate=True)
+    processed_plain = target.generate(**processed)
+    processed_ours = target.generate(custom_generate=draft_dir, trust_remote_code=True, **processed)
+    processed_alone = [target.generate(**dict(processed, input_ids=row[mask.bool()][None],
+                                                attention_mask=None)).sequences[0].tolist()
+                       for row, mask in zip(input_ids, attention_mask)]
+    scores_match = all(torch.allclose(ours[1], theirs[1], atol=1e-5)  # row 1's, up to where it stopped
+                       for ours, theirs in list(zip(processed_ours.scores, processed_plain.scores))[
+                           : len(processed_alone[1]) - 6])
     print(json.dumps({
         "plain": [row[0].tolist() for row in plain],
         "batched": batched.tolist(), "as_output": as_output.sequences.tolist(),
@@ -66,6 +90,9 @@ RUN_WITHOUT_PACKAGE = textwrap.dedent("""
         "streamed": streamed[0].tolist(), "stream": streamer.tokens, "with_assistant": with_assistant.tolist(),
         "refusal": refusal,
         "no_mask": no_mask.tolist(), "stopped": stopped.tolist(), "stopped_plain": stopped_plain.tolist(),
+        "processed_alone": processed_alone, "processed_ours": processed_ours.sequences.tolist(),
+        "processed_class": type(processed_ours).__name__, "scores_match": scores_match,
+        "num_scores": len(processed_ours.scores),
     }))
 """)
 
@@ -74,12 +101,13 @@ def test_generate_with_custom_generate_runs_our_loop_without_the_package(tmp_pat
     target, draft = make_target("qwen3", seed=31), make_draft(31, block_size=6)
     draft.save_pretrained(tmp_path / "draft")
     target.save_pretrained(tmp_path / "target")
+    make_char_tokenizer().save_pretrained(tmp_path / "tokenizer")
     assert (tmp_path / "draft" / "custom_generate" / "generate.py").read_text().startswith("# Exported by dflash-hf")
     (tmp_path / "run.py").write_text(RUN_WITHOUT_PACKAGE)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
     completed = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "draft"),
-                                str(tmp_path / "target")],
+                                str(tmp_path / "target"), str(tmp_path / "tokenizer")],
                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads(completed.stdout.strip().splitlines()[-1])
@@ -93,6 +121,14 @@ def test_generate_with_custom_generate_runs_our_loop_without_the_package(tmp_pat
     assert "num_beams=2" in result["refusal"]
     assert result["no_mask"] == result["batched"]  # a left-padded batch without a mask: pads are not prompt tokens
     assert result["stopped"] == result["stopped_plain"] and len(result["stopped"][0]) < 6 + 20  # a tensor EOS stops
+    # generate's processors, a user's processor, a stop string and scores pass through: each row as generate gives
+    # it alone (row 1 meets its stop string), scores as generate's (row 1, the unpadded one)
+    assert result["processed_class"] == "GenerateDecoderOnlyOutput" and result["scores_match"]
+    alone = result["processed_alone"]
+    assert len(alone[1]) < 6 + 20
+    assert result["processed_ours"][0][3:][: len(alone[0])] == alone[0]
+    assert result["processed_ours"][1][: len(alone[1])] == alone[1]
+    assert result["num_scores"] == max(len(alone[0]) + 3, len(alone[1])) - 6
 
 
 def test_the_standalone_copies_agree_with_the_package_functions():
