@@ -129,6 +129,25 @@ def test_train_target_dtype_defaults_to_bfloat16_on_cuda_and_float32_on_cpu():
     assert "bfloat16 autocast" in train_help and "stay float32" in train_help
 
 
+def test_train_defaults_are_the_published_recipe():
+    """Without flags a new draft has the published Qwen3-8B draft's shape (5 layers, blocks of 16) and trains with
+    the paper's 512 anchors per sequence and gamma 7."""
+    from helpers import make_target, make_tokenizer
+
+    from dflash_hf.cli import build_parser
+    from dflash_hf.loading import PUBLISHED_CONFIGS
+    from dflash_hf.training.command import build_draft
+    from dflash_hf.training.objective import loss_decay_gamma
+
+    args = build_parser().parse_args(["train", "--output", "run", "--mask-token", "w127"])
+    assert args.num_anchors == 512
+    draft, _ = build_draft(args, make_target("llama", seed=3), make_tokenizer())
+    published = json.loads((PUBLISHED_CONFIGS / "Qwen3-8B-DFlash-b16.json").read_text())
+    shape = (len(draft.layers), draft.block_size)
+    assert shape == (published["num_hidden_layers"], published["block_size"]) == (5, 16)
+    assert loss_decay_gamma(draft.block_size) == 7.0
+
+
 def test_train_generate_only_writes_the_rows_a_draft_regenerates_and_stops(tmp_path):
     from helpers import make_draft
 

@@ -22,7 +22,13 @@ from ..settings_dflash import check_draft_target, generation_tokens
 from ..smollm2 import SMOLLM2_MASK_TOKEN
 from .data import generate_responses, read_prompts
 from .processes import process_state
-from .recipe import draft_config_for, frequent_token_ids, initialize_from_target
+from .recipe import (
+    DEFAULT_DRAFT_BLOCK_SIZE,
+    DEFAULT_DRAFT_LAYERS,
+    draft_config_for,
+    frequent_token_ids,
+    initialize_from_target,
+)
 from .trainer import TrainingLog, TrainingSettings, train_draft
 
 # --target-dtype auto: the frozen target only gives features (and teacher logits), so it runs in bfloat16 on CUDA;
@@ -169,7 +175,8 @@ def build_draft(args: argparse.Namespace, target: torch.nn.Module, tokenizer: An
     mask_token_id = tokenizer.convert_tokens_to_ids(mask_token)
     if mask_token_id is None or mask_token_id == tokenizer.unk_token_id:
         raise SystemExit(f"mask token {mask_token!r} is not in the target's vocabulary")
-    config = draft_config_for(target, args.draft_layers or 2, args.draft_block_size or 8, mask_token_id,
+    config = draft_config_for(target, args.draft_layers or DEFAULT_DRAFT_LAYERS,
+                              args.draft_block_size or DEFAULT_DRAFT_BLOCK_SIZE, mask_token_id,
                               args.target_layer_ids, layer_attention_settings(args))
     config.dflash_config["mask_token"] = mask_token
     return DFlashDraftModel(config), mask_token
