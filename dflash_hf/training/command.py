@@ -21,7 +21,7 @@ from ..prompts import default_data_dir, user_prompt_ids
 from ..settings_dflash import check_draft_target, generation_tokens
 from ..smollm2 import SMOLLM2_MASK_TOKEN
 from .data import generate_responses, read_prompts
-from .processes import process_state
+from .processes import check_fsdp_applies, process_state
 from .recipe import (
     DEFAULT_DRAFT_BLOCK_SIZE,
     DEFAULT_DRAFT_LAYERS,
@@ -70,6 +70,7 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     output = Path(args.output)
     prompt_files, prompts, eval_file, eval_texts = train_and_eval_prompts(args)
     state = process_state()
+    check_fsdp_applies(state)  # before any model is loaded
     if state.is_main_process:
         output.mkdir(parents=True, exist_ok=True)
     state.wait_for_everyone()  # the folder exists before any process looks into it
