@@ -149,6 +149,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add_shared_argument(parser, "--seed")
     parser.add_argument("--eval-prompts", default=None, help="default: gsm8k_test.jsonl in the data folder")
     parser.add_argument("--num-eval", type=int, default=10, help='held-out prompts measured after training (0: none)')
+    parser.add_argument("--eval-every", type=int, default=0, metavar="N",
+                        help="also measure tau and losslessness on the held-out prompts before the first optimiser "
+                             "step, every N steps and after the last, on the main process, logged in "
+                             "training_log.json next to the loss (0: only after training)")
     parser.add_argument("--eval-max-new-tokens", type=int, default=256, help='new tokens per held-out prompt')
     parser.add_argument("--eval-dtype", choices=DTYPES, default="float32", help='dtype of the held-out measurement')
 

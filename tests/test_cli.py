@@ -22,7 +22,7 @@ def test_train_command_writes_a_hub_ready_draft(tmp_path):
             "--draft-layers", "1", "--mask-token", "w127", "--epochs", "2", "--num-anchors", "6", "--distill",
             "--init-from-target", "--mixed-precision", "bf16", "--draft-vocab-size", "40",
             "--eval-prompts", str(prompts), "--num-eval", "2", "--eval-max-new-tokens", "10",
-            "--eval-dtype", "float32"]
+            "--eval-dtype", "float32", "--eval-every", "4"]
     main(argv)
     assert len((run / "responses.jsonl").read_text().splitlines()) == 4
     evaluation = json.loads((run / "evaluation.json").read_text())
@@ -39,7 +39,10 @@ def test_train_command_writes_a_hub_ready_draft(tmp_path):
     draft = AutoModel.from_pretrained(run / "draft", trust_remote_code=True)
     assert type(draft).__name__ == "DFlashDraftModel" and draft.draft_vocab == vocab
     assert {tensor.dtype for tensor in load_file(run / "draft" / "model.safetensors").values()} == {torch.float32}
-    assert json.loads((run / "training_log.json").read_text())["settings"]["mixed_precision"] == "bf16"
+    training_log = json.loads((run / "training_log.json").read_text())
+    assert training_log["settings"]["mixed_precision"] == "bf16"
+    assert [evaluation["step"] for evaluation in training_log["evaluations"]] == [0, 4, 8]  # --eval-every 4
+    assert all(evaluation["lossless"] for evaluation in training_log["evaluations"])
     # a second run resumes: nothing is regenerated or retrained
     main(argv)
     assert json.loads((run / "training_log.json").read_text())["steps"] == 8
