@@ -122,6 +122,7 @@ def test_uneven_shards_take_the_same_number_of_steps_on_every_process(train_run)
     assert [len(record["local_losses"]) for record in records] == [steps, steps]  # one sequence per step each
     assert [record["log_steps"] for record in records] == [steps, steps]
     assert training_log(output)["steps"] == steps and training_log(output)["processes"] == 2
+    assert training_log(output)["tokens"] == steps * 2 * (5 + 16)  # both processes' sequences, the repeated one too
     assert records[0]["weights_sum"] == records[1]["weights_sum"]  # the gradients were averaged: one draft
 
 
