@@ -65,7 +65,8 @@ def step_flops(config: DFlashConfig, layers: int, anchors: int, tokens: int) -> 
 
 
 def measure(config: DFlashConfig, head: FrozenHead, layers: int, anchors: int, tokens: int) -> dict[str, float]:
-    """FLOPs (counted) and seconds (the faster of two steps) of training steps at these sizes."""
+    """FLOPs (counted), seconds (the faster of two steps) and the bytes autograd saves for the backward (the
+    activations; each step's own, float32 here) of training steps at these sizes."""
     config.num_hidden_layers = layers
     torch.manual_seed(0)
     draft = DFlashDraftModel(config)
@@ -75,20 +76,32 @@ def measure(config: DFlashConfig, head: FrozenHead, layers: int, anchors: int, t
     loss_mask = torch.ones(tokens, dtype=torch.long)
     teacher_ids = torch.randint(0, config.vocab_size, (tokens, TOP_K))
     signals = TargetSignals(torch.randn(tokens, features), torch.rand(tokens, TOP_K).softmax(-1), teacher_ids)
-    seconds, counted = [], 0.0
+    seconds, counted, saved = [], 0.0, {}
+
+    weights = {p.untyped_storage().data_ptr() for p in [*draft.parameters(), *head.parameters()]}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:  # what autograd saves for the backward (not the weights), once
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
     for repeat in range(2):
+        saved.clear()
         counter = FlopCounterMode(display=False)
         started = time.perf_counter()
         with counter:
-            result = dflash_loss(draft, head, input_ids, loss_mask, anchors, torch.Generator().manual_seed(repeat),
-                                 signals)
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+                result = dflash_loss(draft, head, input_ids, loss_mask, anchors,
+                                     torch.Generator().manual_seed(repeat), signals)
             result.loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         seconds.append(time.perf_counter() - started)
         counted = counter.get_total_flops()
     return {"layers": layers, "anchors": anchors, "tokens": tokens, "counted_flops": counted,
-            "formula_flops": step_flops(config, layers, anchors, tokens), "seconds": min(seconds)}
+            "formula_flops": step_flops(config, layers, anchors, tokens), "seconds": min(seconds),
+            "saved_for_backward_bytes": sum(saved.values())}
 
 
 def main() -> None:
