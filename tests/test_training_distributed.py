@@ -226,6 +226,19 @@ def test_an_fsdp_config_on_cpu_processes_is_refused_before_anything_loads(tmp_pa
     check_fsdp_applies(cpu_processes)  # no FSDP config: CPU processes train data-parallel
 
 
+def test_the_readme_fsdp_command_uses_the_tested_config_and_parses():
+    import shlex
+
+    from dflash_hf.cli import build_parser
+
+    readme = (TESTS.parent / "README.md").read_text().replace("\\\n", " ")
+    command = next(line for line in readme.splitlines() if line.startswith("accelerate launch --config_file"))
+    words = shlex.split(command)
+    assert words[3] == str(FSDP_CONFIG.relative_to(TESTS.parent))  # the config the FSDP test launches with
+    arguments = words[words.index("dflash_hf.cli") + 1:]
+    assert build_parser().parse_args(arguments).eval_every == 500  # every flag exists
+
+
 def test_shards_are_equal_and_cover_every_item():
     for num_items, num_processes in [(5, 2), (8, 3), (1, 2), (6, 3), (0, 2)]:
         shards = [padded_shard(num_items, rank, num_processes) for rank in range(num_processes)]
