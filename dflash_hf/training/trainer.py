@@ -3,7 +3,9 @@
 One sequence per optimiser step, many anchors per sequence (docs/training.md). Runs as is on
 one CPU or GPU and data-parallel under `accelerate launch` or `torchrun` (Accelerate is the distributed engine): each
 of N processes takes an equal shard of the sequences and one sequence per optimiser step, the gradients are averaged,
-the schedule counts optimiser steps, the log holds global values and only the main process writes.
+the schedule counts optimiser steps, the log holds global values and only the main process writes. Under Accelerate's
+FSDP plugin (`accelerate launch --config_file examples/accelerate_fsdp.yaml`) the draft is sharded over the processes,
+and checkpoints are gathered from the shards (docs/training.md, "FSDP").
 Cached target signals live on the host (pinned when CUDA is available) and go to the device one step at a time.
 """
 
@@ -477,8 +479,9 @@ def train_draft(
 
 
 def whole_weights(model: torch.nn.Module, every_process: bool) -> dict[str, torch.Tensor]:
-    """The draft's whole weights gathered from FSDP's shards (a collective: every process calls it), on every process
-    or (`every_process` False) on the main process only, on the host (the others get an empty dict)."""
+    """The draft's whole weights gathered from FSDP's shards (a collective: every process calls it): on every process,
+    on its device; or (`every_process` False) on the main process only, on the host (the others get an empty
+    dict)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not every_process))
