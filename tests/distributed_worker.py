@@ -98,22 +98,33 @@ def weights_sum(draft: torch.nn.Module) -> float:
 
 
 def run_train(output: Path) -> None:
-    """`train_draft` on 5 rows (an uneven split over two processes), 2 epochs, a visible warm-up; then the same run
-    interrupted after 3 steps and resumed (in OUTPUT's sibling `resumed`, seen by no audit hook)."""
+    """`train_draft` on 5 rows (an uneven split over two processes), 2 epochs, a visible warm-up, a held-out
+    evaluation every 3 steps (it records the whole draft's weight sum); then the same run interrupted after 3 steps
+    and resumed (in OUTPUT's sibling `resumed`, seen by no audit hook)."""
     from helpers import make_draft, make_target
 
     settings = trainer.TrainingSettings(epochs=2, learning_rate=2e-3, num_anchors=8, warmup_ratio=0.25,
                                         checkpoint_every=2)
     target, rows = make_target("qwen3", seed=4), train_rows(5)
+
+    def evaluate(draft: torch.nn.Module) -> dict:  # what the held-out evaluation sees: the whole draft's weights
+        RECORD["held_out_calls"] = RECORD.get("held_out_calls", 0) + 1
+        return {"weights_sum": weights_sum(draft)}
+
+    def train(draft: torch.nn.Module, folder: Path, max_steps: int | None = None) -> trainer.TrainingLog:
+        return trainer.train_draft(draft, target, rows, settings, folder, progress=False, max_steps=max_steps,
+                                   evaluate=evaluate, eval_every=3)
+
     draft = make_draft(5, block_size=4)
-    log = trainer.train_draft(draft, target, rows, settings, output, progress=False)
-    RECORD["log_steps"], RECORD["weights_sum"] = log.steps, weights_sum(draft)
+    log = train(draft, output)
+    RECORD["log_steps"], RECORD["weights_sum"], RECORD["held_out"] = log.steps, weights_sum(draft), log.evaluations
     RECORD["recording"] = False
     resumed = output.parent / "resumed"
-    trainer.train_draft(make_draft(5, block_size=4), target, rows, settings, resumed, progress=False, max_steps=3)
+    train(make_draft(5, block_size=4), resumed, max_steps=3)
     draft = make_draft(6, block_size=4)  # other initial weights: the checkpoint's replace them
-    log = trainer.train_draft(draft, target, rows, settings, resumed, progress=False)
-    RECORD["resumed"] = {"losses": log.losses, "learning_rates": log.learning_rates, "weights_sum": weights_sum(draft)}
+    log = train(draft, resumed)
+    RECORD["resumed"] = {"losses": log.losses, "learning_rates": log.learning_rates, "weights_sum": weights_sum(draft),
+                         "held_out": log.evaluations}
 
 
 def force_fsdp() -> None:

@@ -142,6 +142,16 @@ def test_a_resumed_run_equals_the_uninterrupted_one(train_run):
         resumed = record["resumed"]
         assert resumed["losses"] == log["losses"] and resumed["learning_rates"] == log["learning_rates"]
         assert resumed["weights_sum"] == records[0]["weights_sum"]
+        assert resumed["held_out"] == record["held_out"]  # the held-out curve continues across the resume
+
+
+def test_the_main_process_alone_evaluates_held_out_prompts_during_training(train_run):
+    output, records = train_run
+    assert [record.get("held_out_calls", 0) for record in records] == [3 + 2 + 1, 0]  # 3 runs: 6, 0-3, 3-6 steps
+    held_out = records[0]["held_out"]
+    assert [evaluation["step"] for evaluation in held_out] == [0, 3, 6] and records[1]["held_out"] == held_out
+    assert held_out[-1]["weights_sum"] == records[0]["weights_sum"]  # it evaluated the trained draft
+    assert training_log(output)["evaluations"] == held_out
 
 
 def test_a_checkpoint_resumes_on_its_own_number_of_processes(train_run, tmp_path):
@@ -164,6 +174,11 @@ def test_fsdp_trains_the_sharded_draft_as_ddp_does_and_resumes_exactly(fsdp_run,
         assert record["resumed"]["losses"] == log["losses"]
         assert record["resumed"]["weights_sum"] == records[0]["weights_sum"]
     assert records[1]["writes"] == []  # one writer; the others gathered with it, and nothing hung
+    # the held-out evaluation saw the whole draft, gathered from the shards: the weights data-parallel training had
+    held_out, ddp_held_out = records[0]["held_out"], train_run[1][0]["held_out"]
+    assert [evaluation["step"] for evaluation in held_out] == [0, 3, 6] and records[1]["held_out"] == held_out
+    assert held_out[-1]["weights_sum"] == records[0]["weights_sum"]
+    assert [e["weights_sum"] for e in held_out] == pytest.approx([e["weights_sum"] for e in ddp_held_out], rel=1e-6)
     # the same optimisation as data-parallel training: the losses and the saved weights agree to rounding
     ddp_output, _ = train_run
     assert log["losses"] == pytest.approx(training_log(ddp_output)["losses"], rel=1e-4)

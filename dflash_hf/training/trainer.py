@@ -27,7 +27,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from ..modeling_dflash import DFlashDraftModel
 from .objective import StepResult, TargetSignals, dflash_loss, target_signals, teacher_rows
-from .processes import check_fsdp_applies, padded_shard
+from .processes import check_fsdp_applies, gather_json, padded_shard
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -399,8 +399,9 @@ def train_draft(
     (`padded_shard`), an optimiser step is one sequence per process, and only the main process writes
     `output_dir`; all return the same log once it is written. Under Accelerate's FSDP a copy of the draft is
     sharded over the processes and the trained weights are gathered back into `draft` at the end.
-    `evaluate(draft)` (held-out tau and losslessness) runs on the main process before the first step, every
-    `eval_every` optimiser steps and after the last; its results go to `log.evaluations`."""
+    `evaluate(draft)` (held-out tau and losslessness; JSON-ready values) runs on the main process before the first
+    step, every `eval_every` optimiser steps and after the last; its results go to every process's
+    `log.evaluations`."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
     from tqdm.auto import tqdm
@@ -489,16 +490,16 @@ def whole_weights(model: torch.nn.Module, every_process: bool) -> dict[str, torc
 
 def record_evaluation(accelerator: Accelerator, sharded_model: torch.nn.Module | None, draft: DFlashDraftModel,
                       evaluate: Callable[[DFlashDraftModel], dict[str, Any]], log: TrainingLog) -> None:
-    """Evaluate the whole draft on the main process and append `{"step", **results}` to its log; the other processes
-    go on to the next step. Under FSDP (`sharded_model`) every process first gathers the shards into `draft`."""
+    """Evaluate the whole draft on the main process and append `{"step", **results}` to every process's log (the
+    others wait for the results). Under FSDP (`sharded_model`) every process first gathers the shards into `draft`."""
     if sharded_model is not None:
         weights = whole_weights(sharded_model, every_process=False)
         if accelerator.is_main_process:
             draft.load_state_dict(weights)
-    if not accelerator.is_main_process:
-        return
-    draft.eval()
-    with torch.no_grad():
-        results = evaluate(draft)
-    draft.train()
-    log.evaluations.append({"step": log.steps, **results})
+    results = []
+    if accelerator.is_main_process:
+        draft.eval()
+        with torch.no_grad():
+            results.append(evaluate(draft))
+        draft.train()
+    log.evaluations.append({"step": log.steps, **gather_json(results, accelerator.state)[0]})
