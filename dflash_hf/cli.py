@@ -109,9 +109,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop once OUTPUT/responses.jsonl holds every prompt (resumable; train later)")
     parser.add_argument("--draft-block-size", type=int, default=None,
                         help="the block the draft is trained for (its config's block_size; bench and demo "
-                             "--block-size verify up to it); default 8 (or --init-from's)")
+                             "--block-size verify up to it); default 16, as the published drafts (or --init-from's)")
     parser.add_argument("--block-size", dest="renamed_block_size", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--draft-layers", type=int, default=None, help="default 2 (or --init-from's)")
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="default 5, as the published drafts (or --init-from's)")
     parser.add_argument("--target-layer-ids", type=int, nargs="*", default=None,
                         help="target layers whose outputs the draft reads (default: spread evenly, as the "
                              "published drafts)")
@@ -124,8 +125,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=6, help='passes over the training sequences')
     parser.add_argument("--learning-rate", type=float, default=6e-4,
                         help="AdamW's peak learning rate (cosine schedule with warm-up)")
-    parser.add_argument("--num-anchors", type=int, default=64,
-                        help='random block starts per sequence, trained together in one pass')
+    parser.add_argument("--num-anchors", type=int, default=TrainingSettings.num_anchors,
+                        help="random block starts per sequence (the paper's 512), trained together in one pass")
     parser.add_argument("--distill", action=argparse.BooleanOptionalAction, default=TrainingSettings.distill,
                         help="soft labels from the target's top-k distribution, as every documented recipe trains")
     parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="K",
@@ -148,6 +149,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add_shared_argument(parser, "--seed")
     parser.add_argument("--eval-prompts", default=None, help="default: gsm8k_test.jsonl in the data folder")
     parser.add_argument("--num-eval", type=int, default=10, help='held-out prompts measured after training (0: none)')
+    parser.add_argument("--eval-every", type=int, default=0, metavar="N",
+                        help="also measure tau and losslessness on the held-out prompts before the first optimiser "
+                             "step, every N steps and after the last, on the main process, logged in "
+                             "training_log.json next to the loss (0: only after training)")
     parser.add_argument("--eval-max-new-tokens", type=int, default=256, help='new tokens per held-out prompt')
     parser.add_argument("--eval-dtype", choices=DTYPES, default="float32", help='dtype of the held-out measurement')
 

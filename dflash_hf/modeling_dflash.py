@@ -513,6 +513,11 @@ class DFlashDraftModel(PreTrainedModel, DFlashGenerationMixin):
         """An empty context cache for one generation."""
         return DraftContextCache(len(self.layers))
 
+    def get_input_embeddings(self) -> None:
+        """None: the draft has no embedding of its own (it reads the target's, `embed_block`), so code that handles
+        a model's embedding (Accelerate's FSDP wrapping, Transformers' helpers) leaves it alone."""
+        return None
+
     def embed_block(self, block_ids: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
         """Block inputs [N, T, H]: the raw lookup of ids [N, T] in the target's embedding weight, times
         `input_embedding_scale` (never the target embedding module's own scaling)."""

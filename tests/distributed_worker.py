@@ -1,9 +1,10 @@
 """One process of a two-process training run (tests/test_training_distributed.py starts two with torchrun).
 
 `python distributed_worker.py MODE OUTPUT RECORDS [CLI ARGS...]`. MODE `train` runs `train_draft` on tiny seeded
-models built here; MODE `cli` runs `dflash-hf train` with the CLI ARGS. Every process records what it did in
-RECORDS/rank<i>.json (outside OUTPUT): the files it wrote under OUTPUT (seen by an audit hook), the loss of each of
-its own sequences, the prompts it generated and the evaluations it ran.
+models built here; MODE `fsdp` the same under Accelerate's FSDP (started by `accelerate launch --config_file
+examples/accelerate_fsdp.yaml`); MODE `cli` runs `dflash-hf train` with the CLI ARGS. Every process records what it
+did in RECORDS/rank<i>.json (outside OUTPUT): the files it wrote under OUTPUT (seen by an audit hook), the loss of
+each of its own sequences, the prompts it generated and the evaluations it ran.
 """
 
 from __future__ import annotations
@@ -57,10 +58,15 @@ def record_calls() -> None:
     loss, respond = trainer.dflash_loss, dflash_hf.training.data._respond
     evaluate = dflash_hf.training.command.evaluate_draft
 
-    def counted_loss(*args, **kwargs):
-        result = loss(*args, **kwargs)
+    def counted_loss(draft, *args, **kwargs):
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        sharded = isinstance(draft, FSDPModule) and all(isinstance(p, DTensor) for p in draft.parameters())
+        result = loss(draft, *args, **kwargs)
         if RECORD["recording"]:
             RECORD["local_losses"].append(float(result.loss.detach()))
+            RECORD["sharded_steps"] = RECORD.get("sharded_steps", 0) + sharded  # this step's draft held shards
         return result
 
     def counted_respond(target, draft, input_ids, *args, **kwargs):
@@ -92,22 +98,54 @@ def weights_sum(draft: torch.nn.Module) -> float:
 
 
 def run_train(output: Path) -> None:
-    """`train_draft` on 5 rows (an uneven split over two processes), 2 epochs, a visible warm-up; then the same run
-    interrupted after 3 steps and resumed (in OUTPUT's sibling `resumed`, seen by no audit hook)."""
+    """`train_draft` on 5 rows (an uneven split over two processes), 2 epochs, a visible warm-up, a held-out
+    evaluation every 3 steps (it records the whole draft's weight sum); then the same run interrupted after 3 steps
+    and resumed (in OUTPUT's sibling `resumed`, seen by no audit hook)."""
     from helpers import make_draft, make_target
 
     settings = trainer.TrainingSettings(epochs=2, learning_rate=2e-3, num_anchors=8, warmup_ratio=0.25,
                                         checkpoint_every=2)
     target, rows = make_target("qwen3", seed=4), train_rows(5)
+
+    def evaluate(draft: torch.nn.Module) -> dict:  # what the held-out evaluation sees: the whole draft's weights
+        RECORD["held_out_calls"] = RECORD.get("held_out_calls", 0) + 1
+        return {"weights_sum": weights_sum(draft)}
+
+    def train(draft: torch.nn.Module, folder: Path, max_steps: int | None = None) -> trainer.TrainingLog:
+        return trainer.train_draft(draft, target, rows, settings, folder, progress=False, max_steps=max_steps,
+                                   evaluate=evaluate, eval_every=3)
+
     draft = make_draft(5, block_size=4)
-    log = trainer.train_draft(draft, target, rows, settings, output, progress=False)
-    RECORD["log_steps"], RECORD["weights_sum"] = log.steps, weights_sum(draft)
+    log = train(draft, output)
+    RECORD["log_steps"], RECORD["weights_sum"], RECORD["held_out"] = log.steps, weights_sum(draft), log.evaluations
     RECORD["recording"] = False
     resumed = output.parent / "resumed"
-    trainer.train_draft(make_draft(5, block_size=4), target, rows, settings, resumed, progress=False, max_steps=3)
+    train(make_draft(5, block_size=4), resumed, max_steps=3)
     draft = make_draft(6, block_size=4)  # other initial weights: the checkpoint's replace them
-    log = trainer.train_draft(draft, target, rows, settings, resumed, progress=False)
-    RECORD["resumed"] = {"losses": log.losses, "learning_rates": log.learning_rates, "weights_sum": weights_sum(draft)}
+    log = train(draft, resumed)
+    RECORD["resumed"] = {"losses": log.losses, "learning_rates": log.learning_rates, "weights_sum": weights_sum(draft),
+                         "held_out": log.evaluations}
+
+
+def force_fsdp() -> None:
+    """Make these CPU processes FSDP ones, as a GPU launch with the same config file is. Accelerate applies its FSDP
+    plugin to GPU processes only (accelerate/state.py: CPU processes are MULTI_CPU, and `train` refuses the FSDP
+    config there: recorded first); the plugin set here is Accelerate's own, built from the config's FSDP_*
+    environment, and `prepare` then shards the draft with torch's `fully_shard` over the gloo group."""
+    from accelerate import Accelerator, PartialState
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    from dflash_hf.training.processes import check_fsdp_applies
+
+    try:
+        check_fsdp_applies(PartialState(cpu=True))
+    except ValueError as error:
+        RECORD["refused"] = str(error)
+    Accelerator(cpu=True)
+    state = AcceleratorState()
+    state.fsdp_plugin = FullyShardedDataParallelPlugin()
+    state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
 def main() -> None:
@@ -115,7 +153,9 @@ def main() -> None:
     torch.set_num_threads(1)
     watch_writes(output)
     record_calls()
-    if mode == "train":
+    if mode in ("train", "fsdp"):
+        if mode == "fsdp":
+            force_fsdp()
         run_train(output)
     else:
         from dflash_hf.cli import main as cli

@@ -22,7 +22,7 @@ def test_train_command_writes_a_hub_ready_draft(tmp_path):
             "--draft-layers", "1", "--mask-token", "w127", "--epochs", "2", "--num-anchors", "6", "--distill",
             "--init-from-target", "--mixed-precision", "bf16", "--draft-vocab-size", "40",
             "--eval-prompts", str(prompts), "--num-eval", "2", "--eval-max-new-tokens", "10",
-            "--eval-dtype", "float32"]
+            "--eval-dtype", "float32", "--eval-every", "4"]
     main(argv)
     assert len((run / "responses.jsonl").read_text().splitlines()) == 4
     evaluation = json.loads((run / "evaluation.json").read_text())
@@ -39,7 +39,10 @@ def test_train_command_writes_a_hub_ready_draft(tmp_path):
     draft = AutoModel.from_pretrained(run / "draft", trust_remote_code=True)
     assert type(draft).__name__ == "DFlashDraftModel" and draft.draft_vocab == vocab
     assert {tensor.dtype for tensor in load_file(run / "draft" / "model.safetensors").values()} == {torch.float32}
-    assert json.loads((run / "training_log.json").read_text())["settings"]["mixed_precision"] == "bf16"
+    training_log = json.loads((run / "training_log.json").read_text())
+    assert training_log["settings"]["mixed_precision"] == "bf16"
+    assert [evaluation["step"] for evaluation in training_log["evaluations"]] == [0, 4, 8]  # --eval-every 4
+    assert all(evaluation["lossless"] for evaluation in training_log["evaluations"])
     # a second run resumes: nothing is regenerated or retrained
     main(argv)
     assert json.loads((run / "training_log.json").read_text())["steps"] == 8
@@ -127,6 +130,25 @@ def test_train_target_dtype_defaults_to_bfloat16_on_cuda_and_float32_on_cpu():
     train_help = " ".join(build_parser()._subparsers._group_actions[0].choices["train"].format_help().split())
     assert "auto: bfloat16 on CUDA, float32 on CPU" in train_help
     assert "bfloat16 autocast" in train_help and "stay float32" in train_help
+
+
+def test_train_defaults_are_the_published_recipe():
+    """Without flags a new draft has the published Qwen3-8B draft's shape (5 layers, blocks of 16) and trains with
+    the paper's 512 anchors per sequence and gamma 7."""
+    from helpers import make_target, make_tokenizer
+
+    from dflash_hf.cli import build_parser
+    from dflash_hf.loading import PUBLISHED_CONFIGS
+    from dflash_hf.training.command import build_draft
+    from dflash_hf.training.objective import loss_decay_gamma
+
+    args = build_parser().parse_args(["train", "--output", "run", "--mask-token", "w127"])
+    assert args.num_anchors == 512
+    draft, _ = build_draft(args, make_target("llama", seed=3), make_tokenizer())
+    published = json.loads((PUBLISHED_CONFIGS / "Qwen3-8B-DFlash-b16.json").read_text())
+    shape = (len(draft.layers), draft.block_size)
+    assert shape == (published["num_hidden_layers"], published["block_size"]) == (5, 16)
+    assert loss_decay_gamma(draft.block_size) == 7.0
 
 
 def test_train_generate_only_writes_the_rows_a_draft_regenerates_and_stops(tmp_path):

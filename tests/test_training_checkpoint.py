@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -91,6 +91,24 @@ def test_a_resumed_run_continues_from_the_checkpoint(tmp_path, target, rows):
     assert resumed_log.losses[:3] == first_log.losses  # the log continues: steps 1..3 came from the checkpoint
     scheduler_state = json.loads((tmp_path / CHECKPOINT_DIR / OPTIMIZER_SCHEDULER_FILE).read_text())["scheduler"]
     assert scheduler_state["last_epoch"] == 5
+
+
+def test_a_resume_with_other_settings_or_data_is_refused_and_the_checkpoint_kept(tmp_path, target, rows):
+    train_draft(make_draft(5, block_size=4), target, rows, SETTINGS, tmp_path, progress=False, max_steps=1)
+    weights = (tmp_path / CHECKPOINT_DIR / DRAFT_WEIGHTS_FILE).read_bytes()
+    for settings, kept_rows, message in [
+        (replace(SETTINGS, learning_rate=1e-3), rows, "learning_rate 0.002 there, 0.001 here"),
+        (replace(SETTINGS, num_anchors=4, distill=False), rows, "num_anchors 8 there, 4 here; distill True there"),
+        (SETTINGS, rows[:3], "sequences 4 there, 3 here"),  # another schedule length
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)) as error:
+            train_draft(make_draft(5, block_size=4), target, kept_rows, settings, tmp_path, progress=False)
+        assert "start a new --output" in str(error.value)
+    assert (tmp_path / CHECKPOINT_DIR / DRAFT_WEIGHTS_FILE).read_bytes() == weights
+    # how often it is saved changes nothing that is trained: resumed
+    log = train_draft(make_draft(5, block_size=4), target, rows, replace(SETTINGS, checkpoint_every=5), tmp_path,
+                      progress=False, max_steps=2)
+    assert log.steps == 2
 
 
 def test_save_replaces_the_folder_and_load_restores_optimizer_and_schedule(tmp_path):

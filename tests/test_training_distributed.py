@@ -1,7 +1,8 @@
 """Training on two processes (torchrun, gloo on the CPU), each result compared with one process or the plain values.
 
-Two runs, each shared by the tests below it: `train_draft` on 5 sequences (an uneven split: 3 + 2) and `dflash-hf
-train` end to end on a tiny saved target. tests/distributed_worker.py is the program of each process; it records
+Three runs, each shared by the tests below it: `train_draft` on 5 sequences (an uneven split: 3 + 2), the same under
+Accelerate's FSDP (started by `accelerate launch` with examples/accelerate_fsdp.yaml), and `dflash-hf train` end to
+end on a tiny saved target. tests/distributed_worker.py is the program of each process; it records
 what its process did (files written, per-sequence losses, generated prompts) next to the run's output.
 """
 
@@ -21,10 +22,11 @@ import pytest
 import torch
 from distributed_worker import train_rows
 from helpers import make_draft, make_target, save_tiny_target_and_prompts
+from safetensors.torch import load_file
 from transformers import get_cosine_schedule_with_warmup
 
 from dflash_hf.training.processes import gather_json, padded_shard, round_share
-from dflash_hf.training.trainer import CHECKPOINT_DIR, TrainingLog, TrainingSettings, train_draft
+from dflash_hf.training.trainer import CHECKPOINT_DIR, DRAFT_WEIGHTS_FILE, TrainingLog, TrainingSettings, train_draft
 
 TESTS = Path(__file__).resolve().parent
 NUM_SEQUENCES, EPOCHS, WARMUP_RATIO, LEARNING_RATE = 5, 2, 0.25, 2e-3  # as distributed_worker.run_train
@@ -38,12 +40,19 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+FSDP_CONFIG = TESTS.parent / "examples" / "accelerate_fsdp.yaml"
+
+
 def run_two_processes(mode: str, folder: Path, *cli_args: str) -> tuple[Path, list[dict]]:
-    """Run distributed_worker.py MODE on two processes; (the run's output folder, each process's record)."""
+    """Run distributed_worker.py MODE on two processes (`fsdp`: through `accelerate launch` and the FSDP config, else
+    torchrun); (the run's output folder, each process's record)."""
     output, records = folder / "run", folder / "records"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-               str(TESTS / "distributed_worker.py"), mode, str(output), str(records), *cli_args]
+    launcher = (["-m", "accelerate.commands.launch", "--config_file", str(FSDP_CONFIG), "--num_processes", "2",
+                 "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port())] if mode == "fsdp" else
+                ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2", "--master_addr",
+                 "127.0.0.1", "--master_port", str(free_port())])
+    command = [sys.executable, *launcher, str(TESTS / "distributed_worker.py"), mode, str(output), str(records),
+               *cli_args]
     package_root = str(TESTS.parent)  # this checkout's dflash_hf, whatever is installed
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                    "CUDA_VISIBLE_DEVICES": "",  # CPU processes (gloo) on a GPU machine too: not two on one GPU
@@ -65,6 +74,12 @@ def run_two_processes(mode: str, folder: Path, *cli_args: str) -> tuple[Path, li
 def train_run(tmp_path_factory) -> tuple[Path, list[dict]]:
     """`train_draft` on 5 sequences, 2 epochs, on two processes."""
     return run_two_processes("train", tmp_path_factory.mktemp("train"))
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """The run of `train_run` under Accelerate's FSDP plugin (FSDP 2, one shard unit per decoder layer)."""
+    return run_two_processes("fsdp", tmp_path_factory.mktemp("fsdp"))
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +122,7 @@ def test_uneven_shards_take_the_same_number_of_steps_on_every_process(train_run)
     assert [len(record["local_losses"]) for record in records] == [steps, steps]  # one sequence per step each
     assert [record["log_steps"] for record in records] == [steps, steps]
     assert training_log(output)["steps"] == steps and training_log(output)["processes"] == 2
+    assert training_log(output)["tokens"] == steps * 2 * (5 + 16)  # both processes' sequences, the repeated one too
     assert records[0]["weights_sum"] == records[1]["weights_sum"]  # the gradients were averaged: one draft
 
 
@@ -126,6 +142,16 @@ def test_a_resumed_run_equals_the_uninterrupted_one(train_run):
         resumed = record["resumed"]
         assert resumed["losses"] == log["losses"] and resumed["learning_rates"] == log["learning_rates"]
         assert resumed["weights_sum"] == records[0]["weights_sum"]
+        assert resumed["held_out"] == record["held_out"]  # the held-out curve continues across the resume
+
+
+def test_the_main_process_alone_evaluates_held_out_prompts_during_training(train_run):
+    output, records = train_run
+    assert [record.get("held_out_calls", 0) for record in records] == [3 + 2 + 1, 0]  # 3 runs: 6, 0-3, 3-6 steps
+    held_out = records[0]["held_out"]
+    assert [evaluation["step"] for evaluation in held_out] == [0, 3, 6] and records[1]["held_out"] == held_out
+    assert held_out[-1]["weights_sum"] == records[0]["weights_sum"]  # it evaluated the trained draft
+    assert training_log(output)["evaluations"] == held_out
 
 
 def test_a_checkpoint_resumes_on_its_own_number_of_processes(train_run, tmp_path):
@@ -134,6 +160,32 @@ def test_a_checkpoint_resumes_on_its_own_number_of_processes(train_run, tmp_path
     with pytest.raises(ValueError, match=r"run on 2 process\(es\), this one has 1.*--nproc_per_node 2"):
         train_draft(make_draft(5, block_size=4), make_target("qwen3", seed=4), train_rows(5),
                     TrainingSettings(epochs=2, num_anchors=8), tmp_path, progress=False)
+
+
+def test_fsdp_trains_the_sharded_draft_as_ddp_does_and_resumes_exactly(fsdp_run, train_run):
+    output, records = fsdp_run
+    steps = math.ceil(NUM_SEQUENCES / 2) * EPOCHS
+    assert [record["sharded_steps"] for record in records] == [steps, steps]  # every step on DTensor shards
+    assert "asks for FSDP" in records[0]["refused"]  # unforced, CPU processes refuse the FSDP config
+    log = training_log(output)
+    assert log["steps"] == steps and log["processes"] == 2
+    assert records[0]["weights_sum"] == records[1]["weights_sum"]  # the shards gathered back into each whole draft
+    for record in records:  # stopped after 3 steps and resumed from the checkpoint gathered from the shards
+        assert record["resumed"]["losses"] == log["losses"]
+        assert record["resumed"]["weights_sum"] == records[0]["weights_sum"]
+    assert records[1]["writes"] == []  # one writer; the others gathered with it, and nothing hung
+    # the held-out evaluation saw the whole draft, gathered from the shards: the weights data-parallel training had
+    held_out, ddp_held_out = records[0]["held_out"], train_run[1][0]["held_out"]
+    assert [evaluation["step"] for evaluation in held_out] == [0, 3, 6] and records[1]["held_out"] == held_out
+    assert held_out[-1]["weights_sum"] == records[0]["weights_sum"]
+    assert [e["weights_sum"] for e in held_out] == pytest.approx([e["weights_sum"] for e in ddp_held_out], rel=1e-6)
+    # the same optimisation as data-parallel training: the losses and the saved weights agree to rounding
+    ddp_output, _ = train_run
+    assert log["losses"] == pytest.approx(training_log(ddp_output)["losses"], rel=1e-4)
+    sharded, whole = (load_file(run / CHECKPOINT_DIR / DRAFT_WEIGHTS_FILE) for run in (output, ddp_output))
+    assert sharded.keys() == whole.keys()
+    for name, tensor in whole.items():
+        torch.testing.assert_close(sharded[name], tensor, rtol=1e-4, atol=1e-5)
 
 
 def test_only_the_main_process_writes_the_training_files(train_run):
@@ -162,6 +214,44 @@ def test_the_command_generates_each_response_once_and_only_the_main_process_writ
     written = {path.split(os.sep)[0] for _, path in records[0]["writes"]}
     assert {"responses.jsonl", "training_log.json", "evaluation.json", "draft", CHECKPOINT_DIR} <= written
     assert training_log(output)["steps"] == 3 and json.loads((output / "evaluation.json").read_text())["lossless"]
+
+
+def test_an_fsdp_config_on_cpu_processes_is_refused_before_anything_loads(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    import dflash_hf.training.command
+    from dflash_hf.cli import main
+    from dflash_hf.training.processes import check_fsdp_applies
+
+    def state(device: str, distributed_type: DistributedType) -> SimpleNamespace:
+        return SimpleNamespace(device=torch.device(device), distributed_type=distributed_type, num_processes=2)
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch --config_file <FSDP config>` sets
+    check_fsdp_applies(state("cuda", DistributedType.MULTI_GPU))  # GPUs: Accelerate shards (its state says so later)
+    check_fsdp_applies(state("cpu", DistributedType.FSDP))
+    cpu_processes = state("cpu", DistributedType.MULTI_CPU)
+    monkeypatch.setattr(dflash_hf.training.command, "process_state", lambda: cpu_processes)
+    with pytest.raises(ValueError, match="asks for FSDP, which Accelerate applies on GPUs only") as error:
+        main(["train", "--target", str(tmp_path / "no-such-target"), "--output", str(tmp_path / "run"),
+              "--prompts", str(save_tiny_target_and_prompts(tmp_path, 2))])
+    assert "torchrun --nproc_per_node N" in str(error.value) and not (tmp_path / "run").exists()
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    check_fsdp_applies(cpu_processes)  # no FSDP config: CPU processes train data-parallel
+
+
+def test_the_readme_fsdp_command_uses_the_tested_config_and_parses():
+    import shlex
+
+    from dflash_hf.cli import build_parser
+
+    readme = (TESTS.parent / "README.md").read_text().replace("\\\n", " ")
+    command = next(line for line in readme.splitlines() if line.startswith("accelerate launch --config_file"))
+    words = shlex.split(command)
+    assert words[3] == str(FSDP_CONFIG.relative_to(TESTS.parent))  # the config the FSDP test launches with
+    arguments = words[words.index("dflash_hf.cli") + 1:]
+    assert build_parser().parse_args(arguments).eval_every == 500  # every flag exists
 
 
 def test_shards_are_equal_and_cover_every_item():

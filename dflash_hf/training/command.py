@@ -4,6 +4,7 @@ its card."""
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shlex
 import time
@@ -18,11 +19,17 @@ from ..loading import DTYPES, SHIPPED_DRAFT, SMOLLM2, SMOLLM2_HUB_ID, device_des
 from ..model_card import card_info_for_config, write_model_card
 from ..modeling_dflash import DFlashDraftModel
 from ..prompts import default_data_dir, user_prompt_ids
-from ..settings_dflash import check_draft_target, generation_tokens
+from ..settings_dflash import GenerationTokens, check_draft_target, generation_tokens
 from ..smollm2 import SMOLLM2_MASK_TOKEN
 from .data import generate_responses, read_prompts
-from .processes import process_state
-from .recipe import draft_config_for, frequent_token_ids, initialize_from_target
+from .processes import check_fsdp_applies, process_state
+from .recipe import (
+    DEFAULT_DRAFT_BLOCK_SIZE,
+    DEFAULT_DRAFT_LAYERS,
+    draft_config_for,
+    frequent_token_ids,
+    initialize_from_target,
+)
 from .trainer import TrainingLog, TrainingSettings, train_draft
 
 # --target-dtype auto: the frozen target only gives features (and teacher logits), so it runs in bfloat16 on CUDA;
@@ -47,6 +54,9 @@ def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> 
     if not 0 <= args.first_prompt < most:
         raise SystemExit(f"--first-prompt {args.first_prompt}: expected 0 <= it < the {most} prompts of "
                          f"--num-prompts")
+    if args.eval_every < 0 or (args.eval_every and not args.num_eval):
+        raise SystemExit(f"--eval-every {args.eval_every}: expected 0 (evaluate after training only) or N > 0 with "
+                         f"held-out prompts to measure (--num-eval >= 1, got {args.num_eval})")
     if any(count < 1 for count in args.num_prompts) or args.num_eval < 0:
         raise SystemExit(f"--num-prompts must be >= 1 and --num-eval >= 0 (0: no evaluation), got "
                          f"{' '.join(map(str, args.num_prompts))} and {args.num_eval}")
@@ -64,6 +74,7 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     output = Path(args.output)
     prompt_files, prompts, eval_file, eval_texts = train_and_eval_prompts(args)
     state = process_state()
+    check_fsdp_applies(state)  # before any model is loaded
     if state.is_main_process:
         output.mkdir(parents=True, exist_ok=True)
     state.wait_for_everyone()  # the folder exists before any process looks into it
@@ -88,7 +99,14 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         initialize_from_target(draft, target, torch.tensor(rows[0]["prompt_ids"] + rows[0]["response_ids"]))
     settings = TrainingSettings(epochs=args.epochs, learning_rate=args.learning_rate, num_anchors=args.num_anchors,
                                 distill=args.distill, seed=args.seed, mixed_precision=args.mixed_precision)
-    log = train_draft(draft, target, training_rows, settings, output, max_steps=args.max_steps)
+    tokens = generation_tokens(target, tokenizer)
+    eval_prompts = [user_prompt_ids(tokenizer, prompt) for prompt in eval_texts]
+
+    def evaluate(trained: DFlashDraftModel) -> dict[str, Any]:
+        return held_out_evaluation(trained, target, eval_prompts, args.eval_max_new_tokens, tokens)
+
+    log = train_draft(draft, target, training_rows, settings, output, max_steps=args.max_steps,
+                      evaluate=evaluate if args.eval_every else None, eval_every=args.eval_every)
     if not state.is_main_process:  # evaluating and saving are the main process's (a barrier would time out on a
         return {}                  # long evaluation): train_draft returned once the log and checkpoint were written
     if args.draft_vocab_size:  # the draft proposes from the target's most frequent tokens in its own responses
@@ -100,9 +118,7 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     draft = draft.to(DTYPES[args.eval_dtype]).eval()
     evaluation = None
     if eval_texts:
-        eval_prompts = [user_prompt_ids(tokenizer, prompt) for prompt in eval_texts]
-        evaluation = evaluate_draft(draft, target, eval_prompts, args.eval_max_new_tokens,
-                                    tokens=generation_tokens(target, tokenizer))
+        evaluation = evaluate_draft(draft, target, eval_prompts, args.eval_max_new_tokens, tokens=tokens)
     training = training_facts(args, argv, prompt_files, len(training_rows), mask_token, draft.mask_token_id, settings,
                               log, time.perf_counter() - started)
     save_trained_draft(args, draft, target, evaluation, eval_file, training, output / "draft")
@@ -112,6 +128,18 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     (output / "evaluation.json").write_text(json.dumps(evaluation, indent=2))
     print(json.dumps(evaluation, indent=2))
     return evaluation
+
+
+def held_out_evaluation(draft: DFlashDraftModel, target: torch.nn.Module, prompts: list[list[int]],
+                        max_new_tokens: int, tokens: GenerationTokens) -> dict[str, Any]:
+    """Tau, losslessness and speedup of the draft on held-out prompts, greedy, as `bench` measures them (a copy in the
+    target's dtype and on its device, where the draft's differ): one point of the curve `--eval-every` logs."""
+    dtype, device = next(target.parameters()).dtype, target_device(target)
+    weight = next(draft.parameters())
+    if (weight.dtype, weight.device) != (dtype, device):
+        draft = copy.deepcopy(draft).to(device=device, dtype=dtype)
+    evaluation = evaluate_draft(draft, target, prompts, max_new_tokens, tokens=tokens)
+    return {name: evaluation[name] for name in ("tau", "lossless", "speedup")}
 
 
 def train_and_eval_prompts(args: argparse.Namespace) -> tuple[list[str], list[str], str, list[str]]:
@@ -169,7 +197,8 @@ def build_draft(args: argparse.Namespace, target: torch.nn.Module, tokenizer: An
     mask_token_id = tokenizer.convert_tokens_to_ids(mask_token)
     if mask_token_id is None or mask_token_id == tokenizer.unk_token_id:
         raise SystemExit(f"mask token {mask_token!r} is not in the target's vocabulary")
-    config = draft_config_for(target, args.draft_layers or 2, args.draft_block_size or 8, mask_token_id,
+    config = draft_config_for(target, args.draft_layers or DEFAULT_DRAFT_LAYERS,
+                              args.draft_block_size or DEFAULT_DRAFT_BLOCK_SIZE, mask_token_id,
                               args.target_layer_ids, layer_attention_settings(args))
     config.dflash_config["mask_token"] = mask_token
     return DFlashDraftModel(config), mask_token

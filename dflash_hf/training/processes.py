@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -72,3 +73,17 @@ def gather_json(items: list[Any], state: PartialState) -> list[Any]:
     padded = pad_across_processes(encoded, dim=0)  # [max L]
     everyone = gather(padded).view(state.num_processes, -1).cpu()  # [P, max L]
     return [item for row, length in zip(everyone, lengths) for item in json.loads(bytes(row[:length].tolist()))]
+
+
+def check_fsdp_applies(state: PartialState) -> None:
+    """Refuse an FSDP launch (`accelerate launch --config_file` of a config with `distributed_type: FSDP`) that
+    Accelerate would run unsharded: it applies its FSDP plugin to GPU processes only (CPU processes are
+    `MULTI_CPU`, DDP), so the draft would not be sharded as asked."""
+    from accelerate.utils import DistributedType
+
+    asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if asked and state.device.type == "cpu" and state.distributed_type != DistributedType.FSDP:
+        raise ValueError("the Accelerate config asks for FSDP, which Accelerate applies on GPUs only: these are CPU "
+                         "processes, which would train unsharded. On a CPU launch without the FSDP config "
+                         "(torchrun --nproc_per_node N -m dflash_hf.cli train ...); README, \"Train your own "
+                         "draft\"")

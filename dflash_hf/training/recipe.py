@@ -10,6 +10,11 @@ from ..configuration_dflash import DFlashConfig, default_target_layer_ids, read_
 from ..devices_dflash import target_text_config
 from ..modeling_dflash import DFlashDraftModel
 
+# A new draft's shape when `dflash-hf train` is not told otherwise: the published drafts' (z-lab/Qwen3-8B-DFlash-b16
+# and its siblings: 5 layers, blocks of 16; docs/training.md, "What is trained").
+DEFAULT_DRAFT_LAYERS = 5
+DEFAULT_DRAFT_BLOCK_SIZE = 16
+
 
 def draft_config_for(
     target: torch.nn.Module,

@@ -3,19 +3,22 @@
 One sequence per optimiser step, many anchors per sequence (docs/training.md). Runs as is on
 one CPU or GPU and data-parallel under `accelerate launch` or `torchrun` (Accelerate is the distributed engine): each
 of N processes takes an equal shard of the sequences and one sequence per optimiser step, the gradients are averaged,
-the schedule counts optimiser steps, the log holds global values and only the main process writes.
+the schedule counts optimiser steps, the log holds global values and only the main process writes. Under Accelerate's
+FSDP plugin (`accelerate launch --config_file examples/accelerate_fsdp.yaml`) the draft is sharded over the processes,
+and checkpoints are gathered from the shards (docs/training.md, "FSDP").
 Cached target signals live on the host (pinned when CUDA is available) and go to the device one step at a time.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -24,7 +27,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from ..modeling_dflash import DFlashDraftModel
 from .objective import StepResult, TargetSignals, dflash_loss, target_signals, teacher_rows
-from .processes import padded_shard
+from .processes import check_fsdp_applies, gather_json, padded_shard
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -77,6 +80,8 @@ class TrainingLog:
     steps: int = 0
     seconds: float = 0.0
     processes: int = 1  # data-parallel processes of the run (a checkpoint resumes on as many)
+    tokens: int = 0  # tokens of the trained sequences, every process's
+    evaluations: list[dict] = field(default_factory=list)  # held-out results: {"step", "tau", "lossless", ...}
 
 
 def training_sequences(rows: list[dict], max_length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -113,20 +118,28 @@ def _sibling(folder: Path, suffix: str) -> Path:
 
 
 def save_checkpoint(folder: str | Path, draft: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: LRScheduler, log: TrainingLog) -> None:
-    """Write draft weights, optimiser and schedule states and the log to `folder`, replacing it atomically."""
+                    scheduler: LRScheduler, log: TrainingLog, run_facts: dict[str, Any] | None = None,
+                    main_process: bool = True) -> None:
+    """Write draft weights, optimiser and schedule states and the log to `folder`, replacing it atomically.
+
+    Every process of a run calls this (under FSDP the states are gathered from the shards); only `main_process`
+    writes. `run_facts` (`resume_facts`): what a resumed run must share with this one."""
+    weights, optimizer_state = whole_state(draft, optimizer)
+    if not main_process:
+        return
     folder = Path(folder)
     staging, previous = _sibling(folder, ".tmp"), _sibling(folder, ".old")
     shutil.rmtree(staging, ignore_errors=True)  # a stale one from a save that was interrupted
     staging.mkdir(parents=True)
     # save_file refuses tensors that share memory; the draft has none (its embeddings and head are the target's)
-    weights = {name: tensor.detach().cpu().contiguous() for name, tensor in draft.state_dict().items()}
+    weights = {name: tensor.detach().cpu().contiguous() for name, tensor in weights.items()}
     save_file(weights, staging / DRAFT_WEIGHTS_FILE, metadata={"format": "pt"})
-    optimizer_tensors, optimizer_rest = split_optimizer_state(optimizer.state_dict())
+    optimizer_tensors, optimizer_rest = split_optimizer_state(optimizer_state)
     save_file(optimizer_tensors, staging / OPTIMIZER_TENSORS_FILE, metadata={"format": "pt"})
     (staging / OPTIMIZER_SCHEDULER_FILE).write_text(
         json.dumps({"optimizer": optimizer_rest, "scheduler": scheduler.state_dict()}))
-    (staging / STATE_FILE).write_text(json.dumps({"format": CHECKPOINT_FORMAT, **asdict(log)}))
+    run = {} if run_facts is None else {"run": run_facts}
+    (staging / STATE_FILE).write_text(json.dumps({"format": CHECKPOINT_FORMAT, **run, **asdict(log)}))
     if folder.exists():  # a folder cannot replace a non-empty one: move it aside first
         shutil.rmtree(previous, ignore_errors=True)
         folder.replace(previous)
@@ -135,8 +148,13 @@ def save_checkpoint(folder: str | Path, draft: torch.nn.Module, optimizer: torch
 
 
 def load_checkpoint(folder: str | Path, draft: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: LRScheduler) -> TrainingLog | None:
-    """Restore draft, optimiser and schedule from `folder` and return its log; None when there is no checkpoint."""
+                    scheduler: LRScheduler, run_facts: dict[str, Any] | None = None,
+                    processes: int | None = None) -> TrainingLog | None:
+    """Restore draft, optimiser and schedule from `folder` and return its log; None when there is no checkpoint.
+
+    Every process of a run calls this (under FSDP each keeps its shard of the whole states). A checkpoint written
+    on another number of `processes` or with other `run_facts` (`resume_facts`) is refused before anything is
+    loaded."""
     folder = Path(folder)
     legacy = folder.parent / LEGACY_CHECKPOINT_FILE
     if legacy.exists():
@@ -155,12 +173,104 @@ def load_checkpoint(folder: str | Path, draft: torch.nn.Module, optimizer: torch
     if checkpoint_format != CHECKPOINT_FORMAT:
         raise ValueError(f"{folder / STATE_FILE}: unknown checkpoint format {checkpoint_format!r}, "
                          f"expected {CHECKPOINT_FORMAT}")
-    draft.load_state_dict(load_file(folder / DRAFT_WEIGHTS_FILE))
+    if processes is not None:
+        check_processes(folder, state.get("processes", 1), processes)
+    check_run_facts(folder, state.pop("run", None), run_facts)
     optimizer_scheduler = json.loads((folder / OPTIMIZER_SCHEDULER_FILE).read_text())
-    optimizer.load_state_dict(join_optimizer_state(load_file(folder / OPTIMIZER_TENSORS_FILE),
-                                                   optimizer_scheduler["optimizer"], optimizer.state_dict()))
+    stored = optimizer_scheduler["optimizer"]
+    positional = join_optimizer_state(load_file(folder / OPTIMIZER_TENSORS_FILE), stored, optimizer.state_dict())
+    load_whole_state(draft, optimizer, load_file(folder / DRAFT_WEIGHTS_FILE),
+                     named_optimizer_state(positional, stored.get("parameter_names") or parameter_names(draft)))
     scheduler.load_state_dict(optimizer_scheduler["scheduler"])
     return TrainingLog(**state)
+
+
+# Settings a resumed run may change: they do not change what is trained (how often it is saved, where the target's
+# signals are kept). Any other difference changes the data, the schedule or the loss.
+CHANGEABLE_ON_RESUME = ("checkpoint_every", "cache_target")
+
+
+def resume_facts(settings: TrainingSettings, num_sequences: int) -> dict[str, Any]:
+    """What a resumed run must share with the run that wrote the checkpoint: the settings (but
+    CHANGEABLE_ON_RESUME) and the number of training sequences (the schedule's length depends on it)."""
+    facts = {name: value for name, value in asdict(settings).items() if name not in CHANGEABLE_ON_RESUME}
+    return {**facts, "sequences": num_sequences}
+
+
+def check_run_facts(folder: Path, stored: dict[str, Any] | None, current: dict[str, Any] | None) -> None:
+    """Refuse to resume `folder` when a fact both runs record differs (a checkpoint without facts: nothing to
+    check)."""
+    if stored is None or current is None:
+        return
+    changed = [f"{name} {stored[name]!r} there, {current[name]!r} here" for name in stored
+               if name in current and stored[name] != current[name]]
+    if changed:
+        raise ValueError(f"{folder} was written by a run with other settings ({'; '.join(changed)}): a resumed run "
+                         "must repeat them (the schedule, the data and the loss depend on them); pass the same "
+                         "flags and prompts again, or start a new --output")
+
+
+def check_processes(folder: Path, written_by: int, resumed_by: int) -> None:
+    """Refuse to resume a checkpoint on another number of processes (the shards and the schedule would differ)."""
+    if written_by != resumed_by:
+        raise ValueError(f"{folder} was written by a run on {written_by} process(es), this one has {resumed_by}: "
+                         f"the shards and the schedule differ; resume on {written_by} (accelerate launch "
+                         f"--num_processes {written_by}, torchrun --nproc_per_node {written_by}), or start a new "
+                         "--output")
+
+
+def whole_state(draft: torch.nn.Module, optimizer: torch.optim.Optimizer
+                ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(the draft's weights, the optimiser's state dict), whole and on the host; the optimiser's parameters keyed by
+    position as in one process's `optimizer.state_dict()`, their names in `parameter_names`.
+
+    torch.distributed.checkpoint gathers them: under FSDP every process holds a shard, so every process calls this
+    (a collective) and the main process gets the values, the others empty dicts; one process or DDP: the
+    state dicts as they are."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(draft, options=options)
+    named = get_optimizer_state_dict(draft, optimizer, options=options)
+    if not named:
+        return weights, {}
+    names = [name for group in named["param_groups"] for name in group["params"]]
+    position = {name: index for index, name in enumerate(names)}
+    return weights, {"state": {position[name]: values for name, values in named["state"].items()},
+                     "param_groups": [{**group, "params": [position[name] for name in group["params"]]}
+                                      for group in named["param_groups"]],
+                     "parameter_names": names}
+
+
+def named_optimizer_state(state_dict: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """An optimiser state dict keyed by position (`optimizer.state_dict()`) keyed by the parameters' `names`."""
+    return {"state": {names[position]: values for position, values in state_dict["state"].items()},
+            "param_groups": [{**group, "params": [names[position] for position in group["params"]]}
+                             for group in state_dict["param_groups"]]}
+
+
+def parameter_names(draft: torch.nn.Module) -> list[str]:
+    """The draft's parameter names in the optimiser's order (it was built on `draft.parameters()`)."""
+    return [name for name, _ in draft.named_parameters()]
+
+
+def load_whole_state(draft: torch.nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor],
+                     optimizer_state: dict[str, Any]) -> None:
+    """Load whole weights and optimiser state (parameters keyed by name) into the draft and its optimiser; under FSDP
+    each process keeps its shard."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(draft, weights, options=options)
+    set_optimizer_state_dict(draft, optimizer, optimizer_state, options=options)
 
 
 def split_optimizer_state(state_dict: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -172,7 +282,8 @@ def split_optimizer_state(state_dict: dict[str, Any]) -> tuple[dict[str, torch.T
                 tensors[f"{param}.{name}"] = value.detach().cpu().contiguous()
             else:
                 rest.setdefault(str(param), {})[name] = value
-    return tensors, {"state": rest, "param_groups": state_dict["param_groups"]}
+    others = {key: value for key, value in state_dict.items() if key not in ("state", "param_groups")}
+    return tensors, {"state": rest, "param_groups": state_dict["param_groups"], **others}
 
 
 def join_optimizer_state(tensors: dict[str, torch.Tensor], rest: dict[str, Any],
@@ -278,71 +389,117 @@ def train_draft(
     output_dir: str | Path,
     progress: bool = True,
     max_steps: int | None = None,
+    evaluate: Callable[[DFlashDraftModel], dict[str, Any]] | None = None,
+    eval_every: int = 0,
 ) -> TrainingLog:
     """Train `draft` on the target's regenerated rows; resumes from `output_dir/checkpoint/` if present.
 
     `max_steps` stops early (the schedule still spans all epochs), e.g. to interrupt a run on purpose. Under
     `accelerate launch` / `torchrun` every process calls this with the same rows: each takes an equal shard
     (`padded_shard`), an optimiser step is one sequence per process, and only the main process writes
-    `output_dir`; all return the same log once it is written."""
+    `output_dir`; all return the same log once it is written. Under Accelerate's FSDP a copy of the draft is
+    sharded over the processes and the trained weights are gathered back into `draft` at the end.
+    `evaluate(draft)` (held-out tau and losslessness; JSON-ready values) runs on the main process before the first
+    step, every `eval_every` optimiser steps and after the last; its results go to every process's
+    `log.evaluations`."""
     from accelerate import Accelerator
+    from accelerate.utils import DistributedType
     from tqdm.auto import tqdm
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    check_fsdp_applies(accelerator.state)
     output_dir = Path(output_dir)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
     target.requires_grad_(False).to(accelerator.device)
     sequences = training_sequences(rows, settings.max_length)
-    shard = [sequences[i] for i in padded_shard(len(sequences), accelerator.process_index,
-                                                accelerator.num_processes)]
+    shards = [padded_shard(len(sequences), rank, accelerator.num_processes)
+              for rank in range(accelerator.num_processes)]
+    shard = [sequences[i] for i in shards[accelerator.process_index]]
     steps_per_epoch = len(shard)  # the same on every process: one collective per step in each
     total_steps = steps_per_epoch * settings.epochs
     draft.train()
-    optimizer, scheduler = _optimizer_and_schedule(draft, settings, total_steps)
-    draft, optimizer = accelerator.prepare(draft, optimizer)  # not the scheduler: Accelerate's steps it N times
-    unwrapped = accelerator.unwrap_model(draft)
-    checkpoint_dir = output_dir / CHECKPOINT_DIR
-    log = load_checkpoint(checkpoint_dir, unwrapped, optimizer, scheduler) or TrainingLog(
-        processes=accelerator.num_processes)
-    if log.processes != accelerator.num_processes:
-        raise ValueError(f"{checkpoint_dir} was written by a run on {log.processes} process(es), this one has "
-                         f"{accelerator.num_processes}: the shards and the schedule differ; resume on {log.processes} "
-                         f"(accelerate launch --num_processes {log.processes}, torchrun --nproc_per_node "
-                         f"{log.processes}), or start a new --output")
+    sharded = accelerator.distributed_type == DistributedType.FSDP
+    model = copy.deepcopy(draft) if sharded else draft  # FSDP shards its module in place: `draft` stays whole
+    optimizer, scheduler = _optimizer_and_schedule(model, settings, total_steps)
+    model, prepared_optimizer = accelerator.prepare(model, optimizer)  # not the scheduler: Accelerate's steps it
+    unwrapped = accelerator.unwrap_model(model)                        # once per process
+    checkpoint_dir, facts = output_dir / CHECKPOINT_DIR, resume_facts(settings, len(sequences))
+    log = load_checkpoint(checkpoint_dir, unwrapped, optimizer, scheduler, facts,
+                          accelerator.num_processes) or TrainingLog(processes=accelerator.num_processes)
     started, last = (time.perf_counter() - log.seconds,
                      total_steps if max_steps is None else min(total_steps, max_steps))
 
     def signals_of(input_ids: torch.Tensor, loss_mask: torch.Tensor) -> TargetSignals:
-        return target_signals(target, input_ids.to(accelerator.device), unwrapped.target_layer_ids,
+        return target_signals(target, input_ids.to(accelerator.device), draft.target_layer_ids,
                               settings.teacher_top_k if settings.distill else None, teacher_rows(loss_mask))
+
+    def held_out() -> None:
+        if evaluate is not None:
+            record_evaluation(accelerator, model if sharded else None, draft, evaluate, log)
 
     shown = progress and accelerator.is_main_process  # one progress bar, the main process's
     # on the host: the device holds one sequence's signals at a time
     cached = [on_host(signals_of(input_ids, loss_mask)) for input_ids, loss_mask in tqdm(
         shard, desc="target features", disable=not shown)] if settings.cache_target and log.steps < last else None
-    bar = tqdm(total=total_steps, initial=log.steps, disable=not shown, desc="training")
-    order_epoch, order, accuracy = -1, [], _EpochAccuracy(unwrapped.block_size)
+    if log.steps == 0 and last > 0:
+        held_out()  # the draft before training: the baseline of the curve
+    bar = tqdm(total=total_steps, initial=log.steps, disable=not shown, desc="training", unit="step")
+    loop_started, loop_tokens = time.perf_counter(), log.tokens  # tok/s: of the steps this call runs
+    order_epoch, order, accuracy = -1, [], _EpochAccuracy(draft.block_size)
     while log.steps < last:
         epoch, index = divmod(log.steps, steps_per_epoch)
         if epoch != order_epoch:  # a new (or resumed) epoch: its order, fresh accuracy counts
             order_epoch, order = epoch, _epoch_order(steps_per_epoch, epoch, settings.seed)
-            accuracy = _EpochAccuracy(unwrapped.block_size)
+            accuracy = _EpochAccuracy(draft.block_size)
         input_ids, loss_mask = (t.to(accelerator.device) for t in shard[order[index]])
         signals = (cached[order[index]] if cached is not None else signals_of(input_ids, loss_mask)).to(
             accelerator.device, non_blocking=True)
-        result, learning_rate = _training_step(accelerator, draft, target, (input_ids, loss_mask, signals),
-                                               (optimizer, scheduler), settings, log.steps)
-        bar.set_postfix_str(accuracy.record(step_totals(accelerator, result), learning_rate, log))
+        result, learning_rate = _training_step(accelerator, model, target, (input_ids, loss_mask, signals),
+                                               (prepared_optimizer, scheduler), settings, log.steps)
+        text = accuracy.record(step_totals(accelerator, result), learning_rate, log)
+        log.tokens += sum(len(sequences[indices[order[index]]][0]) for indices in shards)  # every process's
+        tokens_per_second = (log.tokens - loop_tokens) / (time.perf_counter() - loop_started)
+        bar.set_postfix_str(f"{text}, {tokens_per_second:,.0f} tok/s")
         bar.update(1)
+        if eval_every and (log.steps % eval_every == 0 or log.steps == last):
+            held_out()
         if log.steps % settings.checkpoint_every == 0 or log.steps == last:
             log.seconds = time.perf_counter() - started
-            if accelerator.is_main_process:
-                save_checkpoint(checkpoint_dir, unwrapped, optimizer, scheduler, log)
+            save_checkpoint(checkpoint_dir, unwrapped, optimizer, scheduler, log, facts, accelerator.is_main_process)
     bar.close()
     log.seconds = time.perf_counter() - started
-    unwrapped.eval()
+    if sharded:  # every process's `draft` gets the trained weights, gathered from the shards
+        draft.load_state_dict(whole_weights(model, every_process=True))
+        draft.to(accelerator.device)
+    draft.eval()
     if accelerator.is_main_process:
         (output_dir / "training_log.json").write_text(json.dumps({"settings": asdict(settings), **asdict(log)}))
     accelerator.wait_for_everyone()  # no process leaves before the log and the last checkpoint are written
     return log
+
+
+def whole_weights(model: torch.nn.Module, every_process: bool) -> dict[str, torch.Tensor]:
+    """The draft's whole weights gathered from FSDP's shards (a collective: every process calls it): on every process,
+    on its device; or (`every_process` False) on the main process only, on the host (the others get an empty
+    dict)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not every_process))
+
+
+def record_evaluation(accelerator: Accelerator, sharded_model: torch.nn.Module | None, draft: DFlashDraftModel,
+                      evaluate: Callable[[DFlashDraftModel], dict[str, Any]], log: TrainingLog) -> None:
+    """Evaluate the whole draft on the main process and append `{"step", **results}` to every process's log (the
+    others wait for the results). Under FSDP (`sharded_model`) every process first gathers the shards into `draft`."""
+    if sharded_model is not None:
+        weights = whole_weights(sharded_model, every_process=False)
+        if accelerator.is_main_process:
+            draft.load_state_dict(weights)
+    results = []
+    if accelerator.is_main_process:
+        draft.eval()
+        with torch.no_grad():
+            results.append(evaluate(draft))
+        draft.train()
+    log.evaluations.append({"step": log.steps, **gather_json(results, accelerator.state)[0]})
