@@ -232,6 +232,6 @@ def target_backend(target: torch.nn.Module, settings: DecodingSettings, layer_id
     if settings.compile is not None:
         verify_width = settings.block_size if settings.tree_size is None else 1 + settings.tree_size
         return StaticBackend(target, layer_ids, num_rows, settings.compile,
-                             prompt_width + settings.max_new_tokens + verify_width, verify_width)
+                             prompt_width + settings.max_new_tokens + verify_width, verify_width, mixers)
     backend = EagerBackend(target, layer_ids)
     return RecurrentRollback(backend) if mixers else backend
