@@ -488,7 +488,8 @@ class StaticRecurrentStates:
         self.cache: Any = None
         self.layer: int | None = None  # the layer whose convolution ran last (its rule runs next)
         self.plan: PathPlan | None = None  # the tree of the verify running (None: a chain)
-        self.recorded = False  # whether the buffers hold a verify (what `restore` puts back)
+        self.recorded = False  # whether a verify ran since the states were last kept (`restore` undoes it)
+        self.kept = False  # whether a keep ran after the last verify (`restore` cannot undo it)
         # made once, so that a compiled graph's guards on the functions' hooks hold from one verify to the next
         self.hooks = (self._record_convolution, self._record_rule, self._convolution_paths, self._rule_paths)
         self.compiled_rollback = torch.compile(self._rollback, **options)
@@ -500,7 +501,7 @@ class StaticRecurrentStates:
         """Around the prefill forward into `cache`: each layer's convolution and rule calls give the buffers' shapes
         (their batch, `width` columns) and the rule's other arguments; buffers of the right shapes are kept (their
         addresses are the compiled graphs')."""
-        self.cache, self.recorded, self.plan, self.layer = cache, False, None, None
+        self.cache, self.recorded, self.kept, self.plan, self.layer = cache, False, False, None, None
         handles = [self.convolution.register_forward_pre_hook(self._convolution_allocator(width), with_kwargs=True),
                    self.chunked.register_forward_pre_hook(self._rule_allocator(width), with_kwargs=True)]
         try:
@@ -517,10 +518,12 @@ class StaticRecurrentStates:
             state = cache.get_conv_state(layer_idx, state_idx=state_idx)  # [N, C, K]
             if record.before is None or record.before.shape != state.shape:
                 record.before = static_buffer(state.shape, state.dtype, state.device)
+            record.before.copy_(state)
         for layer_idx, record in self.rules.items():
             state = cache.get_recurrent_state(layer_idx)  # [N, Hv, Dk, Dv]
             if record.before is None or record.before.shape != state.shape:
                 record.before = static_buffer(state.shape, state.dtype, state.device)
+            record.before.copy_(state)
 
     def _convolution_allocator(self, width: int) -> Any:
         names = self.names[0]
@@ -577,7 +580,7 @@ class StaticRecurrentStates:
             for handle in handles:
                 handle.remove()
             self.plan, self.layer = None, None
-        self.recorded = True
+        self.recorded, self.kept = True, False
 
     def _record_convolution(self, function: torch.nn.Module, args: tuple, kwargs: dict
                             ) -> tuple[tuple, dict] | None:
@@ -589,9 +592,7 @@ class StaticRecurrentStates:
         state_idx = call_argument(names, args, kwargs, "state_idx", 0)
         inputs = call_argument(names, args, kwargs, "hidden_states")  # [N, C, b]
         record = self.convolutions[layer_idx, state_idx]
-        state = cache.get_conv_state(layer_idx, state_idx=state_idx)  # [N, C, K]
         record.inputs.copy_(inputs)
-        record.before.copy_(state)
         if self.plan is None:
             return None
         # a tree: the K columns before the verify, then each path's columns [N * P, C, K + D], without the cache
@@ -599,7 +600,8 @@ class StaticRecurrentStates:
         plan = self.plan
         columns = torch.cat((inputs, inputs.new_zeros(*inputs.shape[:2], 1)), dim=2)  # [N, C, b + 1]
         along = columns[plan.rows].gather(2, plan.reads[:, None, :].expand(-1, columns.shape[1], -1))
-        args, kwargs = with_argument(names, args, kwargs, "hidden_states", torch.cat((state[plan.rows], along), 2))
+        args, kwargs = with_argument(names, args, kwargs, "hidden_states",
+                                     torch.cat((record.before[plan.rows], along), dim=2))
         return with_argument(names, args, kwargs, "cache", None)
 
     def _convolution_paths(self, function: torch.nn.Module, args: tuple, kwargs: dict, output: torch.Tensor
@@ -623,7 +625,6 @@ class StaticRecurrentStates:
         values = {name: call_argument(names, args, kwargs, name) for name in RULE_INPUTS}
         for name, value in values.items():
             record.inputs[name].copy_(value)
-        record.before.copy_(call_argument(names, args, kwargs, "initial_state"))
         if self.plan is None:
             self.layer = None
             return None
@@ -659,6 +660,7 @@ class StaticRecurrentStates:
         index = host_to_device([columns + [0] * (width - len(columns)) for columns in kept_columns], device)  # [N, b]
         counts = host_to_device([len(columns) for columns in kept_columns], device)  # [N]
         self.compiled_rollback(index, counts, host_to_device(num_columns, device))
+        self.recorded, self.kept = False, True  # the states before the verify are gone: the kept ones replace them
 
     def _rollback(self, index: torch.Tensor, counts: torch.Tensor, num_columns: torch.Tensor) -> None:
         width = index.shape[1]
@@ -668,8 +670,9 @@ class StaticRecurrentStates:
             inputs = record.inputs.gather(2, index[:, None, :].expand(-1, channels, -1))  # [N, C, b]
             window = torch.cat((record.before, inputs), dim=2)  # [N, C, K + b]
             ends = (counts[:, None] + torch.arange(kernel, device=index.device))[:, None, :]  # [N, 1, K]
-            self.cache.get_conv_state(layer_idx, state_idx=state_idx).copy_(
-                window.gather(2, ends.expand(-1, channels, -1)))
+            state = window.gather(2, ends.expand(-1, channels, -1))  # [N, C, K]
+            self.cache.get_conv_state(layer_idx, state_idx=state_idx).copy_(state)
+            record.before.copy_(state)
         for mixer in self.mixers:
             record = self.rules[mixer.layer_idx]
             values = {}
@@ -683,13 +686,19 @@ class StaticRecurrentStates:
             _, state = mixer.gated_delta[1](**values, initial_state=record.before, output_final_state=True,
                                             **record.options)
             self.cache.get_recurrent_state(mixer.layer_idx).copy_(state)
+            record.before.copy_(state)
             count = getattr(self.cache.layers[mixer.layer_idx], "cumulative_length_linear", None)
             if isinstance(count, torch.Tensor):
                 count.copy_(num_columns)
 
     def restore(self) -> None:
-        """Every state as it was before the last verify (that verify is discarded)."""
+        """Every state as it was before the last verify (that verify is discarded); not after a `keep`, which
+        replaced them (a RuntimeError)."""
         if not self.recorded:
+            if self.kept:
+                raise RuntimeError("compile=True rolls a hybrid target's recurrent states forward in place when a "
+                                   "verify's columns are kept: a keep cannot be discarded. Discard before keeping, "
+                                   "or time with compile=False (README, \"Compiled decoding\").")
             return
         for (layer_idx, state_idx), record in self.convolutions.items():
             self.cache.get_conv_state(layer_idx, state_idx=state_idx).copy_(record.before)
