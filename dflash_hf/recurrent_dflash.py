@@ -691,9 +691,9 @@ class StaticRecurrentStates:
             if isinstance(count, torch.Tensor):
                 count.copy_(num_columns)
 
-    def restore(self) -> None:
-        """Every state as it was before the last verify (that verify is discarded); not after a `keep`, which
-        replaced them (a RuntimeError)."""
+    def restore(self, num_columns: int) -> None:
+        """Every state as it was before the last verify (that verify is discarded), the token counts the cache's
+        `num_columns` columns; not after a `keep`, which replaced them (a RuntimeError)."""
         if not self.recorded:
             if self.kept:
                 raise RuntimeError("compile=True rolls a hybrid target's recurrent states forward in place when a "
@@ -704,6 +704,7 @@ class StaticRecurrentStates:
             self.cache.get_conv_state(layer_idx, state_idx=state_idx).copy_(record.before)
         for layer_idx, record in self.rules.items():
             self.cache.get_recurrent_state(layer_idx).copy_(record.before)
+            align_token_count(self.cache.layers[layer_idx], num_columns)
 
 
 def static_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -248,7 +248,7 @@ class StaticBackend:
             self.columns = self.before
         self.verifier.rewind(self.columns.width)
         if self.recurrent is not None:
-            self.recurrent.restore()
+            self.recurrent.restore(self.columns.width)
 
     def compact(self) -> None:
         """Compaction in place, only once the next verify would not fit."""
