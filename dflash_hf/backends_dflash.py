@@ -9,7 +9,8 @@ it: `verify` takes a tree or none.
 - `EagerBackend`: a DynamicCache cropped after every verify; finished rows leave the batch; a chain's verify passes
   a 2-D mask only where columns are not positions.
 - `static_dflash.StaticBackend` (`compile=True`): a fixed-address StaticCache, a fixed verify width under
-  `torch.compile` (CUDA graphs on a GPU).
+  `torch.compile` (CUDA graphs on a GPU); a hybrid target's Gated DeltaNet layers rolled back at fixed shapes
+  (`recurrent_dflash.StaticRecurrentStates`).
 - `RecurrentRollback` wraps the eager backend of a hybrid target: it records around each verify and rolls each
   recurrent layer back to the kept columns (`recurrent_dflash`).
 

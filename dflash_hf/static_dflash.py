@@ -10,6 +10,9 @@ decoding"; `backends_dflash` holds the seam and the eager backend.
 - Every verify is as wide as the call's (a chain's block, or a tree's root and nodes) and reads a 4-D mask over all
   `capacity` columns, built from positions (`cache_dflash.verify_attention_mask`): a chain's and a tree's verify are
   the same graph, and a window is counted in positions, which holes do not shift.
+- A hybrid target's Gated DeltaNet layers keep their states in the cache's own tensors: the verify records their
+  inputs into fixed buffers and `keep` rolls every row back with one more compiled call
+  (`recurrent_dflash.StaticRecurrentStates`); a tree's run along its paths at a fixed count.
 - The draft's features are the outputs of the chosen layers, stored by forward hooks that do nothing else and
   concatenated inside the compiled graph. The hooks are on the target only during a verify (`capturing`).
 - One `StaticVerifier` per target is kept and reused by later calls with the same rows, layers and options, so its

@@ -22,7 +22,6 @@ Hub remote code: imports only torch and transformers.
 from __future__ import annotations
 
 import inspect
-import sys
 from typing import Any
 
 import torch
@@ -127,7 +126,7 @@ def shared_gated_delta_functions(mixer: torch.nn.Module) -> tuple[torch.nn.Modul
     private = gated_delta_functions(mixer)
     if private is None:
         return None
-    module = sys.modules.get(type(mixer).__module__)
+    module = inspect.getmodule(type(mixer))
     shared = [[value for value in vars(module).values() if type(value) is type(function)] if module else []
               for function in private[:2]]
     return (shared[0][0], shared[1][0]) if all(len(found) == 1 for found in shared) else None
