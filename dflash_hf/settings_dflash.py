@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .cache_dflash import config_cache, recurrent_layers, windowed_mask_refusal
+from .cache_dflash import config_cache, recurrent_layers, target_refusal, windowed_mask_refusal
 from .devices_dflash import MASKED_ATTENTION, execution_device, target_device, target_text_config
 from .proposer_dflash import DFlashDraft, draft_vocab_ids
 from .recurrent_dflash import rollback_mixers
@@ -593,6 +593,9 @@ def compile_refusal(target: torch.nn.Module, step_costs: Any, cpu_kernels: bool 
         return ("compile=True runs Transformers' own kernels inside the compiled graph: pass cpu_kernels=False (or "
                 "leave it unset).")
     if recurrent_layers(config):
+        refusal = target_refusal(target, config)  # what the eager loop refuses too (a family, Transformers 4.57)
+        if refusal is not None:
+            return refusal
         mixers = rollback_mixers(target, config_cache(config))  # a ValueError where no rollback could be exact
         others = sorted({type(mixer.module).__name__ for mixer in mixers if mixer.gated_delta is None})
         if others:

@@ -178,3 +178,26 @@ def test_compile_is_refused_for_recurrent_layers_that_are_not_gated_deltanet(fam
     target = make_hybrid_target(family)
     with pytest.raises(ValueError, match=r"rolls back Gated DeltaNet layers .* pass compile=False"):
         make_draft(0).spec_generate(target=target, input_ids=random_prompt(0, 5), max_new_tokens=4, compile=True)
+
+
+@needs_hybrid
+def test_compile_gives_a_refused_recurrent_family_the_eager_loops_reason():
+    target = make_hybrid_target("jamba")
+    with pytest.raises(ValueError, match=r"JambaForCausalLM \(jamba\) is not supported"):
+        make_draft(0).spec_generate(target=target, input_ids=random_prompt(0, 5), max_new_tokens=4, compile=True)
+
+
+@pytest.mark.skipif(HAS_HYBRID_CACHE, reason="Transformers 4.x only: its Qwen3-Next cache")
+def test_compiled_qwen3_next_on_transformers_4_is_refused_with_the_version_to_install():
+    """4.57 keeps Qwen3-Next's states in a model-specific cache (no static layout to roll back): refused by name,
+    before any forward, as the eager loop refuses it."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3NextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32)
+    target = transformers.Qwen3NextForCausalLM(config).eval()
+    with pytest.raises(ValueError, match=r"Qwen3NextForCausalLM \(qwen3_next\) is not supported: "
+                                         r".*model-specific cache.*install transformers 5\.25"):
+        make_draft(0).spec_generate(target=target, input_ids=random_prompt(0, 5), max_new_tokens=4, compile=True)
