@@ -201,3 +201,14 @@ def test_compiled_qwen3_next_on_transformers_4_is_refused_with_the_version_to_in
     with pytest.raises(ValueError, match=r"Qwen3NextForCausalLM \(qwen3_next\) is not supported: "
                                          r".*model-specific cache.*install transformers 5\.25"):
         make_draft(0).spec_generate(target=target, input_ids=random_prompt(0, 5), max_new_tokens=4, compile=True)
+
+
+@needs_hybrid
+def test_a_compiled_verify_of_one_column_is_refused_on_a_hybrid_target(targets):
+    """A one-column verify runs the token-by-token rule, which the rollback does not record: refused before any
+    forward, naming the fix."""
+    target = target_of(targets, "qwen3_5")
+    prompt = random_prompt(0, 5)
+    with pytest.raises(ValueError, match=r"at least 2 columns.*block_size >= 2"):
+        speculative_decode(target, ReferenceProposer(plain_greedy(target, prompt, 4)), prompt, max_new_tokens=4,
+                           block_size=1, compile=DYNAMO_ONLY)
