@@ -1,7 +1,7 @@
-"""compile=True on hybrid Gated DeltaNet targets (Qwen3.5, Qwen3-Next): the compiled backend rolls each row's
-convolution and recurrent states back at fixed shapes (recurrent_dflash.StaticRecurrentStates), chains and trees, and
-decodes what the target's own greedy decode and the eager loop's sampling give, with no recompilation after the
-first call.
+"""compile=True on hybrid Gated DeltaNet targets (Qwen3.5, Qwen3-Next, OLMo-Hybrid): the compiled backend rolls
+each row's convolution and recurrent states back at fixed shapes (recurrent_dflash.StaticRecurrentStates), chains and
+trees, and decodes what the target's own greedy decode and the eager loop's sampling give, with no recompilation
+after the first call.
 
 Most tests compile with dynamo's `eager` backend (the same capture, guards and recompilations as inductor); one runs
 the default (inductor) end to end, checking every state after every step.
@@ -73,7 +73,8 @@ def decode_batch(target: torch.nn.Module, tree_size: int | None, seed: int, bloc
 
 @needs_hybrid
 @pytest.mark.parametrize("family, tree_size, block_size", [
-    ("qwen3_5", None, 5), ("qwen3_next", None, 8), ("qwen3_5", 6, 5), ("qwen3_next", 4, 4)])
+    ("qwen3_5", None, 5), ("qwen3_next", None, 8), ("qwen3_5", 6, 5), ("qwen3_next", 4, 4),
+    ("olmo_hybrid", 6, 6)])  # OLMo-Hybrid: Gated DeltaNet with a convolution per query, key and value
 def test_compiled_hybrid_decoding_equals_generate_and_compiles_once(targets, family, tree_size, block_size):
     """Greedy, a left-padded batch whose rows accept different counts and stop at different steps (one at a stop
     token): each row is its own greedy decode. Two graphs (the verify and the rollback; these proposers run no draft),
