@@ -9,7 +9,8 @@ it: `verify` takes a tree or none.
 - `EagerBackend`: a DynamicCache cropped after every verify; finished rows leave the batch; a chain's verify passes
   a 2-D mask only where columns are not positions.
 - `static_dflash.StaticBackend` (`compile=True`): a fixed-address StaticCache, a fixed verify width under
-  `torch.compile` (CUDA graphs on a GPU).
+  `torch.compile` (CUDA graphs on a GPU); a hybrid target's Gated DeltaNet layers rolled back at fixed shapes
+  (`recurrent_dflash.StaticRecurrentStates`).
 - `RecurrentRollback` wraps the eager backend of a hybrid target: it records around each verify and rolls each
   recurrent layer back to the kept columns (`recurrent_dflash`).
 
@@ -231,7 +232,11 @@ def target_backend(target: torch.nn.Module, settings: DecodingSettings, layer_id
     mixers = rollback_mixers(target, config_cache(target_text_config(target)))
     if settings.compile is not None:
         verify_width = settings.block_size if settings.tree_size is None else 1 + settings.tree_size
+        if mixers and verify_width < 2:  # one column runs the token-by-token rule, whose inputs are not recorded
+            raise ValueError("compile=True on a hybrid target verifies at least 2 columns a step (its recurrent "
+                             "layers are rolled back from the chunked rule's inputs): pass block_size >= 2, or "
+                             "compile=False. See README, \"Compiled decoding\".")
         return StaticBackend(target, layer_ids, num_rows, settings.compile,
-                             prompt_width + settings.max_new_tokens + verify_width, verify_width)
+                             prompt_width + settings.max_new_tokens + verify_width, verify_width, mixers)
     backend = EagerBackend(target, layer_ids)
     return RecurrentRollback(backend) if mixers else backend

@@ -298,14 +298,20 @@ def check_croppable_target(target: torch.nn.Module, config: Any, cache: Any = No
     and, where Transformers says so (`versions_dflash.refuses_crop`), by the cache layer class it would use (`cache`:
     the one `config_cache` built, if at hand). Those of `ROLLBACK_MODEL_TYPES` pass where they can be rolled back.
     """
+    refusal = target_refusal(target, config, cache)
+    if refusal is not None:
+        raise ValueError(refusal)
+
+
+def target_refusal(target: torch.nn.Module, config: Any, cache: Any = None) -> str | None:
+    """Why the target's cache cannot be cut back to a prefix (`check_croppable_target` raises it), or None."""
     cache = config_cache(config) if cache is None else cache
     refusal = recurrent_refusal(config, cache)
-    if refusal is not None:
-        raise ValueError(
-            f"Target {type(target).__name__} ({getattr(config, 'model_type', '?')}) is not supported: {refusal}. "
+    if refusal is None:
+        return None
+    return (f"Target {type(target).__name__} ({getattr(config, 'model_type', '?')}) is not supported: {refusal}. "
             "DFlash cuts the target's cache back to the accepted prefix of every verified block; the draft itself "
-            "loads fine. See README, \"Hybrid targets\"."
-        )
+            "loads fine. See README, \"Hybrid targets\".")
 
 
 def full_history_cache(target: torch.nn.Module, config: Any) -> Any:

@@ -16,10 +16,11 @@ from typing import Any, Sequence
 
 import torch
 
-from .cache_dflash import recurrent_layers, windowed_mask_refusal
+from .cache_dflash import config_cache, recurrent_layers, target_refusal, windowed_mask_refusal
 from .devices_dflash import MASKED_ATTENTION, execution_device, target_device, target_text_config
 from .processors_dflash import CallPrompts, PositionRules, position_rules
 from .proposer_dflash import DFlashDraft, draft_vocab_ids
+from .recurrent_dflash import rollback_mixers
 from .target_dflash import feature_modules
 
 # where neither the call nor the generation config sets a length (generate: max_length 20)
@@ -608,9 +609,16 @@ def compile_refusal(target: torch.nn.Module, step_costs: Any, cpu_kernels: bool 
         return ("compile=True runs Transformers' own kernels inside the compiled graph: pass cpu_kernels=False (or "
                 "leave it unset).")
     if recurrent_layers(config):
-        return (f"compile=True is not supported with {type(target).__name__}: its recurrent layers are rolled back "
-                "to each row's accepted tokens by replaying their mixers, which has no fixed shape yet; pass "
-                "compile=False (the eager loop runs it exactly, chains and trees; README, \"Hybrid targets\").")
+        refusal = target_refusal(target, config)  # what the eager loop refuses too (a family, Transformers 4.57)
+        if refusal is not None:
+            return refusal
+        mixers = rollback_mixers(target, config_cache(config))  # a ValueError where no rollback could be exact
+        others = sorted({type(mixer.module).__name__ for mixer in mixers if mixer.gated_delta is None})
+        if others:
+            return (f"compile=True is not supported with {type(target).__name__}: it rolls back Gated DeltaNet "
+                    f"layers (Transformers >= 5.25) at fixed shapes, and this target's recurrent layers are "
+                    f"{', '.join(others)}; pass compile=False (the eager loop runs it exactly, chains and trees; "
+                    "README, \"Hybrid targets\").")
     refusal = windowed_mask_refusal(config)
     if refusal is not None:
         return (f"compile=True is not supported with {type(target).__name__}: {refusal}; pass compile=False.")

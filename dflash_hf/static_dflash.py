@@ -10,6 +10,9 @@ decoding"; `backends_dflash` holds the seam and the eager backend.
 - Every verify is as wide as the call's (a chain's block, or a tree's root and nodes) and reads a 4-D mask over all
   `capacity` columns, built from positions (`cache_dflash.verify_attention_mask`): a chain's and a tree's verify are
   the same graph, and a window is counted in positions, which holes do not shift.
+- A hybrid target's Gated DeltaNet layers keep their states in the cache's own tensors: the verify records their
+  inputs into fixed buffers and `keep` rolls every row back with one more compiled call
+  (`recurrent_dflash.StaticRecurrentStates`); a tree's run along its paths at a fixed count.
 - The draft's features are the outputs of the chosen layers, stored by forward hooks that do nothing else and
   concatenated inside the compiled graph. The hooks are on the target only during a verify (`capturing`).
 - One `StaticVerifier` per target is kept and reused by later calls with the same rows, layers and options, so its
@@ -38,6 +41,7 @@ from .cache_dflash import (
     static_capacity,
 )
 from .devices_dflash import mask_dtype, target_device, target_text_config
+from .recurrent_dflash import Mixer, PathPlan, StaticRecurrentStates
 from .target_dflash import FeatureCapture, feature_modules, module_hidden_states, prefill_forward
 from .tree_dflash import DraftTree, tree_sees
 from .versions_dflash import cache_keyword, rewind_static_cache, static_write_arguments
@@ -49,7 +53,7 @@ class StaticVerifier:
     """A target's compiled verify over its static cache (one per target and call shape; reused across calls)."""
 
     def __init__(self, target: torch.nn.Module, num_rows: int, layer_ids: list[int] | None,
-                 options: dict[str, Any]) -> None:
+                 options: dict[str, Any], mixers: list[Mixer]) -> None:
         self._target = weakref.ref(target)  # the table of verifiers is keyed by the target: no strong reference back
         self.num_rows, self.layer_ids, self.options = num_rows, layer_ids, options
         self._modules = [weakref.ref(module) for module in (feature_modules(target, layer_ids) if layer_ids else [])]
@@ -61,6 +65,8 @@ class StaticVerifier:
         self.capacity = 0  # the cache's columns
         self.written = 0  # columns of the cache up to the last forward's end (host-side; the cache is not asked)
         self.compiled = torch.compile(self._forward, **options)
+        # a hybrid target's Gated DeltaNet layers: recorded in fixed buffers, rolled back by a compiled call
+        self.recurrent = StaticRecurrentStates(mixers, options) if mixers else None
 
     def _hook(self, slot: int) -> Any:
         def store_output(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -68,12 +74,17 @@ class StaticVerifier:
         return store_output
 
     @contextmanager
-    def capturing(self) -> Iterator[StaticVerifier]:
+    def capturing(self, plan: PathPlan | None = None) -> Iterator[StaticVerifier]:
         """One verify's scope: the feature hooks (the same functions every time, so the compiled graph's guards
-        hold) are on the target's layers, and removed after it."""
+        hold) are on the target's layers, and removed after it; a hybrid target's recurrent layers are recorded (and
+        run along `plan`'s paths, a tree's)."""
         handles = [module().register_forward_hook(hook) for module, hook in zip(self._modules, self.hooks)]
         try:
-            yield self
+            if self.recurrent is None:
+                yield self
+            else:
+                with self.recurrent.recording(plan):
+                    yield self
         finally:
             for handle in handles:
                 handle.remove()
@@ -115,18 +126,18 @@ class StaticVerifier:
         features = torch.cat(self.captured, dim=-1) if self.captured else None  # [N, b, L*H]
         return outputs.logits, features
 
-    def verify(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: Any, kept: int
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def verify(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: Any, kept: int,
+               plan: PathPlan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The compiled verify of input_ids [N, b] at position_ids [N, b] under `mask` ([N, 1, b, capacity], or one
         per layer type), written after the cache's `kept` columns: (logits [N, b, V], features [N, b, L*H] or
-        None)."""
+        None). `plan`: a tree's paths, along which recurrent layers run."""
         width = input_ids.shape[1]
         self.rewind(kept)  # drop what the last verify wrote but did not keep
         if kept + width > self.capacity:
             raise ValueError(f"The static cache holds {self.capacity} columns; this step needs {kept + width}.")
         write = static_write_arguments(self.target, kept, width, input_ids.device)
         self.written = kept + width
-        with self.capturing():
+        with self.capturing(plan):
             try:
                 return self.compiled(self.target, input_ids, position_ids, mask, self.cache, write)
             except torch._dynamo.exc.TorchDynamoException as error:  # its forward is not one graph (a data-dependent
@@ -146,7 +157,9 @@ class StaticVerifier:
         """Compaction in place: every layer's first W' columns become the per-row columns index [N, W'] (the
         tensors keep their addresses); the write counter follows."""
         for layer in self.cache.layers:
-            for states in (layer.keys, layer.values):
+            for states in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if states is None:
+                    continue  # a recurrent layer: no columns
                 states[:, :, : index.shape[1]].copy_(gather_columns(states[:, :, : self.written], index))
         self.rewind(index.shape[1])
 
@@ -156,7 +169,7 @@ _VERIFIERS_GUARD = threading.Lock()
 
 
 def static_verifier(target: torch.nn.Module, num_rows: int, layer_ids: list[int] | None,
-                    options: dict[str, Any]) -> StaticVerifier:
+                    options: dict[str, Any], mixers: list[Mixer]) -> StaticVerifier:
     """The target's verifier for calls of `num_rows` rows reading `layer_ids` with these compile options: the last
     one made for it when those match (its compiled graph is reused), else a new one."""
     with _VERIFIERS_GUARD:
@@ -167,7 +180,7 @@ def static_verifier(target: torch.nn.Module, num_rows: int, layer_ids: list[int]
                 "dflash-hf compile=True: this call compiles the target's verify and the draft's forward "
                 "(torch.compile; minutes the first time, less once torch's compile caches hold them); later calls "
                 "with this target and %d rows reuse them. See README, \"Compiled decoding\".", num_rows)
-            verifier = _VERIFIERS[target] = StaticVerifier(target, num_rows, layer_ids, options)
+            verifier = _VERIFIERS[target] = StaticVerifier(target, num_rows, layer_ids, options, mixers)
         return verifier
 
 
@@ -177,9 +190,10 @@ class StaticBackend:
     rows stay in the batch (a new row count would compile anew); they commit and keep nothing."""
 
     def __init__(self, target: torch.nn.Module, layer_ids: list[int] | None, num_rows: int, options: dict[str, Any],
-                 columns_needed: int, verify_width: int) -> None:
+                 columns_needed: int, verify_width: int, mixers: list[Mixer]) -> None:
         self.target, self.verify_width = target, verify_width
-        self.verifier = static_verifier(target, num_rows, layer_ids, options)
+        self.verifier = static_verifier(target, num_rows, layer_ids, options, mixers)
+        self.recurrent = self.verifier.recurrent  # a hybrid target's recurrent layers (None: none)
         self.columns_needed = columns_needed  # the prompts, every new token and one verify past the last
         self.config = target_text_config(target)
         self.window = sliding_window(self.config)
@@ -194,9 +208,14 @@ class StaticBackend:
     def prefill(self, input_ids: torch.Tensor, attention: dict[str, torch.Tensor], valid: torch.Tensor,
                 capture: FeatureCapture) -> Any:
         """The prompts' pass (eager) into the static cache, from its first column."""
-        self.verifier.new_cache(self.columns_needed)
-        outputs = prefill_forward(self.target, input_ids, attention, capture,
-                                  self.verifier.prefill_arguments(input_ids.shape[1]))
+        cache = self.verifier.new_cache(self.columns_needed)
+        if self.recurrent is None:
+            outputs = prefill_forward(self.target, input_ids, attention, capture,
+                                      self.verifier.prefill_arguments(input_ids.shape[1]))
+        else:
+            with self.recurrent.allocating(cache, self.verify_width):
+                outputs = prefill_forward(self.target, input_ids, attention, capture,
+                                          self.verifier.prefill_arguments(input_ids.shape[1]))
         self.columns = CacheColumns(valid, valid.sum(dim=1).tolist())
         return outputs
 
@@ -215,17 +234,24 @@ class StaticBackend:
         mask = position_attention(self.columns, sees, positions, self.verifier.mask_dtype, self.config, self.window,
                                   width=self.verifier.capacity)
         self.before = self.columns.copy()
-        return self.verifier.verify(input_ids, positions, mask, self.columns.width)
+        plan = None if tree is None or self.recurrent is None else PathPlan.of(
+            [tree.paths(row) for row in range(num_rows)], width, input_ids.device, fixed=True)
+        return self.verifier.verify(input_ids, positions, mask, self.columns.width, plan)
 
     def keep(self, kept_columns: list[list[int]], kept: torch.Tensor) -> None:
-        """The verify's kept columns [N, w] join the cache's; the rest is overwritten by the next verify."""
+        """The verify's kept columns [N, w] join the cache's; the rest is overwritten by the next verify. Recurrent
+        layers: rolled back to the kept columns in place."""
         self.columns.append(kept, [len(columns) for columns in kept_columns])
+        if self.recurrent is not None:
+            self.recurrent.keep(kept_columns, self.columns.width)
 
     def discard(self) -> None:
         """The columns, and the cache's write counter, as before the last verify."""
         if self.before is not None:
             self.columns = self.before
         self.verifier.rewind(self.columns.width)
+        if self.recurrent is not None:
+            self.recurrent.restore(self.columns.width)
 
     def compact(self) -> None:
         """Compaction in place, only once the next verify would not fit."""

@@ -121,6 +121,20 @@ def gated_delta_functions(mixer: torch.nn.Module) -> tuple[torch.nn.Module, torc
     return parts if all(isinstance(part, torch.nn.Module) for part in parts) else None
 
 
+def shared_gated_delta_functions(mixer: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """The module-level (convolution, chunked gated delta rule) function modules that a Gated DeltaNet mixer's forward
+    calls, shared by every mixer of its class, or None (before 5.25, another family). Under torch.compile the
+    `kernels` package's dispatch runs the plain function from these, not the mixer's private copy
+    (`gated_delta_functions`), so only their hooks see a compiled forward's calls."""
+    private = gated_delta_functions(mixer)
+    if private is None:
+        return None
+    module = inspect.getmodule(type(mixer))
+    shared = [[value for value in vars(module).values() if type(value) is type(function)] if module else []
+              for function in private[:2]]
+    return (shared[0][0], shared[1][0]) if all(len(found) == 1 for found in shared) else None
+
+
 def static_write_arguments(target: torch.nn.Module, start: int, width: int, device: torch.device) -> dict[str, Any]:
     """What a forward over a `StaticCache` needs to write `width` columns from column `start`: `cache_position` on
     4.57 (the cache writes where it says); nothing on 5.x (the cache writes at its own counter, kept by
@@ -133,5 +147,8 @@ def static_write_arguments(target: torch.nn.Module, start: int, width: int, devi
 def rewind_static_cache(cache: Any, columns: int) -> None:
     """Cut a `StaticCache`'s write counter back by `columns` (5.x: `crop`; 4.57 has no counter: nothing to do).
     The tensors keep their addresses; the columns past the counter are overwritten by the next forward."""
-    if columns > 0 and all(hasattr(layer, "cumulative_length") for layer in cache.layers):
-        cache.crop(-columns)
+    if columns <= 0:
+        return
+    for layer in cache.layers:  # attention layers only (a recurrent layer of a hybrid target has no columns)
+        if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+            layer.crop(-columns)

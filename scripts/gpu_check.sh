@@ -2,7 +2,8 @@
 # The first thing to run on a lent GPU (no internet there): environment, tests/test_cuda.py, a synthetic bench where
 # `dflash-hf bench --synthetic` exists, then eager against compiled steps on the proxy (scripts/step_ops_proxy.py).
 # Installs nothing from the internet. Everything goes to stdout and, when $OUT is set, to $OUT/gpu_check.log
-# (pytest's JUnit XML and the bench JSON next to it). About 13 minutes at most (the proxy's four compilations).
+# (pytest's JUnit XML and the bench JSON next to it). 14 minutes at most (the proxy's four compilations, then the
+# hybrid proxy in what is left).
 #
 #   bash scripts/gpu_check.sh                      # from the repository root
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh
@@ -105,6 +106,19 @@ if [ -f scripts/step_ops_proxy.py ] && [ $((SECONDS - STARTED)) -lt "${PROXY_STA
     echo "proxy exit status: $?"
 else
     echo "skipped: no scripts/step_ops_proxy.py, or ${PROXY_START_BEFORE:-450} s have passed"
+fi
+
+section "compiled path on a hybrid target: eager against compile=True on a Qwen3.5-shaped proxy"
+# 32 layers of width 64, three Gated DeltaNet layers to each attention layer: the eager chain step (with its state
+# rollback) against the compiled one (the rollback in fixed buffers, one more graph). Started only with at least
+# 2 minutes left of 14, and stopped at 14, so the whole check fits 15 minutes of device time.
+LEFT=$((${CHECK_SECONDS:-840} - (SECONDS - STARTED)))
+if [ -f scripts/step_ops_proxy.py ] && [ "$LEFT" -ge 120 ]; then
+    HYBRID_LIMIT=$(( LEFT < ${HYBRID_TIMEOUT:-300} ? LEFT : ${HYBRID_TIMEOUT:-300} ))
+    timeout "$HYBRID_LIMIT" "$PY" scripts/step_ops_proxy.py --device cuda --hybrid --no-tree --new-tokens 48
+    echo "hybrid proxy exit status: $?"
+else
+    echo "skipped: no scripts/step_ops_proxy.py, or under 120 s left of ${CHECK_SECONDS:-840}"
 fi
 
 section "done"

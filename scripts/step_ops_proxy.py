@@ -14,6 +14,11 @@ ops are shown beside them. Every output is checked against `generate` first.
     python scripts/step_ops_proxy.py --no-compile          # eager rows only (no compiled generate either)
     python scripts/step_ops_proxy.py --device cuda --no-tree  # a GPU: compiled is CUDA graphs (scripts/gpu_check.sh)
     python scripts/step_ops_proxy.py --device cuda --no-tree --synthetic Qwen3-8B  # the real pair, random, bfloat16
+    python scripts/step_ops_proxy.py --hybrid --no-tree    # a Qwen3.5-shaped hybrid target, eager and compiled
+
+`--hybrid` swaps the target for a Qwen3.5-shaped one (Gated DeltaNet layers, three to each attention layer, 32 layers
+of width 64 as Qwen3.5-9B's depth; `--hybrid-layers 64` for Qwen3.5-27B's) and prints the compiled chain step over
+the eager one. Compiled `generate` is not run for it (Transformers' generate does not compile recurrent layers).
 
 `--synthetic` builds a pair of `dflash-hf bench --synthetic` (random weights, bfloat16 on a GPU; on a CPU float32 with
 widths / 8): real arithmetic, so the rows show what launches cost next to it. Its random draft accepts nothing (tau 1)
@@ -98,6 +103,22 @@ def proxy_pair(seed: int = 0) -> tuple[torch.nn.Module, DFlashDraftModel]:
     target = Qwen3ForCausalLM(Qwen3Config(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=36, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=False)).eval()
+    draft = DFlashDraftModel(draft_config_for(target, num_layers=5, block_size=16, mask_token_id=511)).eval()
+    return target, draft
+
+
+def hybrid_proxy_pair(num_layers: int = 32, seed: int = 0) -> tuple[torch.nn.Module, DFlashDraftModel]:
+    """A compute-free Qwen3.5-shaped target (Gated DeltaNet layers, every fourth full attention, width 64) and a
+    5-layer random draft of block 16 for it."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    target = Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=4096, tie_word_embeddings=False,
+        layer_types=["full_attention" if (layer + 1) % 4 == 0 else "linear_attention"
+                     for layer in range(num_layers)])).eval()
     draft = DFlashDraftModel(draft_config_for(target, num_layers=5, block_size=16, mask_token_id=511)).eval()
     return target, draft
 
@@ -215,10 +236,15 @@ def main() -> None:
     parser.add_argument("--no-tree", action="store_true", help="skip the tree")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--synthetic", metavar="PAIR", help="a pair of `bench --synthetic` (Qwen3-8B) instead")
+    parser.add_argument("--hybrid", action="store_true", help="a Qwen3.5-shaped hybrid target instead")
+    parser.add_argument("--hybrid-layers", type=int, default=32, help="its depth (Qwen3.5-27B: 64)")
     args = parser.parse_args()
     if args.synthetic:
         target, draft = synthetic_pair(args.synthetic, torch.device(args.device))
         shape = f"{args.synthetic}, random, {draft.dtype}"
+    elif args.hybrid:
+        target, draft = (model.to(args.device) for model in hybrid_proxy_pair(args.hybrid_layers))
+        shape = f"Qwen3.5-shaped hybrid, {args.hybrid_layers} layers x 64"
     else:
         target, draft = (model.to(args.device) for model in proxy_pair())
         shape = "36 layers x 64"
@@ -235,26 +261,31 @@ def main() -> None:
         print(f"| {name} | {ms:.1f} | {counts} | {tau} | {first_call} |")
 
     row("plain `generate` (per token)", ms, ops, "1")
-    if not args.no_compile:
+    if not args.no_compile and not args.hybrid:
         ms, _, tokens, first_call = generate_costs(target, prompt, args.new_tokens, compiled=True)
         agree = tokens == expected
         row("plain `generate`, compiled (static cache; per token)" + ("" if agree else " (differs from eager!)"), ms,
             None, "1", f"{first_call:.1f}")
-    ms, ops = forward_costs(target, draft, prompt)
-    row("target verify + draft forward alone", ms, ops)
+    if not args.hybrid:  # (a hybrid target's verify alone would leave its recurrent states advanced)
+        ms, ops = forward_costs(target, draft, prompt)
+        row("target verify + draft forward alone", ms, ops)
     rows = [("dflash-hf chain", None, False)]
     rows += [] if args.no_tree else [(f"dflash-hf tree of {args.tree_size}", args.tree_size, False)]
     rows += [] if args.no_compile else [("dflash-hf chain, compiled", None, True)]
     rows += [] if args.no_compile or args.no_tree else [(f"dflash-hf tree of {args.tree_size}, compiled",
                                                          args.tree_size, True)]
+    step_ms = {}
     for name, tree_size, compile in rows:
         ms, ops, tau, tokens, first_call = loop_costs(target, draft, prompt, args.new_tokens, tree_size, compile)
+        step_ms[tree_size, compile] = ms
         if args.synthetic:
             agree = next((index for index, (a, b) in enumerate(zip(tokens, expected)) if a != b), len(expected))
             name += f" (first {agree} of {len(expected)} tokens as generate's)"
         else:
             assert tokens == expected, f"{name}: output differs from generate"
         row(name, ms, ops, f"{tau:.2f}", f"{first_call:.1f}")
+    if (None, True) in step_ms:
+        print(f"\ncompiled chain step / eager chain step: {step_ms[None, True] / step_ms[None, False]:.2f}")
 
 if __name__ == "__main__":
     main()

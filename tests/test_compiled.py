@@ -18,7 +18,6 @@ from helpers import (
     TreeReferenceProposer,
     build_target,
     make_draft,
-    make_hybrid_target,
     make_target,
     make_variant_draft,
     plain_greedy,
@@ -225,12 +224,6 @@ def test_compile_is_refused_with_what_it_cannot_run(arguments, message):
     with pytest.raises(ValueError, match=message):
         draft.spec_generate(target=target, input_ids=random_prompt(0, 5), max_new_tokens=4, compile=True,
                             **arguments)
-
-
-def test_compile_is_refused_for_a_target_with_recurrent_layers():
-    target, draft = make_hybrid_target("qwen3_next"), make_draft(0)
-    with pytest.raises(ValueError, match="recurrent layers"):
-        draft.spec_generate(target=target, input_ids=random_prompt(0, 5), max_new_tokens=4, compile=True)
 
 
 def test_a_compiled_call_keeps_neither_model_alive():
