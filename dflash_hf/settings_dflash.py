@@ -20,6 +20,7 @@ from .cache_dflash import recurrent_layers, windowed_mask_refusal
 from .devices_dflash import MASKED_ATTENTION, execution_device, target_device, target_text_config
 from .proposer_dflash import DFlashDraft, draft_vocab_ids
 from .target_dflash import feature_modules
+from .versions_dflash import torch_refusal
 
 # where neither the call nor the generation config sets a length (generate: max_length 20)
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -604,7 +605,7 @@ def compile_refusal(target: torch.nn.Module, step_costs: Any, cpu_kernels: bool 
     if layer_ids and feature_modules(target, layer_ids) is None:
         return (f"compile=True takes the draft's features from the target's decoder layers, which "
                 f"{type(target).__name__} does not expose as a list of num_hidden_layers modules.")
-    return None
+    return torch_refusal("compile=True")
 
 
 def compile_options(option: bool | dict[str, Any], device: torch.device) -> dict[str, Any]:
