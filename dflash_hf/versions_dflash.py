@@ -6,7 +6,6 @@ installed:
 
 - torch: what needs a newer torch than pyproject's floor (`torch_refusal`: `compile=True`), and whether SDPA's own
   grouped-query mode gives the numbers of Transformers' copied heads (`exact_grouped_query_sdpa`);
-
 - the forward's cache keyword (`cache_keyword`, `returned_cache`): `past_key_values` on 4.57, `cache` on 5.x;
 - recurrent states (`is_linear_attention_layer`): model-specific caches on 4.57, linear-attention cache layers on 5.x;
 - a layer that cannot be cut back (`refuses_crop`): no flag on 4.57; 5.24's `is_croppable` is False once a recurrent
