@@ -14,6 +14,7 @@ import torch
 from .configuration_dflash import DFLASH_HF_VERSION
 from .loading import DTYPES, PUBLISHED_CONFIGS, SMOLLM2, device_description, load_target
 from .training.trainer import TrainingSettings
+from .versions_dflash import torch_refusal
 
 
 def block_size_choice(text: str) -> int | str:
@@ -453,6 +454,9 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the `dflash-hf` command."""
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    refusal = torch_refusal("compile=True") if getattr(args, "compile", False) else None
+    if refusal is not None:  # before any model is loaded
+        raise SystemExit(f"dflash-hf {args.command} --compile: {refusal}")
     if args.command == "train":
         from .training.command import run_train
         from .training.processes import end_processes

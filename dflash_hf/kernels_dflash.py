@@ -23,6 +23,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .devices_dflash import GROUPED_QUERY_SDPA, execution_device, target_text_config
+from .versions_dflash import exact_grouped_query_sdpa
 
 MAX_FEW_ROWS = 64  # more rows than this: F.linear, a product BLAS handles well
 KERNEL_TIMING_REPEATS = 3
@@ -206,7 +207,6 @@ def few_row_kernels(model: torch.nn.Module) -> Iterator[bool]:
 
 # --- Attention of a multi-token verify: grouped key/value heads without copies -----------------------------------
 
-_SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 _SDPA_EXTRAS = ("position_bias", "softcap", "s_aux", "sinks")  # attention variants the plain path does not cover
 
 
@@ -231,11 +231,12 @@ def grouped_query_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.
 def use_grouped_query_sdpa(target: torch.nn.Module) -> bool:
     """Switch a CPU target with grouped key/value heads from "sdpa" to `grouped_query_sdpa` (registered in
     Transformers' public attention table): the same logits, without copying each key/value head once per query head
-    in a multi-token verify. For whoever loads the model: dflash-hf's commands do it at load; the loop itself never
-    changes a model's attention (another thread may be using the model). Returns whether it switched;
-    `target.set_attn_implementation("sdpa")` switches back."""
+    in a multi-token verify, on the torch releases where SDPA's grouped mode is bit-equal (`versions_dflash`). For
+    whoever loads the model: dflash-hf's commands do it at load; the loop itself never changes a model's attention
+    (another thread may be using the model). Returns whether it switched; `target.set_attn_implementation("sdpa")`
+    switches back."""
     config = target.config
-    switch = (_SDPA_HAS_GQA and target_text_config(target) is config
+    switch = (exact_grouped_query_sdpa() and target_text_config(target) is config
               and getattr(config, "_attn_implementation", None) == "sdpa"
               and execution_device(target).type == "cpu" and hasattr(target, "set_attn_implementation")
               and getattr(config, "num_key_value_heads", None) not in (None,

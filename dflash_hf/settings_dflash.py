@@ -22,6 +22,7 @@ from .processors_dflash import CallPrompts, PositionRules, position_rules
 from .proposer_dflash import DFlashDraft, draft_vocab_ids
 from .recurrent_dflash import rollback_mixers
 from .target_dflash import feature_modules
+from .versions_dflash import torch_refusal
 
 # where neither the call nor the generation config sets a length (generate: max_length 20)
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -628,7 +629,7 @@ def compile_refusal(target: torch.nn.Module, step_costs: Any, cpu_kernels: bool 
     if layer_ids and feature_modules(target, layer_ids) is None:
         return (f"compile=True takes the draft's features from the target's decoder layers, which "
                 f"{type(target).__name__} does not expose as a list of num_hidden_layers modules.")
-    return None
+    return torch_refusal("compile=True")
 
 
 def compile_options(option: bool | dict[str, Any], device: torch.device) -> dict[str, Any]:

@@ -1,7 +1,11 @@
-"""What differs between the Transformers releases dflash-hf runs on (pyproject's range: 4.57.6 to 5.25.x).
+"""What differs between the Transformers and torch releases dflash-hf runs on (pyproject's ranges: Transformers
+4.57.6 to 5.25.x, torch 2.6.0 to 2.15.0; README, "Which torch").
 
-Every difference the package depends on is answered here, and no other module asks which Transformers is installed:
+Every difference the package depends on is answered here, and no other module asks which Transformers or torch is
+installed:
 
+- torch: what needs a newer torch than pyproject's floor (`torch_refusal`: `compile=True`), and whether SDPA's own
+  grouped-query mode gives the numbers of Transformers' copied heads (`exact_grouped_query_sdpa`);
 - the forward's cache keyword (`cache_keyword`, `returned_cache`): `past_key_values` on 4.57, `cache` on 5.x;
 - recurrent states (`is_linear_attention_layer`): model-specific caches on 4.57, linear-attention cache layers on 5.x;
 - a layer that cannot be cut back (`refuses_crop`): no flag on 4.57; 5.24's `is_croppable` is False once a recurrent
@@ -37,6 +41,33 @@ TRANSFORMERS_RELEASE = tuple(int(part) for part in TRANSFORMERS_VERSION.split(".
 # `generate` leaves each row's left padding out of its repetition penalty in Transformers 5 (5.25 checked); 4.57.6
 # counts the padding (both tested against generate: tests/test_generate_arguments.py)
 REPETITION_PENALTY_SKIPS_PADDING = TRANSFORMERS_RELEASE >= (5, 0)
+TORCH_VERSION = torch.__version__  # "2.15.0+cu130"
+TORCH_RELEASE = tuple(int(part) for part in TORCH_VERSION.split("+")[0].split(".")[:2])  # (2, 15)
+
+OLDEST_TORCH = (2, 6)  # pyproject's floor: Transformers 5.25 needs it (CI runs the oldest set on 2.6.0)
+# Features that need a newer torch than the floor: (the oldest release they were checked on here, why not older).
+NEWER_TORCH_FEATURES = {
+    "compile=True": ((2, 13), "on torch 2.6 dynamo breaks Llama's and Gemma's forwards into several graphs and "
+                              "recompiles the verify after its first step"),
+}
+GROUPED_QUERY_SDPA_EXACT_FROM = (2, 9)  # measured: 2.6 and 2.8 differ in the last bits; 2.9 on are bit-equal
+
+
+def torch_refusal(feature: str) -> str | None:
+    """Why the installed torch cannot run `feature` (a key of NEWER_TORCH_FEATURES), naming the release it needs, or
+    None."""
+    oldest, reason = NEWER_TORCH_FEATURES[feature]
+    if TORCH_RELEASE >= oldest:
+        return None
+    return (f"{feature} needs torch >= {oldest[0]}.{oldest[1]} ({reason}); this is torch {TORCH_VERSION}. Upgrade "
+            "torch (README, \"Which torch\") or leave the feature off.")
+
+
+def exact_grouped_query_sdpa() -> bool:
+    """Whether this torch's SDPA over grouped key/value heads (`enable_gqa=True`, no copies) gives exactly the logits
+    of Transformers' sdpa, which copies each key/value head per query head (`kernels_dflash.use_grouped_query_sdpa`
+    switches only where it does)."""
+    return TORCH_RELEASE >= GROUPED_QUERY_SDPA_EXACT_FROM
 
 
 def cache_keyword(target: torch.nn.Module) -> str:

@@ -29,8 +29,13 @@ from dflash_hf import speculative_decode
 from dflash_hf.cache_dflash import left_pad
 from dflash_hf.proposer_dflash import DFlashProposer
 from dflash_hf.settings_dflash import StepCosts
+from dflash_hf.versions_dflash import NEWER_TORCH_FEATURES, torch_refusal
 
 DYNAMO_ONLY = {"backend": "eager"}
+# compile=True needs a newer torch than pyproject's floor (versions_dflash); on older ones it is refused, as
+# test_compile_is_refused_on_an_older_torch_naming_the_release_it_needs checks on every torch
+COMPILES = pytest.mark.skipif(torch_refusal("compile=True") is not None,
+                              reason=f"compile=True is refused on torch {torch.__version__}")
 
 
 def compiled_graphs() -> int:
@@ -65,6 +70,7 @@ def guided_decode(target, draft, prompt: torch.Tensor, max_new_tokens: int, seed
     return result, proposer
 
 
+@COMPILES
 @pytest.mark.parametrize("seed, block_size, prompt_length, max_new_tokens", [
     (0, 4, 5, 24), (1, 8, 11, 40), (2, 16, 3, 33)])
 def test_compiled_greedy_equals_generate_while_acceptance_varies(seed, block_size, prompt_length, max_new_tokens):
@@ -80,6 +86,7 @@ def test_compiled_greedy_equals_generate_while_acceptance_varies(seed, block_siz
     assert len(set(result.acceptance_lengths[0])) > 2
 
 
+@COMPILES
 def test_a_compiled_batch_keeps_rows_that_stopped_and_commits_nothing_for_them():
     """A left-padded batch whose rows stop (stop token, max_new_tokens) at different steps: each row equals its own
     greedy decode, though finished rows stay in the compiled batch."""
@@ -98,6 +105,7 @@ def test_a_compiled_batch_keeps_rows_that_stopped_and_commits_nothing_for_them()
 
 
 
+@COMPILES
 @pytest.mark.parametrize("tree_size", [None, 4])
 def test_generates_processors_and_stop_strings_run_on_the_compiled_backend(tree_size):
     """The processors run on the compiled verify's logits, each row with its own prefix; a stop string ends a row of
@@ -122,6 +130,7 @@ def test_generates_processors_and_stop_strings_run_on_the_compiled_backend(tree_
     for row, reference in enumerate(expected):
         assert result.new_tokens(row) == reference[0, len(prompts[row]):].tolist()
 
+@COMPILES
 @pytest.mark.parametrize("acceptance", ["rejection", "equality"])
 def test_compiled_sampling_draws_the_tokens_the_eager_loop_draws(acceptance):
     """Same seed, same tokens: the compiled verify changes no draw, so the target's distribution (tested for the
@@ -141,6 +150,7 @@ def test_compiled_sampling_draws_the_tokens_the_eager_loop_draws(acceptance):
     assert len(set(outputs.values())) == 3
 
 
+@COMPILES
 @pytest.mark.parametrize("variant", ["dflash", "sliding_mixed", "dflash2"])
 def test_the_compiled_draft_drafts_what_the_eager_draft_drafts(variant):
     """Step by step the same proposals from the static context cache (block-wide contexts, masked padding) as from
@@ -158,6 +168,7 @@ def test_the_compiled_draft_drafts_what_the_eager_draft_drafts(variant):
     assert len(set(compiled.acceptance_lengths[0][:steps])) > 2
 
 
+@COMPILES
 def test_the_first_compiled_call_says_it_compiles_and_later_calls_do_not(caplog):
     """A long compile is announced (a warning naming what compiles), once per target and batch size."""
     target, draft = make_target(seed=16), make_draft(16)
@@ -169,6 +180,7 @@ def test_the_first_compiled_call_says_it_compiles_and_later_calls_do_not(caplog)
     assert len(announced) == 1
 
 
+@COMPILES
 def test_compiled_eager_and_compiled_again_on_the_same_models_return_ordinary_tensors():
     """The loop runs in inference mode; what outlives a call (the compiled verifier's static cache, the compiled
     draft) is written only inside it, so a compiled call, an eager one and a compiled one again on the same models
@@ -186,6 +198,7 @@ def test_compiled_eager_and_compiled_again_on_the_same_models_return_ordinary_te
     assert all(parameter.grad is not None for parameter in target.lm_head.parameters())
 
 
+@COMPILES
 def test_no_recompilation_after_the_first_step():
     """Two graphs (the target's verify, the draft's forward) for the whole call while accepted lengths vary, and none
     for a second call of another prompt length and length budget (the caches' capacities are rounded up, so they are
@@ -206,6 +219,7 @@ def test_no_recompilation_after_the_first_step():
     assert compiled_graphs() == 3
 
 
+@COMPILES
 def test_the_default_compiled_path_equals_generate():
     """`compile=True`: inductor on a CPU, exact on a tiny target with a DFlash draft."""
     target, draft = make_target(seed=6), make_draft(6)
@@ -226,6 +240,36 @@ def test_compile_is_refused_with_what_it_cannot_run(arguments, message):
                             **arguments)
 
 
+@pytest.mark.parametrize("release, refused", [((2, 6), True), (NEWER_TORCH_FEATURES["compile=True"][0], False)])
+def test_compile_is_refused_on_an_older_torch_naming_the_release_it_needs(monkeypatch, release, refused):
+    """Below the release compile=True needs, spec_generate and `dflash-hf bench --compile` refuse it with both releases
+    named, before any forward or model load; from that release on nothing refuses it."""
+    import dflash_hf.cli as cli
+    import dflash_hf.versions_dflash as versions_dflash
+
+    monkeypatch.setattr(versions_dflash, "TORCH_RELEASE", release)
+    monkeypatch.setattr(versions_dflash, "TORCH_VERSION", f"{release[0]}.{release[1]}.0+cu124")
+    if not refused:
+        assert torch_refusal("compile=True") is None
+        return
+    target, draft = make_target(seed=0), make_draft(0)
+    forwards = []
+    target.register_forward_pre_hook(lambda *_: forwards.append(1))
+    major, minor = NEWER_TORCH_FEATURES["compile=True"][0]
+    needs = rf"compile=True needs torch >= {major}\.{minor} \(.*\); this is torch 2\.6\.0\+cu124\. Upgrade torch"
+    with pytest.raises(ValueError, match=needs):
+        draft.spec_generate(target=target, input_ids=random_prompt(0, 5), max_new_tokens=4, compile=True)
+    assert not forwards
+
+    def no_loading(*_, **__):
+        raise AssertionError("a model was loaded before the refusal")
+
+    monkeypatch.setattr(cli, "load_target", no_loading)
+    with pytest.raises(SystemExit, match=f"dflash-hf bench --compile: {needs}"):
+        cli.main(["bench", "--compile", "--num-prompts", "1", "--max-new-tokens", "4"])
+
+
+@COMPILES
 def test_a_compiled_call_keeps_neither_model_alive():
     """The verifier and the compiled draft forward are kept for later calls, but hold the models weakly: once the
     caller drops them, they are freed."""
@@ -273,6 +317,7 @@ def decode_family_batch(target, tree_size: int | None, compile: dict | None, see
 ONE_GRAPH = {"gpt_oss": int(transformers.__version__.split(".")[0]) >= 5}
 
 
+@COMPILES
 @pytest.mark.parametrize("family", STRATEGY_FAMILIES)
 @pytest.mark.parametrize("tree_size", [None, 6])
 def test_compiled_chains_and_trees_equal_generate_on_every_attention_family(family, tree_size):
@@ -305,6 +350,7 @@ def test_eager_trees_count_the_window_in_positions(family):
         decode_family_batch(target, 7, None, seed=seed, block_size=4 + seed, lengths=(2 * WINDOW + seed, 5))
 
 
+@COMPILES
 @pytest.mark.parametrize("variant", ["dflash", "dflash2"])
 def test_a_compiled_tree_with_a_draft_commits_what_the_eager_tree_commits(variant):
     """The draft's features of a tree's accepted path (gathered to the left) reach the compiled draft as the eager
@@ -330,6 +376,7 @@ def test_a_compiled_tree_with_a_draft_commits_what_the_eager_tree_commits(varian
     assert [row[:steps] for row in compiled.acceptance_lengths] == [row[:steps] for row in eager.acceptance_lengths]
 
 
+@COMPILES
 @pytest.mark.parametrize("family", ["llama3_rope", "gemma3", "gpt_oss"])
 @pytest.mark.parametrize("tree_size", [None, 6])
 def test_compiled_sampling_draws_what_the_eager_loop_draws_on_other_families(family, tree_size):
@@ -352,6 +399,7 @@ def test_compiled_sampling_draws_what_the_eager_loop_draws_on_other_families(fam
     assert len(outputs) == 2
 
 
+@COMPILES
 def test_compiled_tree_sampling_draws_the_tokens_the_eager_tree_draws():
     """Same seed, same tokens for a sampled tree (the same uniforms for children and finals, the same candidates
     drawn by the draft), up to the eager loop's last, narrower block. Power: other seeds draw other tokens."""

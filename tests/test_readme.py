@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from dflash_hf.cli import main
+from dflash_hf.versions_dflash import OLDEST_TORCH
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 CI = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 # `dflash-hf <command>` where the README shows a command: at a line start (code blocks), after a backtick or `&&`
 SHOWN_COMMANDS = sorted(set(re.findall(r"(?:^|`|&& )dflash-hf ([a-z]+)", README, flags=re.M)))
 
@@ -38,3 +41,39 @@ def test_every_command_in_the_readme_exists(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])
     assert exit_info.value.code == 0 and "usage: dflash-hf" in capsys.readouterr().out
+
+
+def dependency_bounds(name: str) -> tuple[str, str]:
+    """(the oldest release, the cap as written: "<=B" or "<B") of a dependency `name>=A,<=B` or `name>=A,<B`."""
+    requirement = next(line for line in PYPROJECT["project"]["dependencies"] if re.match(rf"{name}\b", line))
+    oldest = re.search(r">=([\d.]+)", requirement).group(1)
+    return oldest, re.search(r"<=?[\d.]+", requirement).group(0)
+
+
+def ci_installs() -> list[dict[str, str]]:
+    """Each `pip install` line of `.ci/run` that pins torch: {package: pinned version}."""
+    return [dict(re.findall(r"\b([a-z]+)==([\d.]+)", line)) for line in CI.splitlines()
+            if line.startswith("pip install") and "torch==" in line]
+
+
+def test_pyprojects_torch_and_transformers_ranges_are_what_ci_installs_at_both_ends():
+    """The suite runs on the newest torch with the newest Transformers, the version-dependent tests on the oldest with
+    the oldest: pyproject's bounds are exactly those pins, and versions_dflash's floor is pyproject's."""
+    newest, oldest = ci_installs()
+    torch_floor, torch_cap = dependency_bounds("torch")
+    transformers_floor, transformers_cap = dependency_bounds("transformers")
+    assert (torch_cap, transformers_cap) == (f"<={newest['torch']}", "<5.26") and newest["transformers"] == "5.25.0"
+    assert (oldest["torch"], oldest["transformers"]) == (f"{torch_floor}.0", transformers_floor)
+    assert tuple(int(part) for part in torch_floor.split(".")) == OLDEST_TORCH
+    assert PYPROJECT["project"]["requires-python"] == ">=3.11"  # CI's Python; Transformers 5.25 needs it
+    assert PYPROJECT["tool"]["ruff"]["target-version"] == "py311"
+
+
+def test_the_install_line_keeps_an_installed_torch():
+    """README's main command names no torch and nothing that reinstalls: pip keeps a torch already in pyproject's
+    range (a user's CUDA build); README says how to pick a build before it."""
+    main_command, _ = setup_commands()
+    install = main_command.split("pip install ", 1)[1].split(" && ")[0]
+    assert install == '-e ".[demo]"'
+    section = README.split("### Which torch", 1)[1].split("\n## ", 1)[0]
+    assert "--index-url https://download.pytorch.org/whl/cpu" in section and "whl/cu" in section

@@ -14,6 +14,7 @@ import transformers
 from helpers import make_draft, make_hybrid_target, make_target, make_tokenizer
 
 from dflash_hf.cli import main
+from dflash_hf.versions_dflash import torch_refusal
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
 USAGE = README.split("## Use a published draft (GPU)", 1)[1].split("## Train your own draft", 1)[0]
@@ -68,6 +69,10 @@ def test_the_usage_examples_run_and_give_the_targets_own_output(hub, capsys):
                                                        stop_token_ids=hybrid["stop_token_ids"])
                 assert type(hybrid["target"]).__name__ == "Qwen3_5ForCausalLM"
                 assert torch.equal(output, plain(hybrid["target"], hybrid["input_ids"], hybrid["stop_token_ids"]))
+            continue
+        if "compile=True" in block and torch_refusal("compile=True") is not None:  # torch older than it needs
+            with pytest.raises(ValueError, match="compile=True needs torch >= "):
+                exec(compile(block, "README.md", "exec"), dict(namespace))
             continue
         exec(compile(block, "README.md", "exec"), namespace)
     target, input_ids, stops = namespace["target"], namespace["input_ids"], namespace["stop_token_ids"]
