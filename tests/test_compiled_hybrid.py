@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from helpers import (
     ReferenceProposer,
     TreeReferenceProposer,
@@ -20,35 +19,23 @@ from helpers import (
     plain_greedy,
     random_prompt,
 )
-from test_hybrid_targets import assert_states_equal_plain_forwards, layer_tensors
+from test_compiled import DYNAMO_ONLY, compiled_graphs
+from test_hybrid_targets import (
+    decode_checking_states,
+    hybrid,
+    needs_hybrid,
+    verify_and_discard,
+)
 from torch._dynamo.utils import counters
 
 from dflash_hf import speculative_decode
-from dflash_hf.cache_dflash import left_pad, recurrent_cache_layers
-from dflash_hf.generation_dflash import DecodeSession
-from dflash_hf.settings_dflash import resolve_settings
-
-DYNAMO_ONLY = {"backend": "eager"}
-HAS_HYBRID_CACHE = hasattr(transformers, "Qwen3_5ForCausalLM")  # Transformers 5.x
-needs_hybrid = pytest.mark.skipif(not HAS_HYBRID_CACHE, reason="Qwen3.5 and the linear-attention cache: 5.x only")
+from dflash_hf.cache_dflash import left_pad
 
 
 @pytest.fixture(scope="module")
 def targets() -> dict[str, torch.nn.Module]:
-    """One tiny target per hybrid family, seed 0 (built on first use)."""
+    """One tiny target per hybrid family, seed 0 (built on first use by test_hybrid_targets.hybrid)."""
     return {}
-
-
-def target_of(targets: dict[str, torch.nn.Module], family: str) -> torch.nn.Module:
-    if family not in targets:
-        targets[family] = make_hybrid_target(family, seed=0)
-    return targets[family]
-
-
-def compiled_graphs() -> int:
-    """Graphs dynamo has compiled since the counters were last cleared (a recompilation adds one)."""
-    return counters["stats"]["unique_graphs"]
-
 
 def decode_batch(target: torch.nn.Module, tree_size: int | None, seed: int, block_size: int,
                  lengths: tuple[int, ...], max_new_tokens: int, stop_after: int | None = None):
@@ -79,7 +66,7 @@ def test_compiled_hybrid_decoding_equals_generate_and_compiles_once(targets, fam
     """Greedy, a left-padded batch whose rows accept different counts and stop at different steps (one at a stop
     token): each row is its own greedy decode. Two graphs (the verify and the rollback; these proposers run no draft),
     and none more for a second call of other seeds, prompt lengths and length budget."""
-    target = target_of(targets, family)
+    target = hybrid(targets, family)
     torch._dynamo.reset()
     counters.clear()
     result = decode_batch(target, tree_size, seed=1, block_size=block_size, lengths=(11, 4), max_new_tokens=20,
@@ -91,40 +78,18 @@ def test_compiled_hybrid_decoding_equals_generate_and_compiles_once(targets, fam
     assert compiled_graphs() == 2, counters["stats"]
 
 
-def decode_checking_states(target: torch.nn.Module, tree_size: int | None, compile: dict | bool) -> int:
-    """A compiled batch (a chain's rows keep different prefixes, a tree's rows different root-to-leaf paths); after the
-    prefill and every step each recurrent cache layer's tensors equal a plain forward's over the row's committed
-    tokens. The number of steps."""
-    prompts = [random_prompt(7, 9)[0].tolist(), random_prompt(8, 3)[0].tolist()]
-    references = [plain_greedy(target, torch.tensor([prompt]), 24) for prompt in prompts]
-    input_ids, attention_mask = left_pad(prompts, 0)
-    settings = resolve_settings(target, input_ids, None, attention_mask=attention_mask, max_new_tokens=24,
-                                block_size=7, tree_size=tree_size, compile=compile)
-    proposer = (ReferenceProposer(references, corrupt_seed=7) if tree_size is None
-                else TreeReferenceProposer(references, 3, 7))
-    session = DecodeSession(target, proposer, settings)
-    steps = 0
-    with session.running():
-        session.prefill(input_ids, attention_mask)
-        assert_states_equal_plain_forwards(target, session)
-        while session.step():
-            steps += 1
-            assert_states_equal_plain_forwards(target, session)
-    return steps
-
-
 @needs_hybrid
 def test_after_every_compiled_tree_step_each_state_equals_a_plain_forwards(targets):
     """The fixed-shape rollback of a tree's accepted paths leaves every tensor of every recurrent layer (states and
     token counts) as a plain forward over the committed tokens does, row by row."""
-    assert decode_checking_states(target_of(targets, "qwen3_5"), 9, DYNAMO_ONLY) >= 3
+    assert decode_checking_states(hybrid(targets, "qwen3_5"), True, 9, DYNAMO_ONLY) >= 3
 
 
 @needs_hybrid
 def test_the_default_compiled_path_keeps_every_state_exact_on_a_hybrid_target():
     """compile=True (inductor on a CPU), a chain: every state checked after every step of a batch (under inductor, a
     copy of the cache's state into a buffer in the verify that writes the state once read the written one)."""
-    assert decode_checking_states(make_hybrid_target("qwen3_5", seed=0), None, True) >= 3
+    assert decode_checking_states(make_hybrid_target("qwen3_5", seed=0), True, None, True) >= 3
 
 
 @needs_hybrid
@@ -132,7 +97,7 @@ def test_the_default_compiled_path_keeps_every_state_exact_on_a_hybrid_target():
 def test_compiled_hybrid_sampling_draws_what_the_eager_loop_draws(targets, family, tree_size):
     """Sampling with a DFlash draft, chain and tree: the compiled backend draws the eager one's tokens (same seed), up
     to the eager loop's last, narrower block; other seeds draw other tokens."""
-    target, draft = target_of(targets, family), make_draft(18)
+    target, draft = hybrid(targets, family), make_draft(18)
     prompt = random_prompt(19, 9)
     arguments = dict(target=target, input_ids=prompt, max_new_tokens=24, temperature=1.0, tree_size=tree_size)
     outputs = set()
@@ -148,23 +113,9 @@ def test_compiled_hybrid_sampling_draws_what_the_eager_loop_draws(targets, famil
 def test_a_discarded_compiled_verify_leaves_every_state_as_it_was(targets):
     """A compiled verify, then `discard_verify`: every tensor of every recurrent layer as before it. A keep replaces
     the states in place, so discarding after it is refused by name."""
-    target = target_of(targets, "qwen3_5")
-    prompt = random_prompt(9, 6)
-    settings = resolve_settings(target, prompt, None, max_new_tokens=8, block_size=4, compile=DYNAMO_ONLY)
-    session = DecodeSession(target, ReferenceProposer(plain_greedy(target, prompt, 12)), settings)
+    session = verify_and_discard(hybrid(targets, "qwen3_5"), compile=DYNAMO_ONLY)
     with session.running():
-        session.prefill(prompt)
-        cache = session.state.backend.cache
-        layers = recurrent_cache_layers(cache)
-        before = {layer: {name: tensor.clone() for name, tensor in layer_tensors(cache.layers[layer]).items()}
-                  for layer in layers}
         step = session.plan()
-        session.verify(step, session.propose(step))
-        assert not torch.equal(cache.get_recurrent_state(layers[0]), before[layers[0]]["recurrent_states.0"])
-        session.discard_verify()
-        for layer in layers:
-            for name, tensor in layer_tensors(cache.layers[layer]).items():
-                assert torch.equal(tensor, before[layer][name]), (layer, name)
         session.verify(step, session.propose(step))
         session.state.backend.keep([[0, 1]], torch.ones(1, 2, dtype=torch.bool))
         with pytest.raises(RuntimeError, match="a keep cannot be discarded"):
@@ -188,27 +139,11 @@ def test_compile_gives_a_refused_recurrent_family_the_eager_loops_reason():
         make_draft(0).spec_generate(target=target, input_ids=random_prompt(0, 5), max_new_tokens=4, compile=True)
 
 
-@pytest.mark.skipif(HAS_HYBRID_CACHE, reason="Transformers 4.x only: its Qwen3-Next cache")
-def test_compiled_qwen3_next_on_transformers_4_is_refused_with_the_version_to_install():
-    """4.57 keeps Qwen3-Next's states in a model-specific cache (no static layout to roll back): refused by name,
-    before any forward, as the eager loop refuses it."""
-    torch.manual_seed(0)
-    config = transformers.Qwen3NextConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=32)
-    target = transformers.Qwen3NextForCausalLM(config).eval()
-    with pytest.raises(ValueError, match=r"Qwen3NextForCausalLM \(qwen3_next\) is not supported: "
-                                         r".*model-specific cache.*install transformers 5\.25"):
-        make_draft(0).spec_generate(target=target, input_ids=random_prompt(0, 5), max_new_tokens=4, compile=True)
-
-
 @needs_hybrid
 def test_a_compiled_verify_of_one_column_is_refused_on_a_hybrid_target(targets):
     """A one-column verify runs the token-by-token rule, which the rollback does not record: refused before any
     forward, naming the fix."""
-    target = target_of(targets, "qwen3_5")
+    target = hybrid(targets, "qwen3_5")
     prompt = random_prompt(0, 5)
     with pytest.raises(ValueError, match=r"at least 2 columns.*block_size >= 2"):
         speculative_decode(target, ReferenceProposer(plain_greedy(target, prompt, 4)), prompt, max_new_tokens=4,

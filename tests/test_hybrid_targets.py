@@ -202,14 +202,16 @@ def assert_states_equal_plain_forwards(target: torch.nn.Module, session: DecodeS
                                                msg=lambda message, at=(layer, name): f"{at}: {message}")
 
 
-def decode_checking_states(target: torch.nn.Module, batch: bool, tree_size: int | None) -> int:
-    """A chain's rows keep different prefixes, a tree's rows different root-to-leaf paths; every step's states are
-    checked against plain forwards. The number of steps."""
+def decode_checking_states(target: torch.nn.Module, batch: bool, tree_size: int | None,
+                           compile: bool | dict = False) -> int:
+    """A chain's rows keep different prefixes, a tree's rows different root-to-leaf paths; after the prefill and every
+    step each recurrent cache layer's tensors equal a plain forward's over the row's committed tokens (eager or
+    compiled backend). The number of steps."""
     prompts = [random_prompt(7, 9)[0].tolist()] + ([random_prompt(8, 3)[0].tolist()] if batch else [])
     references = [plain_greedy(target, torch.tensor([prompt]), 24) for prompt in prompts]
     input_ids, attention_mask = left_pad(prompts, 0)
     settings = resolve_settings(target, input_ids, None, attention_mask=attention_mask, max_new_tokens=24,
-                                block_size=7, tree_size=tree_size)
+                                block_size=7, tree_size=tree_size, compile=compile)
     proposer = (ReferenceProposer(references, corrupt_seed=7) if tree_size is None
                 else TreeReferenceProposer(references, 3, 7))
     session = DecodeSession(target, proposer, settings)
@@ -223,11 +225,11 @@ def decode_checking_states(target: torch.nn.Module, batch: bool, tree_size: int 
     return steps
 
 
-def verify_and_discard(target: torch.nn.Module) -> None:
+def verify_and_discard(target: torch.nn.Module, compile: bool | dict = False) -> DecodeSession:
     """A verify, then `discard_verify` (what the cost model does): every tensor of every recurrent cache layer must be
-    as before the verify."""
+    as before the verify. The session, to go on with."""
     prompt = random_prompt(9, 6)
-    settings = resolve_settings(target, prompt, None, max_new_tokens=8, block_size=4)
+    settings = resolve_settings(target, prompt, None, max_new_tokens=8, block_size=4, compile=compile)
     session = DecodeSession(target, ReferenceProposer(plain_greedy(target, prompt, 12)), settings)
     with session.running():
         session.prefill(prompt)
@@ -244,6 +246,7 @@ def verify_and_discard(target: torch.nn.Module) -> None:
             assert live.keys() == before[layer].keys()
             for name, tensor in before[layer].items():
                 assert torch.equal(live[name], tensor), (layer, name)
+    return session
 
 
 @needs_hybrid
@@ -373,7 +376,10 @@ def test_recurrent_families_that_cannot_be_rolled_back_are_refused_by_name_and_r
 
 
 @pytest.mark.skipif(HAS_HYBRID_CACHE, reason="Transformers 4.x only: its Qwen3-Next cache")
-def test_qwen3_next_on_transformers_4_is_refused_with_the_version_to_install():
+@pytest.mark.parametrize("compile", [False, True])
+def test_qwen3_next_on_transformers_4_is_refused_with_the_version_to_install(compile):
+    """4.57 keeps Qwen3-Next's states in a model-specific cache: refused by name before any forward, eager or compiled
+    (the compiled backend gives the eager loop's reason first)."""
     torch.manual_seed(0)
     config = transformers.Qwen3NextConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -383,7 +389,7 @@ def test_qwen3_next_on_transformers_4_is_refused_with_the_version_to_install():
     target = transformers.Qwen3NextForCausalLM(config).eval()
     with pytest.raises(ValueError, match=r"Qwen3NextForCausalLM \(qwen3_next\) is not supported: .*linear_attention.*"
                                          r"model-specific cache.*install transformers 5\.25"):
-        make_draft(0).spec_generate(target=target, input_ids=random_prompt(0, 5), max_new_tokens=4)
+        make_draft(0).spec_generate(target=target, input_ids=random_prompt(0, 5), max_new_tokens=4, compile=compile)
 
 
 # --- The rest of the package with a hybrid target -------------------------------------------------------------------
