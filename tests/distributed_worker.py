@@ -54,7 +54,7 @@ def watch_writes(output: Path) -> None:
 
 def record_calls() -> None:
     """Wrap the loss, the generation and the evaluation so this process counts its own calls."""
-    loss, respond = trainer.dflash_loss, dflash_hf.training.data._respond
+    loss, respond = trainer.packed_dflash_loss, dflash_hf.training.data._respond
     evaluate = dflash_hf.training.command.evaluate_draft
 
     def counted_loss(*args, **kwargs):
@@ -71,7 +71,7 @@ def record_calls() -> None:
         RECORD["evaluations"] += 1
         return evaluate(*args, **kwargs)
 
-    trainer.dflash_loss = counted_loss
+    trainer.packed_dflash_loss = counted_loss
     dflash_hf.training.data._respond = counted_respond
     dflash_hf.training.command.evaluate_draft = counted_evaluate
 

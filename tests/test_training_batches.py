@@ -1,4 +1,5 @@
-"""Training throughput: several sequences packed into one row, the block-sparse mask, gradient accumulation."""
+"""Training at scale in one process: sequences packed into one row, the block-sparse mask, gradient accumulation,
+the feature cache's bound."""
 
 from __future__ import annotations
 
@@ -104,3 +105,53 @@ def test_packed_loss_and_gradients_are_the_mean_of_per_sequence_ones(tile_rows):
     mean_grads = {name: p.grad.clone() for name, p in draft.named_parameters() if p.grad is not None}
     torch.testing.assert_close(packed_loss, torch.stack(one_by_one).mean())
     assert_same_grads(packed_grads, mean_grads)
+
+
+def tiny_rows(count: int, seed: int) -> list[dict]:
+    """`count` seeded rows: a 5-token prompt and a 12-token response."""
+    generator = torch.Generator().manual_seed(seed)
+    return [{"prompt_ids": torch.randint(0, MASK, (5,), generator=generator).tolist(),
+             "response_ids": torch.randint(0, MASK, (12,), generator=generator).tolist()} for _ in range(count)]
+
+
+@pytest.mark.parametrize("batch_size, accumulation", [(2, 2), (1, 4)])
+def test_accumulated_micro_batches_make_the_big_batch_step(tmp_path, batch_size, accumulation):
+    """Four sequences per optimiser step, as one packed batch or accumulated over micro-batches: the same steps.
+
+    Anchors cover every response position (more anchors than labels), so the split cannot change them; 6 rows make
+    two steps of 4 (the epoch wraps round to whole steps)."""
+    from dflash_hf.training.trainer import TrainingSettings, train_draft
+
+    target, rows = make_target("qwen3", seed=8), tiny_rows(6, seed=8)
+    drafts, logs = {}, {}
+    for split in ((4, 1), (batch_size, accumulation)):
+        drafts[split] = make_draft(8, block_size=4)
+        settings = TrainingSettings(epochs=2, learning_rate=3e-3, num_anchors=64, batch_size=split[0],
+                                    gradient_accumulation_steps=split[1], warmup_ratio=0.0)
+        logs[split] = train_draft(drafts[split], target, rows, settings, tmp_path / f"{split}", progress=False)
+    big, accumulated = logs[(4, 1)], logs[(batch_size, accumulation)]
+    assert big.steps == accumulated.steps == 4 and len(accumulated.losses) == 4
+    assert accumulated.losses == pytest.approx(big.losses, rel=1e-5)
+    assert accumulated.learning_rates == big.learning_rates
+    assert accumulated.block_tau == pytest.approx(big.block_tau)
+    # each step moves every weight by about the learning rate (Adam); float rounding of a near-zero gradient entry
+    # can move one entry differently, by far less than a step
+    start = make_draft(8, block_size=4).state_dict()
+    for name, value in drafts[(4, 1)].state_dict().items():
+        assert (value - start[name]).abs().max() > 1e-3, name
+        torch.testing.assert_close(drafts[(batch_size, accumulation)].state_dict()[name], value, rtol=0, atol=1e-4,
+                                   msg=name)
+
+
+def test_a_feature_cache_over_its_limit_is_refused_before_the_target_runs(tmp_path, monkeypatch):
+    import dflash_hf.training.trainer as trainer
+
+    target, rows = make_target("qwen3", seed=9), tiny_rows(3, seed=9)
+    draft = make_draft(9, block_size=4)  # two target features of hidden size 64, float32; a top-32 teacher
+    sequences = trainer.training_sequences(rows, 3072)
+    assert trainer.feature_cache_bytes(target, sequences, 2, 32) == 3 * 17 * (2 * 64 * 4 + 32 * 12)
+    monkeypatch.setattr(trainer, "target_signals", lambda *args: pytest.fail("the target ran before the check"))
+    settings = trainer.TrainingSettings(epochs=1, num_anchors=4, cache_target=True, cache_limit_gib=1e-6)
+    with pytest.raises(ValueError, match=r"feature cache would take 0\.00 GiB .* over --cache-limit-gib .* drop "
+                                         r"--cache-target-features"):
+        trainer.train_draft(draft, target, rows, settings, tmp_path, progress=False)

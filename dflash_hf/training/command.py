@@ -50,9 +50,20 @@ def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> 
     if any(count < 1 for count in args.num_prompts) or args.num_eval < 0:
         raise SystemExit(f"--num-prompts must be >= 1 and --num-eval >= 0 (0: no evaluation), got "
                          f"{' '.join(map(str, args.num_prompts))} and {args.num_eval}")
+    if args.batch_size < 1 or args.gradient_accumulation_steps < 1:
+        raise SystemExit(f"--batch-size {args.batch_size} and --gradient-accumulation-steps "
+                         f"{args.gradient_accumulation_steps}: both must be >= 1")
+    if args.cache_limit_gib is not None and not args.cache_target_features:
+        raise SystemExit("--cache-limit-gib bounds the feature cache: pass it with --cache-target-features")
     missing = [path for path in args.responses if not Path(path).is_file()]
     if missing:
         raise SystemExit(f"--responses {missing[0]}: no such file")
+
+
+def batch_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The TrainingSettings fields of `train`'s batch, accumulation and feature-cache flags."""
+    return {"batch_size": args.batch_size, "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "cache_target": args.cache_target_features, "cache_limit_gib": args.cache_limit_gib}
 
 
 def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
@@ -87,7 +98,8 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     if args.init_from_target:
         initialize_from_target(draft, target, torch.tensor(rows[0]["prompt_ids"] + rows[0]["response_ids"]))
     settings = TrainingSettings(epochs=args.epochs, learning_rate=args.learning_rate, num_anchors=args.num_anchors,
-                                distill=args.distill, seed=args.seed, mixed_precision=args.mixed_precision)
+                                distill=args.distill, seed=args.seed, mixed_precision=args.mixed_precision,
+                                **batch_settings(args))
     log = train_draft(draft, target, training_rows, settings, output, max_steps=args.max_steps)
     if not state.is_main_process:  # evaluating and saving are the main process's (a barrier would time out on a
         return {}                  # long evaluation): train_draft returned once the log and checkpoint were written
