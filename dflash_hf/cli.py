@@ -154,7 +154,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_train_scale_arguments(parser: argparse.ArgumentParser) -> None:
-    """`train`'s batch, accumulation and feature-cache flags (docs/training.md, "Batches" and "Memory")."""
+    """`train`'s conversation, batch, accumulation and feature-cache flags (docs/training.md, "Data", "Batches" and
+    "Memory")."""
+    parser.add_argument("--conversations", nargs="+", default=(), metavar="FILE",
+                        help='JSONL rows {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]} '
+                             "trained as they are: rendered with the target's chat template, the loss on the "
+                             "assistant turns only (with no --prompts, no prompt is generated)")
     parser.add_argument("--batch-size", type=int, default=TrainingSettings.batch_size,
                         help="sequences per process per micro-batch, packed into one row (no attention or loss "
                              "across sequences)")

@@ -105,12 +105,19 @@ class TrainingLog:
     processes: int = 1  # data-parallel processes of the run (a checkpoint resumes on as many)
 
 
+def row_tokens(row: dict) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of a training row: a generated row {"prompt_ids", "response_ids"} (the response
+    counts), or a conversation row {"input_ids", "loss_mask"} (`data.conversation_row`: the assistant turns count)."""
+    if "input_ids" in row:
+        return row["input_ids"], row["loss_mask"]
+    return row["prompt_ids"] + row["response_ids"], [0] * len(row["prompt_ids"]) + [1] * len(row["response_ids"])
+
+
 def training_sequences(rows: list[dict], max_length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(input_ids [T], loss_mask [T]) per generated row; only response tokens count in the loss."""
+    """(input_ids [T], loss_mask [T]) per row (`row_tokens`), cut to `max_length`; rows with no label are left out."""
     sequences = []
     for row in rows:
-        ids = (row["prompt_ids"] + row["response_ids"])[:max_length]
-        mask = ([0] * len(row["prompt_ids"]) + [1] * len(row["response_ids"]))[:max_length]
+        ids, mask = (values[:max_length] for values in row_tokens(row))
         if sum(mask[1:]) > 0:
             sequences.append((torch.tensor(ids), torch.tensor(mask)))
     return sequences
