@@ -260,12 +260,17 @@ class TiledBlockMask:
                key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """`attention` tile by tile over query [N, heads, T, D] and key, value [N, kv_heads, C + T, D]; the output
         [N, T, heads, D] in row order."""
+        # split once (a split's backward is one concatenation; a slice's would fill a zero tensor of the whole input)
+        rows = [rows_end - rows_start for rows_start, rows_end, *_ in self.tiles]
+        block_length = query.shape[2]
+        context_key, block_key = key.split((self.context_length, block_length), dim=2)
+        context_value, block_value = value.split((self.context_length, block_length), dim=2)
         outputs = []
-        for rows_start, rows_end, context_start, context_end, mask in self.tiles:
-            own = slice(self.context_length + rows_start, self.context_length + rows_end)
-            tile_key = torch.cat((key[:, :, context_start:context_end], key[:, :, own]), dim=2)
-            tile_value = torch.cat((value[:, :, context_start:context_end], value[:, :, own]), dim=2)
-            output, _ = attention(module, query[:, :, rows_start:rows_end], tile_key, tile_value, mask, **kwargs)
+        for (*_, context_start, context_end, mask), tile_query, own_key, own_value in zip(
+                self.tiles, query.split(rows, dim=2), block_key.split(rows, dim=2), block_value.split(rows, dim=2)):
+            tile_key = torch.cat((context_key[:, :, context_start:context_end], own_key), dim=2)
+            tile_value = torch.cat((context_value[:, :, context_start:context_end], own_value), dim=2)
+            output, _ = attention(module, tile_query, tile_key, tile_value, mask, **kwargs)
             outputs.append(output)
         return torch.cat(outputs, dim=1)
 
