@@ -124,11 +124,12 @@ def tiled_block_mask(blocks: BlockBatch, tile_rows: int = TILE_ROWS) -> TiledBlo
     block_size, num_blocks = blocks.block_size, len(blocks.context_end)
     per_tile = max(1, tile_rows // block_size)
     device = blocks.block_ids.device
+    all_starts, all_ends = blocks.context_start.tolist(), blocks.context_end.tolist()  # one device sync, not per tile
     tiles = []
     for first in range(0, num_blocks, per_tile):
         last = min(first + per_tile, num_blocks)
         starts, ends = blocks.context_start[first:last], blocks.context_end[first:last]  # [k]
-        context_start, context_end = int(starts.min()), int(ends.max())
+        context_start, context_end = min(all_starts[first:last]), max(all_ends[first:last])
         columns = torch.arange(context_start, context_end, device=device)[None, :]  # [1, c]
         context_visible = (columns >= starts[:, None]) & (columns < ends[:, None])  # [k, c]
         block_of_row = torch.arange(last - first, device=device).repeat_interleave(block_size)  # [k*B]
