@@ -89,6 +89,8 @@ def test_train_reports_a_malformed_row_before_loading_the_target(tmp_path, monke
     path.write_text(json.dumps({"messages": CONVERSATION}) + "\n" + '{"messages": "w5"}\n')
     with pytest.raises(SystemExit, match=r"dflash-hf train: .*chat\.jsonl:2: no 'messages' list"):
         main(["train", "--output", str(tmp_path / "run"), "--conversations", str(path), "--num-eval", "0"])
+    with pytest.raises(SystemExit, match="--batch-size 0 and --gradient-accumulation-steps 1: both must be >= 1"):
+        main(["train", "--output", str(tmp_path / "run"), "--conversations", str(path), "--batch-size", "0"])
 
 
 def test_train_on_conversations_alone(tmp_path):

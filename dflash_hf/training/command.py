@@ -40,15 +40,8 @@ def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> 
     if args.renamed_block_size is not None:
         raise SystemExit(f"train --block-size is now --draft-block-size {args.renamed_block_size} (the block the "
                          "draft is trained for); --block-size in bench and demo is the block verified per step")
-    if not prompt_files:  # --conversations alone: nothing to generate
-        return
-    if len(args.num_prompts) not in (1, len(prompt_files)):
-        raise SystemExit(f"--num-prompts {' '.join(map(str, args.num_prompts))}: give one count for each prompt "
-                         f"file or one per file ({len(prompt_files)})")
-    most = args.num_prompts[0] * len(prompt_files) if len(args.num_prompts) == 1 else sum(args.num_prompts)
-    if not 0 <= args.first_prompt < most:
-        raise SystemExit(f"--first-prompt {args.first_prompt}: expected 0 <= it < the {most} prompts of "
-                         f"--num-prompts")
+    if prompt_files:  # none with --conversations alone: nothing to generate
+        check_prompt_counts(args, prompt_files)
     if any(count < 1 for count in args.num_prompts) or args.num_eval < 0:
         raise SystemExit(f"--num-prompts must be >= 1 and --num-eval >= 0 (0: no evaluation), got "
                          f"{' '.join(map(str, args.num_prompts))} and {args.num_eval}")
@@ -60,6 +53,17 @@ def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> 
     missing = [path for path in args.responses if not Path(path).is_file()]
     if missing:
         raise SystemExit(f"--responses {missing[0]}: no such file")
+
+
+def check_prompt_counts(args: argparse.Namespace, prompt_files: list[str]) -> None:
+    """Exit when `--num-prompts` or `--first-prompt` do not fit the prompt files."""
+    if len(args.num_prompts) not in (1, len(prompt_files)):
+        raise SystemExit(f"--num-prompts {' '.join(map(str, args.num_prompts))}: give one count for each prompt "
+                         f"file or one per file ({len(prompt_files)})")
+    most = args.num_prompts[0] * len(prompt_files) if len(args.num_prompts) == 1 else sum(args.num_prompts)
+    if not 0 <= args.first_prompt < most:
+        raise SystemExit(f"--first-prompt {args.first_prompt}: expected 0 <= it < the {most} prompts of "
+                         f"--num-prompts")
 
 
 def batch_settings(args: argparse.Namespace) -> dict[str, Any]:
