@@ -160,7 +160,7 @@ def add_train_scale_arguments(parser: argparse.ArgumentParser) -> None:
                         help='JSONL rows {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]} '
                              "trained as they are: rendered with the target's chat template, the loss on the "
                              "assistant turns only (with no --prompts, no prompt is generated)")
-    parser.add_argument("--batch-size", type=int, default=TrainingSettings.batch_size,
+    parser.add_argument("--train-batch-size", type=int, default=TrainingSettings.batch_size,
                         help="sequences per process per micro-batch, packed into one row (no attention or loss "
                              "across sequences)")
     parser.add_argument("--gradient-accumulation-steps", type=int,

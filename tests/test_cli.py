@@ -135,8 +135,9 @@ def test_train_target_dtype_defaults_to_bfloat16_on_cuda_and_float32_on_cpu():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--batch-size", "0"], "--batch-size 0 and --gradient-accumulation-steps 1: both must be >= 1"),
-    (["--gradient-accumulation-steps", "0"], "--batch-size 1 and --gradient-accumulation-steps 0: both must be >= 1"),
+    (["--train-batch-size", "0"], "--train-batch-size 0 and --gradient-accumulation-steps 1: both must be >= 1"),
+    (["--gradient-accumulation-steps", "0"],
+     "--train-batch-size 1 and --gradient-accumulation-steps 0: both must be >= 1"),
     (["--cache-limit-gib", "2"], "pass it with --cache-target-features"),
 ])
 def test_train_refuses_batch_and_cache_flags_it_cannot_run(tmp_path, monkeypatch, flags, message):

@@ -89,8 +89,8 @@ def test_train_reports_a_malformed_row_before_loading_the_target(tmp_path, monke
     path.write_text(json.dumps({"messages": CONVERSATION}) + "\n" + '{"messages": "w5"}\n')
     with pytest.raises(SystemExit, match=r"dflash-hf train: .*chat\.jsonl:2: no 'messages' list"):
         main(["train", "--output", str(tmp_path / "run"), "--conversations", str(path), "--num-eval", "0"])
-    with pytest.raises(SystemExit, match="--batch-size 0 and --gradient-accumulation-steps 1: both must be >= 1"):
-        main(["train", "--output", str(tmp_path / "run"), "--conversations", str(path), "--batch-size", "0"])
+    with pytest.raises(SystemExit, match="--train-batch-size 0 and --gradient-accumulation-steps 1: both must be"):
+        main(["train", "--output", str(tmp_path / "run"), "--conversations", str(path), "--train-batch-size", "0"])
 
 
 def test_train_on_conversations_alone(tmp_path):
@@ -104,7 +104,7 @@ def test_train_on_conversations_alone(tmp_path):
     run = tmp_path / "run"
     main(["train", "--target", str(tmp_path / "target"), "--output", str(run), "--conversations", str(path),
           "--draft-block-size", "4", "--draft-layers", "1", "--mask-token", "w127", "--epochs", "1",
-          "--num-anchors", "4", "--batch-size", "2", "--eval-prompts", str(prompts), "--num-eval", "0"])
+          "--num-anchors", "4", "--train-batch-size", "2", "--eval-prompts", str(prompts), "--num-eval", "0"])
     assert not (run / "responses.jsonl").read_text()  # no prompt, nothing generated
     log = json.loads((run / "training_log.json").read_text())
     assert log["steps"] == 2 and log["settings"]["batch_size"] == 2  # 3 rows, 2 per step: the epoch wraps round

@@ -45,8 +45,8 @@ def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> 
     if any(count < 1 for count in args.num_prompts) or args.num_eval < 0:
         raise SystemExit(f"--num-prompts must be >= 1 and --num-eval >= 0 (0: no evaluation), got "
                          f"{' '.join(map(str, args.num_prompts))} and {args.num_eval}")
-    if args.batch_size < 1 or args.gradient_accumulation_steps < 1:
-        raise SystemExit(f"--batch-size {args.batch_size} and --gradient-accumulation-steps "
+    if args.train_batch_size < 1 or args.gradient_accumulation_steps < 1:
+        raise SystemExit(f"--train-batch-size {args.train_batch_size} and --gradient-accumulation-steps "
                          f"{args.gradient_accumulation_steps}: both must be >= 1")
     if args.cache_limit_gib is not None and not args.cache_target_features:
         raise SystemExit("--cache-limit-gib bounds the feature cache: pass it with --cache-target-features")
@@ -68,7 +68,7 @@ def check_prompt_counts(args: argparse.Namespace, prompt_files: list[str]) -> No
 
 def batch_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The TrainingSettings fields of `train`'s batch, accumulation and feature-cache flags."""
-    return {"batch_size": args.batch_size, "gradient_accumulation_steps": args.gradient_accumulation_steps,
+    return {"batch_size": args.train_batch_size, "gradient_accumulation_steps": args.gradient_accumulation_steps,
             "cache_target": args.cache_target_features, "cache_limit_gib": args.cache_limit_gib}
 
 

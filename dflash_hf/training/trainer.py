@@ -73,7 +73,7 @@ class TrainingSettings:
                              f"{['auto', *MIXED_PRECISION]}")
         if self.batch_size < 1 or self.gradient_accumulation_steps < 1:
             raise ValueError(f"batch_size {self.batch_size} and gradient_accumulation_steps "
-                             f"{self.gradient_accumulation_steps} must both be >= 1 (--batch-size, "
+                             f"{self.gradient_accumulation_steps} must both be >= 1 (--train-batch-size, "
                              "--gradient-accumulation-steps)")
 
     @property
