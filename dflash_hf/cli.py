@@ -134,9 +134,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="save a draft vocabulary: the K most frequent tokens of the target's own responses "
                              "(config dflash_config.draft_vocab); the draft's LM head then runs over K rows, not the "
                              "whole vocabulary (output unchanged)")
-    parser.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
+    parser.add_argument("--mixed-precision", choices=["auto", "no", "bf16"], default=TrainingSettings.mixed_precision,
                         help="bf16: the draft's forward and loss under bfloat16 autocast; its weights, optimiser "
-                             "and saved draft stay float32")
+                             "and saved draft stay float32; auto: bf16 on a GPU, float32 (no) on the CPU")
     parser.add_argument("--target-dtype", choices=["auto", *DTYPES], default="auto",
                         help="dtype of the frozen target while training (it only gives features and teacher "
                              "logits); auto: bfloat16 on CUDA, float32 on CPU")
@@ -146,6 +146,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init-from", default=None,
                         help="start from a trained draft (folder or Hub id): its architecture, new schedule, "
                              "your data")
+    add_train_scale_arguments(parser)
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resumable)")
     add_shared_argument(parser, "--seed")
     parser.add_argument("--eval-prompts", default=None, help="default: gsm8k_test.jsonl in the data folder")
@@ -156,6 +157,27 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                              "training_log.json next to the loss (0: only after training)")
     parser.add_argument("--eval-max-new-tokens", type=int, default=256, help='new tokens per held-out prompt')
     parser.add_argument("--eval-dtype", choices=DTYPES, default="float32", help='dtype of the held-out measurement')
+
+
+def add_train_scale_arguments(parser: argparse.ArgumentParser) -> None:
+    """`train`'s conversation, batch, accumulation and feature-cache flags (docs/training.md, "Data", "Batches" and
+    "Memory")."""
+    parser.add_argument("--conversations", nargs="+", default=(), metavar="FILE",
+                        help='JSONL rows {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]} '
+                             "trained as they are: rendered with the target's chat template, the loss on the "
+                             "assistant turns only (with no --prompts, no prompt is generated)")
+    parser.add_argument("--train-batch-size", type=int, default=TrainingSettings.batch_size,
+                        help="sequences per process per micro-batch, packed into one row (no attention or loss "
+                             "across sequences)")
+    parser.add_argument("--gradient-accumulation-steps", type=int,
+                        default=TrainingSettings.gradient_accumulation_steps,
+                        help="micro-batches per optimiser step: each step trains on batch size x this x processes "
+                             "sequences")
+    parser.add_argument("--cache-target-features", action="store_true",
+                        help="run the target once per sequence and keep its features in host RAM for every epoch "
+                             "(refused when they would not fit); default: the target runs per batch")
+    parser.add_argument("--cache-limit-gib", type=float, default=None,
+                        help="the feature cache's limit per process (default: the host's available memory)")
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:

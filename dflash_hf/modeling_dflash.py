@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -229,6 +230,52 @@ def layer_attention_mask(
     return allowed & base_mask
 
 
+@dataclass
+class TiledBlockMask:
+    """Training's block-sparse attention mask: the query rows in tiles, each seeing one context range and its own rows.
+
+    A tile (row start, row end, context start, context end, mask [N, 1, rows, context columns + rows], bool) attends
+    to the context keys [context start, context end) and to the keys of its own rows; every other key is hidden from
+    all its rows, so it is never computed. Exactly the dense mask's attention wherever the tiles' masks agree with it
+    (docs/training.md, "Blocks and the mask"). Keys are [context ; block], context_length C columns of context first.
+    """
+
+    context_length: int
+    tiles: list[tuple[int, int, int, int, torch.Tensor]]
+
+    def restricted(self, query_positions: torch.Tensor, key_positions: torch.Tensor, causal: bool,
+                   window: int | None) -> TiledBlockMask:
+        """The same tiles with one layer kind's causal / sliding restriction (`layer_attention_mask`) added, over
+        query positions [N, T] and key positions [N, C + T]."""
+        if not causal and window is None:
+            return self
+        tiles = []
+        for rows_start, rows_end, context_start, context_end, mask in self.tiles:
+            keys = torch.cat((key_positions[:, context_start:context_end],
+                              key_positions[:, self.context_length + rows_start:self.context_length + rows_end]), 1)
+            tiles.append((rows_start, rows_end, context_start, context_end,
+                          layer_attention_mask(mask, query_positions[:, rows_start:rows_end], keys, causal, window)))
+        return replace(self, tiles=tiles)
+
+    def attend(self, attention: Callable[..., tuple[torch.Tensor, Any]], module: nn.Module, query: torch.Tensor,
+               key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """`attention` tile by tile over query [N, heads, T, D] and key, value [N, kv_heads, C + T, D]; the output
+        [N, T, heads, D] in row order."""
+        # split once (a split's backward is one concatenation; a slice's would fill a zero tensor of the whole input)
+        rows = [rows_end - rows_start for rows_start, rows_end, *_ in self.tiles]
+        block_length = query.shape[2]
+        context_key, block_key = key.split((self.context_length, block_length), dim=2)
+        context_value, block_value = value.split((self.context_length, block_length), dim=2)
+        outputs = []
+        for (*_, context_start, context_end, mask), tile_query, own_key, own_value in zip(
+                self.tiles, query.split(rows, dim=2), block_key.split(rows, dim=2), block_value.split(rows, dim=2)):
+            tile_key = torch.cat((context_key[:, :, context_start:context_end], own_key), dim=2)
+            tile_value = torch.cat((context_value[:, :, context_start:context_end], own_value), dim=2)
+            output, _ = attention(module, tile_query, tile_key, tile_value, mask, **kwargs)
+            outputs.append(output)
+        return torch.cat(outputs, dim=1)
+
+
 class DFlashAttention(nn.Module):
     """Attention of block queries over [context ; block] keys and values (non-causal unless the layer says so)."""
 
@@ -266,7 +313,7 @@ class DFlashAttention(nn.Module):
         context: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         cache: DraftContextCache | None = None,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | TiledBlockMask | None = None,
     ) -> torch.Tensor:
         """Attention of the block rows [B, T, H] (normalised) over the context rows [B, C, H] (and the cached
         ones) and the block; `rope`: cos and sin [B, C + T, D] of the context rows, then the block's."""
@@ -287,16 +334,13 @@ class DFlashAttention(nn.Module):
             key, value = keys, values
 
         attend = attention_function(self.config._attn_implementation, masked=attention_mask is not None)
-        output, _ = attend(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=self.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            is_causal=False,
-        )
+        options = dict(dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling, is_causal=False)
+        if isinstance(attention_mask, TiledBlockMask):  # training: only the keys each tile sees
+            if cache is not None:
+                raise ValueError("A TiledBlockMask is a training mask: pass it without a cache.")
+            output = attention_mask.attend(attend, self, query, key, value, **options)
+        else:
+            output, _ = attend(self, query, key, value, attention_mask, **options)
         return self.o_proj(output.reshape(batch, block_length, -1))  # [B, T, H]
 
 
@@ -412,7 +456,7 @@ class DFlashDecoderLayer(nn.Module):
         context: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         cache: DraftContextCache | None = None,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | TiledBlockMask | None = None,
         block_length: int | None = None,
     ) -> torch.Tensor:
         block_length = block_length or hidden_states.shape[1]
@@ -539,7 +583,7 @@ class DFlashDraftModel(PreTrainedModel, DFlashGenerationMixin):
         block_position_ids: torch.Tensor,
         context_position_ids: torch.Tensor,
         cache: DraftContextCache | None = None,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | TiledBlockMask | None = None,
         block_length: int | None = None,
     ) -> torch.Tensor:
         """Final normalised hidden states [B, T, H] of the block rows.
@@ -547,8 +591,9 @@ class DFlashDraftModel(PreTrainedModel, DFlashGenerationMixin):
         block_embeddings [B, T, H]: `embed_block` of [t0, MASK, ...]; target_hidden [B, C, L*H]: concatenated target
         layer outputs of the (new) context positions; position ids are absolute. attention_mask (optional,
         broadcastable to [B, 1, T, cached C + C + T], bool or additive) hides padding, rejected columns, or (training)
-        other blocks; each layer adds its causal / sliding-window restriction by position. block_length: rows per block
-        when T holds several blocks (training; DFlash2's convolutions stay inside each block), else T.
+        other blocks, or is a `TiledBlockMask` (training, no cache); each layer adds its causal / sliding-window
+        restriction by position. block_length: rows per block when T holds several blocks (training; DFlash2's
+        convolutions stay inside each block), else T.
         """
         context = self.fuse_context(target_hidden)  # [B, C, H]
         hidden_states = block_embeddings.to(self.fc.weight.dtype)
@@ -577,10 +622,13 @@ class DFlashDraftModel(PreTrainedModel, DFlashGenerationMixin):
             projected = F.linear(target_hidden.float(), weight.float())  # [B, C, H], float32
         return self.hidden_norm(projected).to(dtype)  # normalised in float32 (the norm keeps its input's dtype)
 
-    def _layer_masks(self, attention_mask: torch.Tensor | None, query_positions: torch.Tensor,
-                     key_positions: torch.Tensor) -> dict[tuple[bool, int | None], torch.Tensor | None]:
+    def _layer_masks(self, attention_mask: torch.Tensor | TiledBlockMask | None, query_positions: torch.Tensor,
+                     key_positions: torch.Tensor
+                     ) -> dict[tuple[bool, int | None], torch.Tensor | TiledBlockMask | None]:
         """The attention mask of each layer kind (causal, window) present in the draft."""
         kinds = {layer.attention_kind for layer in self.layers}
+        if isinstance(attention_mask, TiledBlockMask):
+            return {kind: attention_mask.restricted(query_positions, key_positions, *kind) for kind in kinds}
         return {kind: layer_attention_mask(attention_mask, query_positions, key_positions, *kind) for kind in kinds}
 
     @classmethod

@@ -92,8 +92,8 @@ def measure(config: DFlashConfig, head: FrozenHead, layers: int, anchors: int, t
         started = time.perf_counter()
         with counter:
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-                result = dflash_loss(draft, head, input_ids, loss_mask, anchors,
-                                     torch.Generator().manual_seed(repeat), signals)
+                result = dflash_loss(draft, head, input_ids, loss_mask, anchors,  # the dense mask `step_flops` counts
+                                     torch.Generator().manual_seed(repeat), signals, tile_rows=None)
             result.loss.backward()
         optimizer.step()
         optimizer.zero_grad()

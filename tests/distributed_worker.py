@@ -2,7 +2,8 @@
 
 `python distributed_worker.py MODE OUTPUT RECORDS [CLI ARGS...]`. MODE `train` runs `train_draft` on tiny seeded
 models built here; MODE `fsdp` the same under Accelerate's FSDP (started by `accelerate launch --config_file
-examples/accelerate_fsdp.yaml`); MODE `cli` runs `dflash-hf train` with the CLI ARGS. Every process records what it
+examples/accelerate_fsdp.yaml`); MODEs `train-batched` and `fsdp-batched` train two sequences per process per
+optimiser step (`run_batched`); MODE `cli` runs `dflash-hf train` with the CLI ARGS. Every process records what it
 did in RECORDS/rank<i>.json (outside OUTPUT): the files it wrote under OUTPUT (seen by an audit hook), the loss of
 each of its own sequences, the prompts it generated and the evaluations it ran.
 """
@@ -55,7 +56,7 @@ def watch_writes(output: Path) -> None:
 
 def record_calls() -> None:
     """Wrap the loss, the generation and the evaluation so this process counts its own calls."""
-    loss, respond = trainer.dflash_loss, dflash_hf.training.data._respond
+    loss, respond = trainer.packed_dflash_loss, dflash_hf.training.data._respond
     evaluate = dflash_hf.training.command.evaluate_draft
 
     def counted_loss(draft, *args, **kwargs):
@@ -77,7 +78,7 @@ def record_calls() -> None:
         RECORD["evaluations"] += 1
         return evaluate(*args, **kwargs)
 
-    trainer.dflash_loss = counted_loss
+    trainer.packed_dflash_loss = counted_loss
     dflash_hf.training.data._respond = counted_respond
     dflash_hf.training.command.evaluate_draft = counted_evaluate
 
@@ -127,6 +128,28 @@ def run_train(output: Path) -> None:
                          "held_out": log.evaluations}
 
 
+def run_batched(output: Path, sharded: bool) -> None:
+    """`train_draft` on 5 rows, 2 epochs, two sequences per process per optimiser step: one packed micro-batch of two
+    data-parallel, or (`sharded`, under FSDP) two accumulated micro-batches of one. Anchors cover every label, so the
+    split cannot change them. Then the same run interrupted after 1 step and resumed (in OUTPUT's sibling
+    `resumed`)."""
+    from helpers import make_draft, make_target
+
+    split = {"batch_size": 1, "gradient_accumulation_steps": 2} if sharded else {"batch_size": 2}
+    settings = trainer.TrainingSettings(epochs=2, learning_rate=2e-3, num_anchors=64, warmup_ratio=0.25,
+                                        checkpoint_every=1, **split)
+    target, rows = make_target("qwen3", seed=4), train_rows(5)
+    draft = make_draft(5, block_size=4)
+    log = trainer.train_draft(draft, target, rows, settings, output, progress=False)
+    RECORD["log_steps"], RECORD["weights_sum"] = log.steps, weights_sum(draft)
+    RECORD["recording"] = False
+    resumed = output.parent / "resumed"
+    trainer.train_draft(make_draft(5, block_size=4), target, rows, settings, resumed, progress=False, max_steps=1)
+    draft = make_draft(6, block_size=4)  # other initial weights: the checkpoint's replace them
+    log = trainer.train_draft(draft, target, rows, settings, resumed, progress=False)
+    RECORD["resumed"] = {"losses": log.losses, "tokens": log.tokens, "weights_sum": weights_sum(draft)}
+
+
 def force_fsdp() -> None:
     """Make these CPU processes FSDP ones, as a GPU launch with the same config file is. Accelerate applies its FSDP
     plugin to GPU processes only (accelerate/state.py: CPU processes are MULTI_CPU, and `train` refuses the FSDP
@@ -153,10 +176,13 @@ def main() -> None:
     torch.set_num_threads(1)
     watch_writes(output)
     record_calls()
-    if mode in ("train", "fsdp"):
-        if mode == "fsdp":
+    if mode in ("train", "fsdp", "train-batched", "fsdp-batched"):
+        if mode.startswith("fsdp"):
             force_fsdp()
-        run_train(output)
+        if mode.endswith("batched"):
+            run_batched(output, sharded=mode.startswith("fsdp"))
+        else:
+            run_train(output)
     else:
         from dflash_hf.cli import main as cli
 

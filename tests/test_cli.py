@@ -120,9 +120,14 @@ def test_train_init_from_starts_at_a_trained_draft_and_keeps_its_architecture(tm
 def test_train_target_dtype_defaults_to_bfloat16_on_cuda_and_float32_on_cpu():
     from dflash_hf.cli import build_parser
     from dflash_hf.training.command import training_target_dtype
+    from dflash_hf.training.trainer import autocast_dtype
 
     args = build_parser().parse_args(["train", "--output", "run"])
-    assert (args.target_dtype, args.mixed_precision) == ("auto", "no")
+    assert (args.target_dtype, args.mixed_precision) == ("auto", "auto")
+    assert autocast_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16  # the draft's forward: bf16 on a GPU
+    assert autocast_dtype("auto", torch.device("cpu")) is None  # float32 on the CPU
+    assert autocast_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    assert autocast_dtype("no", torch.device("cuda")) is None
     assert training_target_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
     assert training_target_dtype("auto", torch.device("cpu")) == torch.float32
     assert training_target_dtype("float16", torch.device("cuda")) == torch.float16
@@ -149,6 +154,22 @@ def test_train_defaults_are_the_published_recipe():
     shape = (len(draft.layers), draft.block_size)
     assert shape == (published["num_hidden_layers"], published["block_size"]) == (5, 16)
     assert loss_decay_gamma(draft.block_size) == 7.0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--train-batch-size", "0"], "--train-batch-size 0 and --gradient-accumulation-steps 1: both must be >= 1"),
+    (["--gradient-accumulation-steps", "0"],
+     "--train-batch-size 1 and --gradient-accumulation-steps 0: both must be >= 1"),
+    (["--cache-limit-gib", "2"], "pass it with --cache-target-features"),
+])
+def test_train_refuses_batch_and_cache_flags_it_cannot_run(tmp_path, monkeypatch, flags, message):
+    import dflash_hf.training.command as command
+
+    monkeypatch.setattr(command, "load_target", lambda *args: pytest.fail("loaded a model before the check"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "w5"}\n')
+    with pytest.raises(SystemExit, match=message):
+        main(["train", "--output", str(tmp_path / "run"), "--prompts", str(prompts), "--num-eval", "0", *flags])
 
 
 def test_train_generate_only_writes_the_rows_a_draft_regenerates_and_stops(tmp_path):

@@ -1,9 +1,10 @@
 """Training on two processes (torchrun, gloo on the CPU), each result compared with one process or the plain values.
 
-Three runs, each shared by the tests below it: `train_draft` on 5 sequences (an uneven split: 3 + 2), the same under
-Accelerate's FSDP (started by `accelerate launch` with examples/accelerate_fsdp.yaml), and `dflash-hf train` end to
-end on a tiny saved target. tests/distributed_worker.py is the program of each process; it records
-what its process did (files written, per-sequence losses, generated prompts) next to the run's output.
+Five runs, each shared by the tests below it: `train_draft` on 5 sequences (an uneven split: 3 + 2), the same under
+Accelerate's FSDP (started by `accelerate launch` with examples/accelerate_fsdp.yaml), two sequences per process per
+step packed data-parallel and accumulated under FSDP, and `dflash-hf train` end to end on a tiny saved target.
+tests/distributed_worker.py is the program of each process; it records what its process did (files written,
+per-micro-batch losses, generated prompts) next to the run's output.
 """
 
 from __future__ import annotations
@@ -44,11 +45,12 @@ FSDP_CONFIG = TESTS.parent / "examples" / "accelerate_fsdp.yaml"
 
 
 def run_two_processes(mode: str, folder: Path, *cli_args: str) -> tuple[Path, list[dict]]:
-    """Run distributed_worker.py MODE on two processes (`fsdp`: through `accelerate launch` and the FSDP config, else
-    torchrun); (the run's output folder, each process's record)."""
+    """Run distributed_worker.py MODE on two processes (`fsdp...`: through `accelerate launch` and the FSDP config,
+    else torchrun); (the run's output folder, each process's record)."""
     output, records = folder / "run", folder / "records"
+    sharded = mode.startswith("fsdp")
     launcher = (["-m", "accelerate.commands.launch", "--config_file", str(FSDP_CONFIG), "--num_processes", "2",
-                 "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port())] if mode == "fsdp" else
+                 "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port())] if sharded else
                 ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2", "--master_addr",
                  "127.0.0.1", "--master_port", str(free_port())])
     command = [sys.executable, *launcher, str(TESTS / "distributed_worker.py"), mode, str(output), str(records),
@@ -80,6 +82,12 @@ def train_run(tmp_path_factory) -> tuple[Path, list[dict]]:
 def fsdp_run(tmp_path_factory) -> tuple[Path, list[dict]]:
     """The run of `train_run` under Accelerate's FSDP plugin (FSDP 2, one shard unit per decoder layer)."""
     return run_two_processes("fsdp", tmp_path_factory.mktemp("fsdp"))
+
+
+@pytest.fixture(scope="module")
+def batched_runs(tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
+    """Two sequences per process per step on two processes: packed data-parallel, accumulated under FSDP."""
+    return {mode: run_two_processes(mode, tmp_path_factory.mktemp(mode)) for mode in ("train-batched", "fsdp-batched")}
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +194,29 @@ def test_fsdp_trains_the_sharded_draft_as_ddp_does_and_resumes_exactly(fsdp_run,
     assert sharded.keys() == whole.keys()
     for name, tensor in whole.items():
         torch.testing.assert_close(sharded[name], tensor, rtol=1e-4, atol=1e-5)
+
+
+def test_fsdp_accumulation_steps_as_packed_data_parallel_training_and_counts_every_sequence(batched_runs):
+    (packed_output, packed), (fsdp_output, fsdp) = batched_runs["train-batched"], batched_runs["fsdp-batched"]
+    steps = EPOCHS * math.ceil(math.ceil(NUM_SEQUENCES / 2) / 2)  # 3 sequences per process, 2 per step, wrapped
+    packed_log, fsdp_log = training_log(packed_output), training_log(fsdp_output)
+    assert packed_log["steps"] == fsdp_log["steps"] == steps
+    assert [len(record["local_losses"]) for record in packed] == [steps, steps]  # one packed micro-batch per step
+    assert [len(record["local_losses"]) for record in fsdp] == [2 * steps, 2 * steps]  # two accumulated ones
+    assert [record["sharded_steps"] for record in fsdp] == [2 * steps, 2 * steps]  # every micro-batch on shards
+    state = json.loads((fsdp_output / CHECKPOINT_DIR / "optimizer_scheduler.json").read_text())["scheduler"]
+    assert state["last_epoch"] == steps  # the schedule stepped once per optimiser step, not per micro-batch
+    assert fsdp_log["learning_rates"] == packed_log["learning_rates"]
+    tokens = steps * 2 * 2 * (5 + 16)  # both processes' two sequences a step, the repeated ones too
+    assert packed_log["tokens"] == fsdp_log["tokens"] == tokens
+    assert fsdp_log["losses"] == pytest.approx(packed_log["losses"], rel=1e-4)
+    assert fsdp[0]["weights_sum"] == fsdp[1]["weights_sum"]
+    sharded, whole = (load_file(run / CHECKPOINT_DIR / DRAFT_WEIGHTS_FILE) for run in (fsdp_output, packed_output))
+    for name, tensor in whole.items():
+        torch.testing.assert_close(sharded[name], tensor, rtol=1e-4, atol=1e-5)
+    for record in fsdp:  # stopped after 1 step and resumed: the uninterrupted run's losses, tokens and weights
+        assert record["resumed"]["losses"] == fsdp_log["losses"] and record["resumed"]["tokens"] == tokens
+        assert record["resumed"]["weights_sum"] == fsdp[0]["weights_sum"]
 
 
 def test_only_the_main_process_writes_the_training_files(train_run):

@@ -172,10 +172,10 @@ def test_on_cuda_the_feature_cache_is_pinned_host_memory(tmp_path, monkeypatch):
              "response_ids": torch.randint(0, MASK, (14,), generator=generator).tolist()} for _ in range(2)]
     cached, used = [], []
     monkeypatch.setattr(trainer, "on_host", lambda signals: cached.append(on_host(signals)) or cached[-1])
-    real_loss = trainer.dflash_loss
-    monkeypatch.setattr(trainer, "dflash_loss", lambda *args: used.append(args[-1]) or real_loss(*args))
-    train_draft(make_draft(6, block_size=4), target, rows, TrainingSettings(epochs=1, num_anchors=6, distill=True),
-                tmp_path, progress=False)
+    real_loss = trainer.packed_dflash_loss
+    monkeypatch.setattr(trainer, "packed_dflash_loss", lambda *args: used.extend(args[-1]) or real_loss(*args))
+    settings = TrainingSettings(epochs=1, num_anchors=6, distill=True, cache_target=True)
+    train_draft(make_draft(6, block_size=4), target, rows, settings, tmp_path, progress=False)
     assert len(cached) == 2 and all(s.hidden.device.type == "cpu" and s.hidden.is_pinned() for s in cached)
     assert all(s.teacher_probs.is_pinned() and s.teacher_ids.is_pinned() for s in cached)
     assert len(used) == 2 and all(s.hidden.device.type == "cuda" for s in used)

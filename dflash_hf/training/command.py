@@ -21,7 +21,7 @@ from ..modeling_dflash import DFlashDraftModel
 from ..prompts import default_data_dir, user_prompt_ids
 from ..settings_dflash import GenerationTokens, check_draft_target, generation_tokens
 from ..smollm2 import SMOLLM2_MASK_TOKEN
-from .data import generate_responses, read_prompts
+from .data import conversation_row, generate_responses, read_chat_rows, read_prompts
 from .processes import check_fsdp_applies, process_state
 from .recipe import (
     DEFAULT_DRAFT_BLOCK_SIZE,
@@ -30,7 +30,7 @@ from .recipe import (
     frequent_token_ids,
     initialize_from_target,
 )
-from .trainer import TrainingLog, TrainingSettings, train_draft
+from .trainer import TrainingLog, TrainingSettings, row_tokens, train_draft
 
 # --target-dtype auto: the frozen target only gives features (and teacher logits), so it runs in bfloat16 on CUDA;
 # on CPU, float32 (few-row bfloat16 matmuls are slow without native bf16).
@@ -47,6 +47,26 @@ def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> 
     if args.renamed_block_size is not None:
         raise SystemExit(f"train --block-size is now --draft-block-size {args.renamed_block_size} (the block the "
                          "draft is trained for); --block-size in bench and demo is the block verified per step")
+    if prompt_files:  # none with --conversations alone: nothing to generate
+        check_prompt_counts(args, prompt_files)
+    if args.eval_every < 0 or (args.eval_every and not args.num_eval):
+        raise SystemExit(f"--eval-every {args.eval_every}: expected 0 (evaluate after training only) or N > 0 with "
+                         f"held-out prompts to measure (--num-eval >= 1, got {args.num_eval})")
+    if any(count < 1 for count in args.num_prompts) or args.num_eval < 0:
+        raise SystemExit(f"--num-prompts must be >= 1 and --num-eval >= 0 (0: no evaluation), got "
+                         f"{' '.join(map(str, args.num_prompts))} and {args.num_eval}")
+    if args.train_batch_size < 1 or args.gradient_accumulation_steps < 1:
+        raise SystemExit(f"--train-batch-size {args.train_batch_size} and --gradient-accumulation-steps "
+                         f"{args.gradient_accumulation_steps}: both must be >= 1")
+    if args.cache_limit_gib is not None and not args.cache_target_features:
+        raise SystemExit("--cache-limit-gib bounds the feature cache: pass it with --cache-target-features")
+    missing = [path for path in args.responses if not Path(path).is_file()]
+    if missing:
+        raise SystemExit(f"--responses {missing[0]}: no such file")
+
+
+def check_prompt_counts(args: argparse.Namespace, prompt_files: list[str]) -> None:
+    """Exit when `--num-prompts` or `--first-prompt` do not fit the prompt files."""
     if len(args.num_prompts) not in (1, len(prompt_files)):
         raise SystemExit(f"--num-prompts {' '.join(map(str, args.num_prompts))}: give one count for each prompt "
                          f"file or one per file ({len(prompt_files)})")
@@ -54,15 +74,12 @@ def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> 
     if not 0 <= args.first_prompt < most:
         raise SystemExit(f"--first-prompt {args.first_prompt}: expected 0 <= it < the {most} prompts of "
                          f"--num-prompts")
-    if args.eval_every < 0 or (args.eval_every and not args.num_eval):
-        raise SystemExit(f"--eval-every {args.eval_every}: expected 0 (evaluate after training only) or N > 0 with "
-                         f"held-out prompts to measure (--num-eval >= 1, got {args.num_eval})")
-    if any(count < 1 for count in args.num_prompts) or args.num_eval < 0:
-        raise SystemExit(f"--num-prompts must be >= 1 and --num-eval >= 0 (0: no evaluation), got "
-                         f"{' '.join(map(str, args.num_prompts))} and {args.num_eval}")
-    missing = [path for path in args.responses if not Path(path).is_file()]
-    if missing:
-        raise SystemExit(f"--responses {missing[0]}: no such file")
+
+
+def batch_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The TrainingSettings fields of `train`'s batch, accumulation and feature-cache flags."""
+    return {"batch_size": args.train_batch_size, "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "cache_target": args.cache_target_features, "cache_limit_gib": args.cache_limit_gib}
 
 
 def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
@@ -73,6 +90,7 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     started = time.perf_counter()
     output = Path(args.output)
     prompt_files, prompts, eval_file, eval_texts = train_and_eval_prompts(args)
+    conversations = training_conversations(args)
     state = process_state()
     check_fsdp_applies(state)  # before any model is loaded
     if state.is_main_process:
@@ -90,15 +108,17 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             print(f"{len(rows)} rows in {output / 'responses.jsonl'}")
         return {"num_rows": len(rows)}
     training_rows = rows[args.first_prompt:]  # the draft vocabulary below still counts every row
-    if not training_rows:
+    if prompts and not training_rows:
         raise SystemExit(f"--first-prompt {args.first_prompt}: the prompt files hold only {len(rows)} prompts")
+    training_rows += conversation_rows(conversations, target, tokenizer)
     target = target.to(training_target_dtype(args.target_dtype, device))
     torch.manual_seed(args.seed)
     draft, mask_token = build_draft(args, target, tokenizer)
     if args.init_from_target:
-        initialize_from_target(draft, target, torch.tensor(rows[0]["prompt_ids"] + rows[0]["response_ids"]))
+        initialize_from_target(draft, target, torch.tensor(row_tokens(training_rows[0])[0]))
     settings = TrainingSettings(epochs=args.epochs, learning_rate=args.learning_rate, num_anchors=args.num_anchors,
-                                distill=args.distill, seed=args.seed, mixed_precision=args.mixed_precision)
+                                distill=args.distill, seed=args.seed, mixed_precision=args.mixed_precision,
+                                **batch_settings(args))
     tokens = generation_tokens(target, tokenizer)
     eval_prompts = [user_prompt_ids(tokenizer, prompt) for prompt in eval_texts]
 
@@ -119,8 +139,8 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     evaluation = None
     if eval_texts:
         evaluation = evaluate_draft(draft, target, eval_prompts, args.eval_max_new_tokens, tokens=tokens)
-    training = training_facts(args, argv, prompt_files, len(training_rows), mask_token, draft.mask_token_id, settings,
-                              log, time.perf_counter() - started)
+    training = training_facts(args, argv, prompt_files, len(training_rows) - len(conversations), mask_token,
+                              draft.mask_token_id, settings, log, time.perf_counter() - started, len(conversations))
     save_trained_draft(args, draft, target, evaluation, eval_file, training, output / "draft")
     if evaluation is None:
         print(f"draft written to {output / 'draft'} (not evaluated: --num-eval 0)")
@@ -146,7 +166,7 @@ def train_and_eval_prompts(args: argparse.Namespace) -> tuple[list[str], list[st
     """(prompt files, training prompts, evaluation file, evaluation prompts) of `train`'s arguments, all read before
     any model is loaded; exits naming the first argument or file that cannot be used."""
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
-    prompt_files = args.prompts or [str(data_dir / "gsm8k_train.jsonl")]
+    prompt_files = args.prompts or ([] if args.conversations else [str(data_dir / "gsm8k_train.jsonl")])
     check_train_arguments(args, prompt_files)
     try:
         prompts = training_prompts(prompt_files, args.num_prompts)
@@ -154,7 +174,7 @@ def train_and_eval_prompts(args: argparse.Namespace) -> tuple[list[str], list[st
         eval_texts = read_prompts([eval_file], args.num_eval) if args.num_eval else []
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(f"dflash-hf train: {error}") from error
-    if not prompts:
+    if not prompts and prompt_files:
         raise SystemExit(f"dflash-hf train: {', '.join(prompt_files)} hold no prompts")
     if args.num_eval and not eval_texts:
         raise SystemExit(f"dflash-hf train: {eval_file} holds no prompts to evaluate on (or pass --num-eval 0)")
@@ -173,6 +193,26 @@ def training_prompts(prompt_files: list[str], counts: list[int]) -> list[str]:
             raise SystemExit(f"--num-prompts {count} for {path}: it holds only {len(records)} prompts")
         prompts += records
     return prompts
+
+
+def training_conversations(args: argparse.Namespace) -> list[tuple[str, list[dict[str, str]]]]:
+    """The `--conversations` rows ("file:line", messages), read and checked before any model is loaded; exits
+    naming the first malformed row."""
+    try:
+        return read_chat_rows(args.conversations)
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(f"dflash-hf train: {error}") from error
+
+
+def conversation_rows(conversations: list[tuple[str, list[dict[str, str]]]], target: torch.nn.Module,
+                      tokenizer: Any) -> list[dict[str, list[int]]]:
+    """The conversations rendered with the target's chat template, their assistant turns as labels; exits naming a
+    row the template does not render verbatim."""
+    stop_token_ids = generation_tokens(target, tokenizer).stop_token_ids
+    try:
+        return [conversation_row(tokenizer, messages, stop_token_ids, where) for where, messages in conversations]
+    except ValueError as error:
+        raise SystemExit(f"dflash-hf train: {error}") from error
 
 
 def generation_draft(name: str | None, target: torch.nn.Module) -> DFlashDraftModel | None:
@@ -241,14 +281,16 @@ def start_from_trained_draft(args: argparse.Namespace, target: torch.nn.Module) 
 
 
 def training_facts(args: argparse.Namespace, argv: list[str], prompt_files: list[str], num_rows: int, mask_token: str,
-                   mask_token_id: int | None, settings: TrainingSettings, log: TrainingLog, seconds: float
-                   ) -> dict[str, str]:
-    """What the card says about how the draft was trained."""
+                   mask_token_id: int | None, settings: TrainingSettings, log: TrainingLog, seconds: float,
+                   num_conversations: int = 0) -> dict[str, str]:
+    """What the card says about how the draft was trained (`num_rows` prompts, `num_conversations` conversations)."""
     return {
-        "training data": f"{num_rows} prompts ({args.first_prompt}-{args.first_prompt + num_rows - 1}) of "
-                         f"{prompt_files_text(prompt_files, args.num_prompts)}, "
-                         f"responses regenerated by the target (greedy={args.gen_temperature == 0}, "
-                         f"<= {args.gen_max_new_tokens} tokens)",
+        **({"training data": f"{num_rows} prompts ({args.first_prompt}-{args.first_prompt + num_rows - 1}) of "
+                             f"{prompt_files_text(prompt_files, args.num_prompts)}, "
+                             f"responses regenerated by the target (greedy={args.gen_temperature == 0}, "
+                             f"<= {args.gen_max_new_tokens} tokens)"} if num_rows else {}),
+        **({"conversations": f"{num_conversations} rows of {', '.join(map(str, args.conversations))}, trained as "
+                             "given (the loss on the assistant turns)"} if num_conversations else {}),
         "mask token": f"{mask_token!r} (id {mask_token_id}), an existing token of the target vocabulary",
         "command": "`dflash-hf " + " ".join(shlex.quote(a) for a in argv) + "`",
         **({"initialisation": f"the trained draft {args.init_from}, then a new schedule on this data"}

@@ -28,6 +28,78 @@ def read_prompts(paths: Iterable[str | Path], limit: int | None = None) -> list[
     return [turns[0] for turns in read_conversations(list(paths), limit=limit)]
 
 
+CHAT_ROLES = ("system", "user", "assistant")  # the turns a conversation row may hold (README, "Train your own draft")
+
+
+def read_chat_rows(paths: Iterable[str | Path]) -> list[tuple[str, list[dict[str, str]]]]:
+    """(where: "file:line", messages) of every row of JSONL conversation files, each {"messages": [{"role",
+    "content"}, ...]} with system, user and assistant turns, at least one of them the assistant's; a malformed row
+    raises a ValueError naming its file and line (read before any model is loaded)."""
+    conversations = []
+    for path in paths:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--conversations {path}: no such file")
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, 1):
+                if line.strip():
+                    where = f"{path}:{number}"
+                    conversations.append((where, conversation_messages(line, where)))
+    return conversations
+
+
+def conversation_messages(line: str, where: str) -> list[dict[str, str]]:
+    """The messages of one JSONL conversation row, checked; a ValueError naming `where` and the fix otherwise."""
+    expected = ('expected {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]} with at '
+                "least one assistant turn")
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not a JSON object ({error.msg}); {expected}") from None
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not isinstance(messages, list) or not messages:
+        found = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f"{where}: no 'messages' list (found {found}); {expected}")
+    for index, message in enumerate(messages):
+        if (not isinstance(message, dict) or message.get("role") not in CHAT_ROLES
+                or not isinstance(message.get("content"), str) or not message["content"]):
+            raise ValueError(f"{where}: message {index} is {json.dumps(message)[:120]}; {expected} (a role among "
+                             f"{', '.join(CHAT_ROLES)} and a non-empty content string)")
+    if not any(message["role"] == "assistant" for message in messages):
+        raise ValueError(f"{where}: no assistant turn to train on; {expected}")
+    return [{"role": message["role"], "content": message["content"]} for message in messages]
+
+
+def conversation_row(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],
+                     stop_token_ids: Iterable[int], where: str) -> dict[str, list[int]]:
+    """{"input_ids", "loss_mask"} of a conversation rendered with the tokenizer's chat template and tokenized once;
+    the loss mask holds the assistant turns' tokens and the end-of-turn (stop) token right after each.
+
+    Each turn's content is found in the rendered text in order, and its tokens by their character offsets (a fast
+    tokenizer's), so the template may add anything around the turns (system prompt, generation markers)."""
+    if not tokenizer.is_fast:
+        raise ValueError(f"{where}: conversations need a fast tokenizer (character offsets); this target's "
+                         f"{type(tokenizer).__name__} is not one")
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids, offsets = list(encoding["input_ids"]), encoding["offset_mapping"]
+    loss_mask, cursor, stops = [0] * len(input_ids), 0, set(stop_token_ids)
+    for index, message in enumerate(messages):
+        start = text.find(message["content"], cursor)
+        if start < 0:
+            raise ValueError(f"{where}: the target's chat template does not render message {index} "
+                             f"({message['role']}) verbatim, so its tokens cannot be told apart; pass the rows as "
+                             "prompt_ids / response_ids in --responses instead (README, 'Train your own draft')")
+        cursor = start + len(message["content"])
+        if message["role"] != "assistant":
+            continue
+        tokens = [token for token, (first, last) in enumerate(offsets) if first < cursor and last > start]
+        if tokens and tokens[-1] + 1 < len(input_ids) and input_ids[tokens[-1] + 1] in stops:
+            tokens.append(tokens[-1] + 1)  # the end of the turn, which the target generates too
+        for token in tokens:
+            loss_mask[token] = 1
+    return {"input_ids": input_ids, "loss_mask": loss_mask}
+
+
 def read_rows(path: str | Path, repair: bool = True) -> list[dict]:
     """Complete rows of a response file (`.jsonl`, or a `.jsonl.gz` archive read as is); a line cut by an
     interruption is dropped (and, in a `.jsonl` with `repair`, rewritten away)."""

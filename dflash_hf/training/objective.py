@@ -14,13 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..modeling_dflash import DFlashDraftModel
+from ..modeling_dflash import DFlashDraftModel, TiledBlockMask
 from ..target_dflash import FeatureCapture, plain_head_parts
 
 DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's gamma per block size
 # LM-head rows per chunk, in the loss and the teacher's top-k: peak logits memory is about this x V x 4 B x a few
 # (Qwen3-8B: 1024 x 151,936 x 4 B = 0.6 GiB per copy), whatever the number of blocks.
 LOSS_CHUNK_ROWS = 1024
+# Query rows per tile of the block-sparse training mask (`tiled_block_mask`): each tile computes its blocks' context
+# range and its own rows only, instead of every block against every other block's rows (docs/training.md).
+TILE_ROWS = 512
 
 
 def loss_decay_gamma(block_size: int) -> float:
@@ -50,19 +53,37 @@ def sample_anchors(
 
 @dataclass
 class BlockBatch:
-    """Inputs and labels of all blocks of one sequence."""
+    """Inputs and labels of all blocks of one sequence, or of several packed into one row (`pack_blocks`)."""
 
     block_ids: torch.Tensor  # [K*B]: [token at anchor, MASK, ...] per block
-    block_position_ids: torch.Tensor  # [K*B]: anchor .. anchor + B - 1
+    block_position_ids: torch.Tensor  # [K*B]: anchor .. anchor + B - 1, positions within the block's own sequence
     labels: torch.Tensor  # [K, B-1]: tokens at anchor + 1 .. anchor + B - 1 (0 where invalid)
     label_mask: torch.Tensor  # [K, B-1]: label exists and is a response token
-    attention_mask: torch.Tensor  # [K*B, T + K*B] bool: context before the anchor + own block
+    context_start: torch.Tensor  # [K]: first context column of the block's sequence in the row
+    context_end: torch.Tensor  # [K]: the block's anchor in the row; it sees context columns [start, end)
+    context_length: int  # T: context columns of the row (the tokens of its sequences)
+    sequence_index: torch.Tensor  # [K]: which sequence of the row each block belongs to
+
+    @property
+    def block_size(self) -> int:
+        """Rows per block (B)."""
+        return self.block_ids.shape[0] // self.labels.shape[0]
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """The dense mask [K*B, T + K*B] (bool): each block sees its context range and its own block."""
+        block_of_row = torch.arange(len(self.context_end), device=self.block_ids.device).repeat_interleave(
+            self.block_size)  # [K*B]
+        columns = torch.arange(self.context_length, device=self.block_ids.device)[None, :]  # [1, T]
+        context_visible = (columns >= self.context_start[:, None]) & (columns < self.context_end[:, None])  # [K, T]
+        own_block = block_of_row[:, None] == block_of_row[None, :]  # [K*B, K*B]
+        return torch.cat((context_visible[block_of_row], own_block), dim=1)
 
 
 def build_blocks(
     input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int
 ) -> BlockBatch:
-    """Block inputs, labels and the sparse attention mask for anchors [K] in one sequence [T]."""
+    """Block inputs, labels and context ranges (the sparse attention mask) for anchors [K] in one sequence [T]."""
     length, num_blocks = input_ids.shape[0], anchors.shape[0]
     device = input_ids.device
     offsets = torch.arange(block_size, device=device)
@@ -74,22 +95,59 @@ def build_blocks(
     clamped = label_positions.clamp(max=length - 1)
     labels = torch.where(in_range, input_ids[clamped], torch.zeros_like(clamped))
     label_mask = in_range & loss_mask.bool()[clamped]
+    zeros = torch.zeros_like(anchors)
+    return BlockBatch(block_ids.flatten(), positions.flatten(), labels, label_mask, zeros, anchors.clone(), length,
+                      zeros)
 
-    context_visible = torch.arange(length, device=device)[None, :] < anchors[:, None]  # [K, T]
-    block_of_row = torch.arange(num_blocks, device=device).repeat_interleave(block_size)  # [K*B]
-    own_block = block_of_row[:, None] == block_of_row[None, :]  # [K*B, K*B]
-    attention_mask = torch.cat((context_visible[block_of_row], own_block), dim=1)
-    return BlockBatch(block_ids.flatten(), positions.flatten(), labels, label_mask, attention_mask)
+
+def pack_blocks(batches: list[BlockBatch]) -> BlockBatch:
+    """The blocks of several sequences in one row: their contexts side by side, each block's range shifted to its
+    own sequence's columns, so that no block sees another sequence (positions stay those within each sequence)."""
+    offsets = [0]
+    for batch in batches[:-1]:
+        offsets.append(offsets[-1] + batch.context_length)
+    return BlockBatch(
+        torch.cat([batch.block_ids for batch in batches]),
+        torch.cat([batch.block_position_ids for batch in batches]),
+        torch.cat([batch.labels for batch in batches]),
+        torch.cat([batch.label_mask for batch in batches]),
+        torch.cat([batch.context_start + offset for batch, offset in zip(batches, offsets)]),
+        torch.cat([batch.context_end + offset for batch, offset in zip(batches, offsets)]),
+        sum(batch.context_length for batch in batches),
+        torch.cat([batch.sequence_index + index for index, batch in enumerate(batches)]),
+    )
+
+
+def tiled_block_mask(blocks: BlockBatch, tile_rows: int = TILE_ROWS) -> TiledBlockMask:
+    """The block-sparse form of `blocks.attention_mask`: whole blocks in tiles of about `tile_rows` rows, each tile
+    attending to the context columns its blocks see (from the lowest start to the highest end) and to its own rows."""
+    block_size, num_blocks = blocks.block_size, len(blocks.context_end)
+    per_tile = max(1, tile_rows // block_size)
+    device = blocks.block_ids.device
+    all_starts, all_ends = blocks.context_start.tolist(), blocks.context_end.tolist()  # one device sync, not per tile
+    tiles = []
+    for first in range(0, num_blocks, per_tile):
+        last = min(first + per_tile, num_blocks)
+        starts, ends = blocks.context_start[first:last], blocks.context_end[first:last]  # [k]
+        context_start, context_end = min(all_starts[first:last]), max(all_ends[first:last])
+        columns = torch.arange(context_start, context_end, device=device)[None, :]  # [1, c]
+        context_visible = (columns >= starts[:, None]) & (columns < ends[:, None])  # [k, c]
+        block_of_row = torch.arange(last - first, device=device).repeat_interleave(block_size)  # [k*B]
+        own_block = block_of_row[:, None] == block_of_row[None, :]  # [k*B, k*B]
+        mask = torch.cat((context_visible[block_of_row], own_block), dim=1)[None, None]  # [1, 1, k*B, c + k*B]
+        tiles.append((first * block_size, last * block_size, context_start, context_end, mask))
+    return TiledBlockMask(blocks.context_length, tiles)
 
 
 @dataclass
 class StepResult:
-    """Loss and per-position accuracy of one sequence."""
+    """Loss and per-position accuracy of one sequence, or of several packed together (their mean loss)."""
 
     loss: torch.Tensor  # scalar, differentiable
     correct: torch.Tensor  # [B-1]: correct argmax predictions per block position
     counted: torch.Tensor  # [B-1]: labels per block position
     leading_correct: torch.Tensor  # [K]: correct predictions before the first miss, per block (its tau - 1)
+    sequences: int = 1  # sequences the loss averages over
 
 
 @dataclass
@@ -104,6 +162,12 @@ class TargetSignals:
         """The same signals with `function` applied to each tensor."""
         return replace(self, **{f.name: function(getattr(self, f.name)) for f in fields(self)
                                 if getattr(self, f.name) is not None})
+
+    @staticmethod
+    def concatenate(signals: list[TargetSignals]) -> TargetSignals:
+        """The signals of several sequences, one after the other along the positions (all with a teacher or none)."""
+        return replace(signals[0], **{f.name: torch.cat([getattr(one, f.name) for one in signals])
+                                      for f in fields(TargetSignals) if getattr(signals[0], f.name) is not None})
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> TargetSignals:
         """The same signals on `device` (no copy where they already are)."""
@@ -210,47 +274,77 @@ def dflash_loss(
     generator: torch.Generator | None = None,
     signals: TargetSignals | None = None,
     chunk_rows: int = LOSS_CHUNK_ROWS,
+    tile_rows: int | None = TILE_ROWS,
 ) -> StepResult:
-    """Position-decayed loss of the draft on one sequence [T], all blocks in one forward.
+    """Position-decayed loss of the draft on one sequence [T], all blocks in one forward (`packed_dflash_loss`)."""
+    return packed_dflash_loss(draft, target, [(input_ids, loss_mask)], num_anchors, generator,
+                              None if signals is None else [signals], chunk_rows, tile_rows)
 
-    `signals` (from `target_signals`, possibly cached on the host) default to one target forward without a teacher.
-    With a teacher the loss is the cross-entropy to the target's top-k distribution (distillation); without, to the
-    sequence's own tokens. Logits are computed for supervised rows only, `chunk_rows` at a time.
+
+def packed_dflash_loss(
+    draft: DFlashDraftModel | torch.nn.Module,
+    target: torch.nn.Module,
+    sequences: list[tuple[torch.Tensor, torch.Tensor]],
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+    signals: list[TargetSignals] | None = None,
+    chunk_rows: int = LOSS_CHUNK_ROWS,
+    tile_rows: int | None = TILE_ROWS,
+) -> StepResult:
+    """Mean over `sequences` (input ids [T_i], loss mask [T_i]) of each one's position-decayed loss, all packed into
+    one row and one draft forward.
+
+    Each sequence draws its anchors from `generator` in turn (as one call per sequence would) and its blocks see only
+    its own context (`pack_blocks`). `signals` (from `target_signals`, one per sequence, possibly cached on the host)
+    default to one target forward per sequence without a teacher. With a teacher the loss is the cross-entropy to the
+    target's top-k distribution (distillation); without, to the sequence's own tokens. The attention runs under the
+    block-sparse mask, `tile_rows` query rows per tile (`tiled_block_mask`), or with None under the dense mask (the
+    reference; the same loss). Logits are computed for supervised rows only, `chunk_rows` at a time.
     """
     model = getattr(draft, "module", draft)  # the draft itself under a DistributedDataParallel wrapper
     if model.candidate_selector is not None:
         raise ValueError("Training DFlash2 drafts (candidate selector) is not supported; train a DFlashDraftModel.")
     block_size, mask_token_id = model.block_size, model.mask_token_id
-    device = input_ids.device
-    signals = target_signals(target, input_ids, model.target_layer_ids) if signals is None else signals.to(device)
-    anchors = sample_anchors(loss_mask, num_anchors, generator)
-    if len(anchors) == 0:
-        raise ValueError("The sequence has no response token to train on (loss_mask is empty after position 0).")
-    blocks = build_blocks(input_ids, loss_mask, anchors, block_size, mask_token_id)
+    device = sequences[0][0].device
+    if signals is None:
+        signals = [target_signals(target, input_ids, model.target_layer_ids) for input_ids, _ in sequences]
+    batches = []
+    for input_ids, loss_mask in sequences:
+        anchors = sample_anchors(loss_mask, num_anchors, generator)
+        if len(anchors) == 0:
+            raise ValueError("The sequence has no response token to train on (loss_mask is empty after position 0).")
+        batches.append(build_blocks(input_ids, loss_mask, anchors, block_size, mask_token_id))
+    blocks = pack_blocks(batches)
+    num_blocks = len(blocks.context_end)
+    packed = TargetSignals.concatenate([one.to(device) for one in signals])  # [T, ...]: the sequences side by side
+    context_positions = torch.cat([torch.arange(len(input_ids), device=device) for input_ids, _ in sequences])  # [T]
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     with torch.no_grad():
         block_embeddings = model.embed_block(blocks.block_ids, embed_tokens.weight)[None]  # [1, K*B, H]
     hidden = draft(
         block_embeddings,
-        signals.hidden[None],
+        packed.hidden[None],
         blocks.block_position_ids[None],
-        torch.arange(input_ids.shape[0], device=device)[None],
-        attention_mask=blocks.attention_mask[None, None],
+        context_positions[None],
+        attention_mask=blocks.attention_mask[None, None] if tile_rows is None else tiled_block_mask(blocks, tile_rows),
         block_length=block_size,
     )  # [1, K*B, H]; causal / sliding layers add their restriction by position
-    hidden = hidden.view(len(anchors), block_size, -1)[:, 1:]  # [K, B-1, H]: positions that predict
+    hidden = hidden.view(num_blocks, block_size, -1)[:, 1:]  # [K, B-1, H]: positions that predict
     supervised = blocks.label_mask  # [K, B-1]
     teacher_probs = teacher_ids = None
-    if signals.teacher_probs is not None:
-        # the target's distribution for the token at p + 1 is its output at position p
-        positions = blocks.block_position_ids.view(len(anchors), block_size)[:, :-1][supervised]  # [N]
-        teacher_probs, teacher_ids = signals.teacher_probs[positions], signals.teacher_ids[positions]  # [N, k]
+    if packed.teacher_probs is not None:
+        # the target's distribution for the token at p + 1 is its output at position p (a column of the row)
+        columns = blocks.block_position_ids.view(num_blocks, block_size)[:, :-1] + blocks.context_start[:, None]
+        teacher_probs, teacher_ids = packed.teacher_probs[columns[supervised]], packed.teacher_ids[columns[supervised]]
     token_loss, predictions = chunked_row_losses(model, lm_head, hidden[supervised], blocks.labels[supervised],
                                                  teacher_probs, teacher_ids, chunk_rows)  # [N], [N]
     weights = position_weights(block_size).to(device)[None, :].expand_as(supervised)[supervised]  # [N]
-    loss = (token_loss * weights).sum() / weights.sum().clamp(min=1e-8)
+    row_sequence = blocks.sequence_index[:, None].expand_as(supervised)[supervised]  # [N]
+    weighted = torch.zeros(len(sequences), device=device).index_add(0, row_sequence, token_loss * weights)  # [S]
+    total_weight = torch.zeros(len(sequences), device=device).index_add(0, row_sequence, weights)  # [S]
+    loss = (weighted / total_weight.clamp(min=1e-8)).mean()
     hits = torch.zeros_like(supervised)  # [K, B-1]
     hits[supervised] = predictions == blocks.labels[supervised]
     leading_correct = hits.long().cumprod(dim=1).sum(dim=1)  # what greedy verification would accept
     return StepResult(loss=loss, correct=hits.sum(0).detach(), counted=supervised.sum(0),
-                      leading_correct=leading_correct.detach())
+                      leading_correct=leading_correct.detach(), sequences=len(sequences))

@@ -1,12 +1,13 @@
 """The training loop: AdamW, cosine schedule with warm-up, gradient clipping, resumable checkpoints.
 
-One sequence per optimiser step, many anchors per sequence (docs/training.md). Runs as is on
-one CPU or GPU and data-parallel under `accelerate launch` or `torchrun` (Accelerate is the distributed engine): each
-of N processes takes an equal shard of the sequences and one sequence per optimiser step, the gradients are averaged,
-the schedule counts optimiser steps, the log holds global values and only the main process writes. Under Accelerate's
-FSDP plugin (`accelerate launch --config_file examples/accelerate_fsdp.yaml`) the draft is sharded over the processes,
-and checkpoints are gathered from the shards (docs/training.md, "FSDP").
-Cached target signals live on the host (pinned when CUDA is available) and go to the device one step at a time.
+An optimiser step is `batch_size` sequences (packed into one row) times `gradient_accumulation_steps` micro-batches
+per process, many anchors per sequence (docs/training.md). Runs as is on one CPU or GPU and data-parallel under
+`accelerate launch` or `torchrun` (Accelerate is the distributed engine): each of N processes takes an equal shard of
+the sequences, the gradients are averaged, the schedule counts optimiser steps, the log holds global values and only
+the main process writes. Under Accelerate's FSDP plugin (`accelerate launch --config_file
+examples/accelerate_fsdp.yaml`) the draft is sharded over the processes, and checkpoints are gathered from the shards
+(docs/training.md, "FSDP"). The target's signals are computed per micro-batch; the opt-in cache keeps them on the host
+(pinned when CUDA is available), after a size check, and moves one micro-batch's to the device at a time.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -26,7 +28,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from transformers import get_cosine_schedule_with_warmup
 
 from ..modeling_dflash import DFlashDraftModel
-from .objective import StepResult, TargetSignals, dflash_loss, target_signals, teacher_rows
+from .objective import StepResult, TargetSignals, packed_dflash_loss, target_signals, teacher_rows
 from .processes import check_fsdp_applies, gather_json, padded_shard
 
 if TYPE_CHECKING:
@@ -40,6 +42,7 @@ OPTIMIZER_SCHEDULER_FILE = "optimizer_scheduler.json"  # the rest of both state 
 STATE_FILE = "state.json"  # the TrainingLog and the format version; written last
 LEGACY_CHECKPOINT_FILE = "checkpoint.pt"  # the pickled checkpoint of earlier versions, refused
 MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16}  # --mixed-precision: the autocast dtype of the forward
+AUTO_MIXED_PRECISION = {"cuda": "bf16"}  # --mixed-precision auto: bf16 on a GPU, float32 ("no") elsewhere
 
 
 @dataclass
@@ -55,15 +58,38 @@ class TrainingSettings:
     max_length: int = 3072
     distill: bool = True  # soft labels: the target's top-k next-token distribution (every documented recipe)
     teacher_top_k: int = 32
-    cache_target: bool = True  # run the target once per sequence, not once per epoch (signals kept on the host)
-    mixed_precision: str = "no"  # "bf16": forward and loss under bf16 autocast; weights and optimiser stay float32
+    # False: the target runs per micro-batch (memory bounded by one batch); True: once per sequence, its signals
+    # cached in host RAM for every epoch, refused when they would not fit (`check_feature_cache`)
+    cache_target: bool = False
+    cache_limit_gib: float | None = None  # the cache's limit per process (None: the host's available memory)
+    # "bf16": forward and loss under bf16 autocast, weights and optimiser float32; "auto": `autocast_dtype` decides
+    mixed_precision: str = "auto"
+    batch_size: int = 1  # sequences per process per micro-batch, packed into one row
+    gradient_accumulation_steps: int = 1  # micro-batches per optimiser step (Accelerate's accumulation)
     seed: int = 0
     checkpoint_every: int = 200  # optimiser steps between resumable checkpoints
 
     def __post_init__(self) -> None:
-        """Refuse a mixed precision the trainer does not know."""
-        if self.mixed_precision not in MIXED_PRECISION:
-            raise ValueError(f"mixed_precision {self.mixed_precision!r}: expected one of {list(MIXED_PRECISION)}")
+        """Refuse a mixed precision the trainer does not know, and batch counts below one."""
+        if self.mixed_precision not in ("auto", *MIXED_PRECISION):
+            raise ValueError(f"mixed_precision {self.mixed_precision!r}: expected one of "
+                             f"{['auto', *MIXED_PRECISION]}")
+        if self.batch_size < 1 or self.gradient_accumulation_steps < 1:
+            raise ValueError(f"batch_size {self.batch_size} and gradient_accumulation_steps "
+                             f"{self.gradient_accumulation_steps} must both be >= 1 (--train-batch-size, "
+                             "--gradient-accumulation-steps)")
+
+    @property
+    def sequences_per_step(self) -> int:
+        """Sequences each process trains on per optimiser step."""
+        return self.batch_size * self.gradient_accumulation_steps
+
+
+def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of the draft's forward and loss (None: float32): `mixed_precision`, where "auto" is bf16 on
+    a GPU and float32 on the CPU (few-row bf16 matmuls are slow there without native bf16)."""
+    choice = AUTO_MIXED_PRECISION.get(device.type, "no") if mixed_precision == "auto" else mixed_precision
+    return MIXED_PRECISION[choice]
 
 
 @dataclass
@@ -84,12 +110,19 @@ class TrainingLog:
     evaluations: list[dict] = field(default_factory=list)  # held-out results: {"step", "tau", "lossless", ...}
 
 
+def row_tokens(row: dict) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of a training row: a generated row {"prompt_ids", "response_ids"} (the response
+    counts), or a conversation row {"input_ids", "loss_mask"} (`data.conversation_row`: the assistant turns count)."""
+    if "input_ids" in row:
+        return row["input_ids"], row["loss_mask"]
+    return row["prompt_ids"] + row["response_ids"], [0] * len(row["prompt_ids"]) + [1] * len(row["response_ids"])
+
+
 def training_sequences(rows: list[dict], max_length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(input_ids [T], loss_mask [T]) per generated row; only response tokens count in the loss."""
+    """(input_ids [T], loss_mask [T]) per row (`row_tokens`), cut to `max_length`; rows with no label are left out."""
     sequences = []
     for row in rows:
-        ids = (row["prompt_ids"] + row["response_ids"])[:max_length]
-        mask = ([0] * len(row["prompt_ids"]) + [1] * len(row["response_ids"]))[:max_length]
+        ids, mask = (values[:max_length] for values in row_tokens(row))
         if sum(mask[1:]) > 0:
             sequences.append((torch.tensor(ids), torch.tensor(mask)))
     return sequences
@@ -108,8 +141,58 @@ def on_host(signals: TargetSignals) -> TargetSignals:
     return signals.apply(lambda tensor: host_copy(tensor, pin))
 
 
-def _epoch_order(num_sequences: int, epoch: int, seed: int) -> list[int]:
-    return torch.randperm(num_sequences, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+def _epoch_order(num_sequences: int, epoch: int, seed: int, length: int | None = None) -> list[int]:
+    """A shuffle of the shard for `epoch`, wrapped round to `length` entries (whole optimiser steps)."""
+    order = torch.randperm(num_sequences, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+    length = num_sequences if length is None else length
+    return (order * math.ceil(length / num_sequences))[:length]
+
+
+def feature_cache_bytes(target: torch.nn.Module, sequences: list[tuple[torch.Tensor, torch.Tensor]],
+                        num_features: int, teacher_top_k: int | None) -> int:
+    """Host bytes the target-signal cache takes for `sequences`: per token, `num_features` hidden states in the
+    target's dtype, and with a teacher its top-k probabilities (float32) and ids (int64)."""
+    hidden_size = target.get_input_embeddings().weight.shape[1]
+    itemsize = next(target.parameters()).dtype.itemsize
+    per_token = num_features * hidden_size * itemsize + (teacher_top_k or 0) * (4 + 8)
+    return per_token * sum(len(input_ids) for input_ids, _ in sequences)
+
+
+def available_host_bytes() -> int:
+    """Host memory available to a new allocation (Linux MemAvailable; elsewhere the free pages)."""
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_feature_cache(cache_bytes: int, limit_gib: float | None) -> None:
+    """Refuse a target-signal cache over `limit_gib` (None: over the host's available memory), before it is built."""
+    limit = available_host_bytes() if limit_gib is None else int(limit_gib * 2**30)
+    if cache_bytes > limit:
+        where = "the host's available memory" if limit_gib is None else "--cache-limit-gib"
+        raise ValueError(f"The target feature cache would take {cache_bytes / 2**30:.2f} GiB in this process, over "
+                         f"{where} ({limit / 2**30:.2f} GiB): drop --cache-target-features (the target then runs "
+                         "per batch and memory stays bounded), or train on fewer or shorter sequences "
+                         "(docs/training.md, 'Memory')")
+
+
+def host_feature_cache(target: torch.nn.Module, shard: list[tuple[torch.Tensor, torch.Tensor]], num_features: int,
+                       settings: TrainingSettings, signals_of: Callable[[torch.Tensor, torch.Tensor], TargetSignals],
+                       progress: bool) -> list[TargetSignals]:
+    """The target's signals of every sequence of `shard`, on the host (the device holds one micro-batch's at a time);
+    refused before the target runs when they would exceed `settings.cache_limit_gib` (`check_feature_cache`)."""
+    from tqdm.auto import tqdm
+
+    check_feature_cache(feature_cache_bytes(target, shard, num_features,
+                                            settings.teacher_top_k if settings.distill else None),
+                        settings.cache_limit_gib)
+    return [on_host(signals_of(input_ids, loss_mask))
+            for input_ids, loss_mask in tqdm(shard, desc="target features", disable=not progress)]
 
 
 def _sibling(folder: Path, suffix: str) -> Path:
@@ -186,8 +269,9 @@ def load_checkpoint(folder: str | Path, draft: torch.nn.Module, optimizer: torch
 
 
 # Settings a resumed run may change: they do not change what is trained (how often it is saved, where the target's
-# signals are kept). Any other difference changes the data, the schedule or the loss.
-CHANGEABLE_ON_RESUME = ("checkpoint_every", "cache_target")
+# signals are kept and how much host memory their cache may take). Any other difference (the batch size and the
+# accumulation steps among them) changes the data, the schedule or the loss.
+CHANGEABLE_ON_RESUME = ("checkpoint_every", "cache_target", "cache_limit_gib")
 
 
 def resume_facts(settings: TrainingSettings, num_sequences: int) -> dict[str, Any]:
@@ -307,33 +391,27 @@ def _optimizer_and_schedule(draft: torch.nn.Module, settings: TrainingSettings,
     return optimizer, get_cosine_schedule_with_warmup(optimizer, warmup_steps, total_steps)
 
 
-def _optimizer_step(accelerator: Accelerator, draft: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: LRScheduler, loss: torch.Tensor, max_grad_norm: float) -> float:
-    """Back-propagate `loss`, clip the gradient norm, then step the optimiser and the schedule (once, whatever the
-    number of processes: the scheduler is not handed to Accelerate, whose wrapper steps it once per process);
-    the learning rate the step applied."""
-    learning_rate = scheduler.get_last_lr()[0]
-    optimizer.zero_grad()
-    accelerator.backward(loss)
-    accelerator.clip_grad_norm_(draft.parameters(), max_grad_norm)
-    optimizer.step()
-    scheduler.step()
-    return learning_rate
-
-
 @dataclass
 class StepTotals:
     """One optimiser step over all processes: the mean loss and the accuracy counts summed."""
 
-    loss: float  # mean over the processes of each one's sequence loss
+    loss: float  # mean over the processes of each one's micro-batch loss
     correct: torch.Tensor  # [B-1]: correct argmax predictions per block position, on the host
     counted: torch.Tensor  # [B-1]: labels per block position, on the host
     leading_correct: float  # sum over blocks of correct predictions before the first miss
     blocks: int  # blocks of the step's sequences
 
+    @staticmethod
+    def combined(parts: list[StepTotals]) -> StepTotals:
+        """The totals of an optimiser step from those of its micro-batches: the mean loss, the counts summed."""
+        return StepTotals(sum(part.loss for part in parts) / len(parts), sum(part.correct for part in parts),
+                          sum(part.counted for part in parts), sum(part.leading_correct for part in parts),
+                          sum(part.blocks for part in parts))
+
 
 def step_totals(accelerator: Accelerator, result: StepResult) -> StepTotals:
-    """`result` of this process's sequence summed with the other processes' (one all-reduce; none on one process)."""
+    """`result` of this process's micro-batch summed with the other processes' (one all-reduce; none on one
+    process)."""
     local = torch.cat([result.loss.detach().float().reshape(1), result.correct.float(), result.counted.float(),
                        torch.stack([result.leading_correct.float().sum(),
                                     torch.tensor(float(len(result.leading_correct)), device=result.loss.device)])])
@@ -367,18 +445,58 @@ class _EpochAccuracy:
         return f"loss {log.losses[-1]:.3f} acc@1..4 {accuracy} block tau {log.block_tau:.2f}"
 
 
-def _training_step(accelerator: Any, draft: torch.nn.Module, target: torch.nn.Module,
-                   sequence: tuple[torch.Tensor, torch.Tensor, TargetSignals], optimization: tuple[Any, Any],
-                   settings: TrainingSettings, step: int) -> tuple[StepResult, float]:
-    """The loss on one sequence (input ids, loss mask, target signals) under the settings' autocast, then one
-    optimiser step; the loss's result and the learning rate the step applied."""
-    input_ids, loss_mask, signals = sequence
-    autocast_dtype = MIXED_PRECISION[settings.mixed_precision]
-    with torch.autocast(accelerator.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        result = dflash_loss(draft, target, input_ids, loss_mask, settings.num_anchors,
-                             torch.Generator().manual_seed(settings.seed * 1_000_003 + step), signals)
-    learning_rate = _optimizer_step(accelerator, draft, *optimization, result.loss, settings.max_grad_norm)
+def _micro_batch_step(accelerator: Any, draft: torch.nn.Module, target: torch.nn.Module,
+                      batch: list[tuple[torch.Tensor, torch.Tensor, TargetSignals]], optimization: tuple[Any, Any],
+                      settings: TrainingSettings, micro_step: int) -> tuple[StepResult, float | None]:
+    """The loss on one micro-batch (input ids, loss mask, target signals per sequence, packed into one row) under the
+    settings' autocast and its backward, inside Accelerate's accumulation; on the micro-batch that completes an
+    optimiser step, the clipped step of the optimiser and the schedule. The loss's result and the learning rate the
+    step applied (None while accumulating)."""
+    optimizer, scheduler = optimization
+    dtype = autocast_dtype(settings.mixed_precision, accelerator.device)
+    with accelerator.accumulate(draft):
+        with torch.autocast(accelerator.device.type, dtype=dtype, enabled=dtype is not None):
+            result = packed_dflash_loss(draft, target, [(ids, mask) for ids, mask, _ in batch], settings.num_anchors,
+                                        torch.Generator().manual_seed(settings.seed * 1_000_003 + micro_step),
+                                        [signals for _, _, signals in batch])
+        accelerator.backward(result.loss)  # divided by the accumulation steps: the step sees their mean
+        if not accelerator.sync_gradients:
+            return result, None
+        learning_rate = scheduler.get_last_lr()[0]
+        accelerator.clip_grad_norm_(draft.parameters(), settings.max_grad_norm)
+        optimizer.step()
+        scheduler.step()  # once per optimiser step, whatever the number of processes (not handed to Accelerate)
+        optimizer.zero_grad()
     return result, learning_rate
+
+
+def _micro_batches(shard: list[tuple[torch.Tensor, torch.Tensor]], positions: list[int], batch_size: int,
+                   device: torch.device, cached: list[TargetSignals] | None,
+                   signals_of: Callable[[torch.Tensor, torch.Tensor], TargetSignals]
+                   ) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, TargetSignals]]]:
+    """The micro-batches of one optimiser step, one at a time: `batch_size` sequences of `shard` at `positions` each,
+    on `device`, with their target signals (from the host cache, or `signals_of` computes them now)."""
+    for start in range(0, len(positions), batch_size):
+        batch = []
+        for position in positions[start:start + batch_size]:
+            input_ids, loss_mask = (t.to(device) for t in shard[position])
+            signals = cached[position] if cached is not None else signals_of(input_ids, loss_mask)
+            batch.append((input_ids, loss_mask, signals.to(device, non_blocking=True)))
+        yield batch
+
+
+def _accumulated_step(accelerator: Any, draft: torch.nn.Module, target: torch.nn.Module,
+                      micro_batches: Iterator[list[tuple[torch.Tensor, torch.Tensor, TargetSignals]]],
+                      optimization: tuple[Any, Any], settings: TrainingSettings, step: int
+                      ) -> tuple[StepTotals, float]:
+    """Optimiser step `step` over its micro-batches (`_micro_batch_step`; the last one steps): its totals over all
+    processes and the learning rate it applied."""
+    parts, learning_rate = [], None
+    for micro, batch in enumerate(micro_batches):
+        result, learning_rate = _micro_batch_step(accelerator, draft, target, batch, optimization, settings,
+                                                  step * settings.gradient_accumulation_steps + micro)
+        parts.append(step_totals(accelerator, result))
+    return StepTotals.combined(parts), learning_rate
 
 
 def train_draft(
@@ -396,17 +514,18 @@ def train_draft(
 
     `max_steps` stops early (the schedule still spans all epochs), e.g. to interrupt a run on purpose. Under
     `accelerate launch` / `torchrun` every process calls this with the same rows: each takes an equal shard
-    (`padded_shard`), an optimiser step is one sequence per process, and only the main process writes
-    `output_dir`; all return the same log once it is written. Under Accelerate's FSDP a copy of the draft is
-    sharded over the processes and the trained weights are gathered back into `draft` at the end.
-    `evaluate(draft)` (held-out tau and losslessness; JSON-ready values) runs on the main process before the first
-    step, every `eval_every` optimiser steps and after the last; its results go to every process's
-    `log.evaluations`."""
+    (`padded_shard`), an optimiser step is `settings.sequences_per_step` sequences per process (an epoch's shuffle
+    wrapped round to whole steps), and only the main process writes `output_dir`; all return the same log once it
+    is written. Under Accelerate's FSDP a copy of the draft is sharded over the processes and the trained weights
+    are gathered back into `draft` at the end. `evaluate(draft)` (held-out tau and losslessness; JSON-ready values)
+    runs on the main process before the first step, every `eval_every` optimiser steps and after the last; its
+    results go to every process's `log.evaluations`."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
     from tqdm.auto import tqdm
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+                              gradient_accumulation_steps=settings.gradient_accumulation_steps)
     check_fsdp_applies(accelerator.state)
     output_dir = Path(output_dir)
     if accelerator.is_main_process:
@@ -416,7 +535,8 @@ def train_draft(
     shards = [padded_shard(len(sequences), rank, accelerator.num_processes)
               for rank in range(accelerator.num_processes)]
     shard = [sequences[i] for i in shards[accelerator.process_index]]
-    steps_per_epoch = len(shard)  # the same on every process: one collective per step in each
+    per_step = settings.sequences_per_step
+    steps_per_epoch = math.ceil(len(shard) / per_step)  # the same on every process: one collective per step in each
     total_steps = steps_per_epoch * settings.epochs
     draft.train()
     sharded = accelerator.distributed_type == DistributedType.FSDP
@@ -439,9 +559,8 @@ def train_draft(
             record_evaluation(accelerator, model if sharded else None, draft, evaluate, log)
 
     shown = progress and accelerator.is_main_process  # one progress bar, the main process's
-    # on the host: the device holds one sequence's signals at a time
-    cached = [on_host(signals_of(input_ids, loss_mask)) for input_ids, loss_mask in tqdm(
-        shard, desc="target features", disable=not shown)] if settings.cache_target and log.steps < last else None
+    cached = (host_feature_cache(target, shard, len(draft.target_layer_ids), settings, signals_of, shown)
+              if settings.cache_target and log.steps < last else None)
     if log.steps == 0 and last > 0:
         held_out()  # the draft before training: the baseline of the curve
     bar = tqdm(total=total_steps, initial=log.steps, disable=not shown, desc="training", unit="step")
@@ -449,16 +568,16 @@ def train_draft(
     order_epoch, order, accuracy = -1, [], _EpochAccuracy(draft.block_size)
     while log.steps < last:
         epoch, index = divmod(log.steps, steps_per_epoch)
-        if epoch != order_epoch:  # a new (or resumed) epoch: its order, fresh accuracy counts
-            order_epoch, order = epoch, _epoch_order(steps_per_epoch, epoch, settings.seed)
+        if epoch != order_epoch:  # a new (or resumed) epoch: its order (whole steps), fresh accuracy counts
+            order_epoch, order = epoch, _epoch_order(len(shard), epoch, settings.seed, steps_per_epoch * per_step)
             accuracy = _EpochAccuracy(draft.block_size)
-        input_ids, loss_mask = (t.to(accelerator.device) for t in shard[order[index]])
-        signals = (cached[order[index]] if cached is not None else signals_of(input_ids, loss_mask)).to(
-            accelerator.device, non_blocking=True)
-        result, learning_rate = _training_step(accelerator, model, target, (input_ids, loss_mask, signals),
-                                               (prepared_optimizer, scheduler), settings, log.steps)
-        text = accuracy.record(step_totals(accelerator, result), learning_rate, log)
-        log.tokens += sum(len(sequences[indices[order[index]]][0]) for indices in shards)  # every process's
+        step_order = order[index * per_step:(index + 1) * per_step]
+        micro_batches = _micro_batches(shard, step_order, settings.batch_size, accelerator.device, cached, signals_of)
+        totals, learning_rate = _accumulated_step(accelerator, model, target, micro_batches,
+                                                  (prepared_optimizer, scheduler), settings, log.steps)
+        text = accuracy.record(totals, learning_rate, log)
+        log.tokens += sum(len(sequences[indices[position]][0])  # every process's sequences of the step
+                          for indices in shards for position in step_order)
         tokens_per_second = (log.tokens - loop_tokens) / (time.perf_counter() - loop_started)
         bar.set_postfix_str(f"{text}, {tokens_per_second:,.0f} tok/s")
         bar.update(1)
