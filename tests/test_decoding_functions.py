@@ -57,18 +57,21 @@ def test_process_logits_matches_transformers_warpers(temperature, top_k, top_p):
 
 
 def test_pick_block_greedy_is_argmax_and_sampling_respects_top_k():
+    """The target's tokens from its scores (`target_scores`: without processors, the logits when greedy, temperature
+    and top-k at once when sampling)."""
     from dataclasses import replace
 
     from dflash_hf.settings_dflash import DecodingSettings
-    from dflash_hf.steps_dflash import pick_block
+    from dflash_hf.steps_dflash import pick_block, target_scores
 
     logits = torch.randn(4, 3, 30, generator=torch.Generator().manual_seed(1))  # [n, b, V]
+    rows = [0, 1, 2, 3]
     greedy = DecodingSettings(max_new_tokens=4, block_size=3, generators=(None,) * 4)
-    assert torch.equal(pick_block(logits, [0, 1, 2, 3], greedy), logits.argmax(-1))
+    assert torch.equal(pick_block(target_scores(logits, list, rows, greedy), rows, greedy), logits.argmax(-1))
     sampled = replace(greedy, temperature=2.0, top_k=3, generators=(torch.Generator().manual_seed(2),) * 4)
     allowed = logits.topk(3, dim=-1).indices
     for _ in range(50):
-        picked = pick_block(logits, [0, 1, 2, 3], sampled)
+        picked = pick_block(target_scores(logits, list, rows, sampled), rows, sampled)
         assert bool((allowed == picked[..., None]).any(-1).all())
 
 

@@ -79,11 +79,18 @@ def decode(target, proposer, input_ids, attention_mask=None, **arguments):
                               block_size=BLOCK, temperature=0.0, pad_token_id=0, **arguments)
 
 
-@pytest.mark.parametrize("name", PROCESSORS)
-@pytest.mark.parametrize("layout", ["chain", "chain_with_wrong_drafts", "tree"])
+PREFIX_READERS = ["repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "min_new_tokens"]
+
+
+LAYOUTS = [(name, "chain") for name in PROCESSORS] + [
+    (name, layout) for name in PREFIX_READERS for layout in ("chain_with_wrong_drafts", "tree")]
+
+
+@pytest.mark.parametrize("name, layout", LAYOUTS)
 def test_each_processor_gives_generates_output_on_one_prompt(target, name, layout):
     """The proposer drafts generate's own output (with the processor), so whole blocks are accepted and the processor
-    runs at every verified column; wrong drafts and trees check rejected and branching positions."""
+    runs at every verified column; wrong drafts and trees check rejected and branching positions for the processors
+    that read the prefix."""
     prompt = random_prompt(5, 7)
     settings = processor_settings(name, plain_continuation(target, prompt), prompt.shape[1])
     expected = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, do_sample=False,
@@ -98,9 +105,9 @@ def test_each_processor_gives_generates_output_on_one_prompt(target, name, layou
     assert result.tau > 1.2  # drafted positions were accepted: the processor judged them, not only column 0
 
 
-@pytest.mark.parametrize("name", ["repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "bad_words_ids",
-                                  "exponential_decay_length_penalty"])
-@pytest.mark.parametrize("tree_size", [None, 5])
+@pytest.mark.parametrize("name, tree_size", [("repetition_penalty", None), ("repetition_penalty", 5),
+                                             ("no_repeat_ngram_size", 5), ("min_new_tokens", None),
+                                             ("bad_words_ids", 5), ("exponential_decay_length_penalty", None)])
 def test_processors_give_generates_output_on_a_left_padded_batch(target, name, tree_size):
     """Each row sees its own prompt with its padding, as in `generate`'s batch (Transformers 5 leaves the padding
     out of the repetition penalty; 4.57 counts it)."""

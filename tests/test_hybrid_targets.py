@@ -551,12 +551,12 @@ def with_private_state_kernel(target: torch.nn.Module, folder) -> list[int]:
 
     from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
 
-    build = folder / "build" / "torch-cpu"
+    build = folder / "build" / "torch-universal"  # any torch build: a CUDA build of torch on a CPU too
     build.mkdir(parents=True)
     (build / "__init__.py").write_text(PRIVATE_STATE_KERNEL)
     (build / "metadata.json").write_text(json.dumps({
         "id": f"dflash_private_state_{id(folder)}", "name": "private-state", "version": 1, "license": "Apache-2.0",
-        "python-depends": [], "backend": {"type": "cpu"}}))
+        "python-depends": [], "backend": {"type": "universal"}}))
     repository = LocalLayerRepository(repo_path=folder, layer_name="PrivateStateConv")
     with use_kernel_mapping({"causal_conv1d_forward": {"cpu": {Mode.INFERENCE: repository}}}, inherit_mapping=False):
         kernelize(target, mode=Mode.INFERENCE, device="cpu")
