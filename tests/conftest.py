@@ -30,7 +30,8 @@ from dflash_hf import DFlashDraftModel
 # running alone at the end while the other workers idle.
 SLOWEST_FIRST = ("test_notebooks.py::test_notebook_executes", "test_sampling.py::test_shortened_steps",
                  "test_hybrid_targets.py::test_sampling_keeps", "test_bench.py::test_data_parallel",
-                 "test_compiled.py::test_the_default_compiled_path")
+                 "test_compiled.py::test_the_default_compiled_path",
+                 "test_compiled_hybrid.py::test_the_default_compiled_path", "test_training_distributed.py::")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
