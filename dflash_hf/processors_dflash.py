@@ -67,25 +67,20 @@ class CallPrompts:
     max_length: int  # T + max_new_tokens: `generate`'s max_length
 
 
-def _given(config: Mapping[str, Any], name: str) -> Any:
-    """A setting of the merged call and generation config (None: not set)."""
-    return config.get(name)
-
-
 def _penalties(config: Mapping[str, Any], prompt: torch.Tensor, padding: int) -> list:
     """The processors `generate` adds before its length rules, for one row (prompt [1, T])."""
     processors: list = []
-    if _given(config, "sequence_bias") is not None:
+    if config.get("sequence_bias") is not None:
         processors.append(SequenceBiasLogitsProcessor(sequence_bias=config["sequence_bias"]))
-    if _given(config, "encoder_repetition_penalty") not in (None, 1.0):
+    if config.get("encoder_repetition_penalty") not in (None, 1.0):
         processors.append(EncoderRepetitionPenaltyLogitsProcessor(config["encoder_repetition_penalty"], prompt))
-    if _given(config, "repetition_penalty") not in (None, 1.0):
+    if config.get("repetition_penalty") not in (None, 1.0):
         processors.append(RepetitionPenaltyLogitsProcessor(config["repetition_penalty"],
                                                            **({"prompt_ignore_length": padding}
                                                               if REPETITION_PENALTY_SKIPS_PADDING else {})))
-    if (_given(config, "no_repeat_ngram_size") or 0) > 0:
+    if (config.get("no_repeat_ngram_size") or 0) > 0:
         processors.append(NoRepeatNGramLogitsProcessor(config["no_repeat_ngram_size"]))
-    if (_given(config, "encoder_no_repeat_ngram_size") or 0) > 0:
+    if (config.get("encoder_no_repeat_ngram_size") or 0) > 0:
         processors.append(EncoderNoRepeatNGramLogitsProcessor(config["encoder_no_repeat_ngram_size"], prompt))
     return processors
 
@@ -96,28 +91,28 @@ def _length_rules(config: Mapping[str, Any], prompts: CallPrompts, stop_token_id
     processors: list = []
     eos = stop_token_ids or None
     width = prompts.input_ids.shape[1]
-    if _given(config, "bad_words_ids") is not None:
+    if config.get("bad_words_ids") is not None:
         processors.append(NoBadWordsLogitsProcessor(config["bad_words_ids"], eos))
-    if eos is not None and (_given(config, "min_length") or 0) > 0:
+    if eos is not None and (config.get("min_length") or 0) > 0:
         processors.append(MinLengthLogitsProcessor(config["min_length"], eos, device=device))
-    if eos is not None and (_given(config, "min_new_tokens") or 0) > 0:
+    if eos is not None and (config.get("min_new_tokens") or 0) > 0:
         processors.append(MinNewTokensLengthLogitsProcessor(width, config["min_new_tokens"], eos, device=device))
     if prefix_allowed_tokens_fn is not None:  # its batch index: the row's own, though each row is processed alone
         processors.append(PrefixConstrainedLogitsProcessor(
             lambda _, sequence: prefix_allowed_tokens_fn(row, sequence), 1))
-    if _given(config, "forced_bos_token_id") is not None:
+    if config.get("forced_bos_token_id") is not None:
         processors.append(ForcedBOSTokenLogitsProcessor(config["forced_bos_token_id"]))
-    if _given(config, "forced_eos_token_id") is not None:
+    if config.get("forced_eos_token_id") is not None:
         processors.append(ForcedEOSTokenLogitsProcessor(prompts.max_length, config["forced_eos_token_id"],
                                                         device=device))
-    if _given(config, "remove_invalid_values") is True:
+    if config.get("remove_invalid_values") is True:
         processors.append(InfNanRemoveLogitsProcessor())
-    if _given(config, "exponential_decay_length_penalty") is not None:
+    if config.get("exponential_decay_length_penalty") is not None:
         processors.append(ExponentialDecayLengthPenalty(config["exponential_decay_length_penalty"], eos, width))
-    if _given(config, "suppress_tokens") is not None:
+    if config.get("suppress_tokens") is not None:
         processors.append(SuppressTokensLogitsProcessor(config["suppress_tokens"], device=device))
-    if _given(config, "begin_suppress_tokens") is not None:
-        begin = width if width > 1 or _given(config, "forced_bos_token_id") is None else width + 1
+    if config.get("begin_suppress_tokens") is not None:
+        begin = width if width > 1 or config.get("forced_bos_token_id") is None else width + 1
         processors.append(SuppressTokensAtBeginLogitsProcessor(config["begin_suppress_tokens"], begin,
                                                                device=device))
     return processors
@@ -131,7 +126,7 @@ def _warpers(config: Mapping[str, Any], temperature: float, top_k: int | None, t
     warpers: list = []
     if temperature != 1.0:
         warpers.append(TemperatureLogitsWarper(temperature))
-    if _given(config, "top_h") is not None:
+    if config.get("top_h") is not None:
         from transformers.generation import TopHLogitsWarper  # Transformers 5 only; its config field too
 
         warpers.append(TopHLogitsWarper(top_h=config["top_h"]))
@@ -139,13 +134,13 @@ def _warpers(config: Mapping[str, Any], temperature: float, top_k: int | None, t
         warpers.append(TopKLogitsWarper(top_k=top_k))
     if top_p is not None:
         warpers.append(TopPLogitsWarper(top_p=top_p))
-    if _given(config, "min_p") is not None:
+    if config.get("min_p") is not None:
         warpers.append(MinPLogitsWarper(min_p=config["min_p"]))
-    if _given(config, "typical_p") not in (None, 1.0):
+    if config.get("typical_p") not in (None, 1.0):
         warpers.append(TypicalLogitsWarper(mass=config["typical_p"]))
-    if 0.0 < (_given(config, "epsilon_cutoff") or 0.0) < 1.0:
+    if 0.0 < (config.get("epsilon_cutoff") or 0.0) < 1.0:
         warpers.append(EpsilonLogitsWarper(epsilon=config["epsilon_cutoff"]))
-    if 0.0 < (_given(config, "eta_cutoff") or 0.0) < 1.0:
+    if 0.0 < (config.get("eta_cutoff") or 0.0) < 1.0:
         warpers.append(EtaLogitsWarper(epsilon=config["eta_cutoff"], device=device))
     return warpers
 
@@ -204,12 +199,12 @@ def position_rules(config: Mapping[str, Any], prompts: CallPrompts, *, temperatu
     """The call's `PositionRules` from `config` (the call's settings merged over the generation config), or None
     when the loop's vectorised path already does what `generate` would (no processor beyond temperature, top-k and
     top-p, no stopping criterion, no scores asked for)."""
-    if _given(config, "stop_strings") is not None and tokenizer is None:
+    if config.get("stop_strings") is not None and tokenizer is None:
         raise ValueError("stop_strings needs the target's tokenizer: pass tokenizer=... as you would to generate.")
     criteria: list = []
-    if _given(config, "max_time") is not None:
+    if config.get("max_time") is not None:
         criteria.append(MaxTimeCriteria(max_time=config["max_time"], initial_timestamp=time.time()))
-    if _given(config, "stop_strings") is not None:
+    if config.get("stop_strings") is not None:
         criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=config["stop_strings"]))
     stopping = _merged(criteria, stopping_criteria, StoppingCriteriaList)
     warpers = _warpers(config, temperature, top_k, top_p, device)
@@ -220,10 +215,10 @@ def position_rules(config: Mapping[str, Any], prompts: CallPrompts, *, temperatu
                  + _length_rules(config, prompts, stop_token_ids, row, prefix_allowed_tokens_fn, device))
         row_processors.append(LogitsProcessorList(list(_merged(built, logits_processor, LogitsProcessorList))
                                                   + warpers + ([LogitNormalization()]
-                                                               if _given(config, "renormalize_logits") else [])))
-    returned = bool(_given(config, "return_dict_in_generate"))  # generate returns scores only inside its output
-    output_scores = returned and bool(_given(config, "output_scores"))
-    output_logits = returned and bool(_given(config, "output_logits"))
+                                                               if config.get("renormalize_logits") else [])))
+    returned = bool(config.get("return_dict_in_generate"))  # generate returns scores only inside its output
+    output_scores = returned and bool(config.get("output_scores"))
+    output_logits = returned and bool(config.get("output_logits"))
     beyond_vectorised = any(not isinstance(item, VECTORISED) for item in row_processors[0])  # every row: alike
     if not (beyond_vectorised or stopping or output_scores or output_logits):
         return None
