@@ -100,9 +100,10 @@ fi
 section "compiled path: eager against compile=True (CUDA graphs) on a launch-bound proxy"
 if [ -f scripts/step_ops_proxy.py ] && [ $((SECONDS - STARTED)) -lt "${PROXY_START_BEFORE:-450}" ]; then
     # A random Qwen3 of 36 layers, width 64 (the arithmetic is negligible: what remains is the launches), 96 tokens:
-    # generate eager and compiled (static cache), chain and tree of 8, each eager and compiled (compiled trees and
-    # sliding-window targets are also checked for exactness and CUDA graphs in tests/test_cuda.py)
-    timeout "${PROXY_TIMEOUT:-300}" "$PY" scripts/step_ops_proxy.py --device cuda
+    # generate eager and compiled (static cache), the compiled forward alone over 1 and 16 tokens (the floor of a
+    # compiled verify), chain and tree of 8, each eager and compiled (compiled trees and sliding-window targets are
+    # also checked for exactness and CUDA graphs in tests/test_cuda.py); each row's first round prints as it comes
+    timeout "${PROXY_TIMEOUT:-300}" "$PY" scripts/step_ops_proxy.py --device cuda --rounds 3
     echo "proxy exit status: $?"
 else
     echo "skipped: no scripts/step_ops_proxy.py, or ${PROXY_START_BEFORE:-450} s have passed"
@@ -115,7 +116,7 @@ section "compiled path on a hybrid target: eager against compile=True on a Qwen3
 LEFT=$((${CHECK_SECONDS:-840} - (SECONDS - STARTED)))
 if [ -f scripts/step_ops_proxy.py ] && [ "$LEFT" -ge 120 ]; then
     HYBRID_LIMIT=$(( LEFT < ${HYBRID_TIMEOUT:-300} ? LEFT : ${HYBRID_TIMEOUT:-300} ))
-    timeout "$HYBRID_LIMIT" "$PY" scripts/step_ops_proxy.py --device cuda --hybrid --no-tree --new-tokens 48
+    timeout "$HYBRID_LIMIT" "$PY" scripts/step_ops_proxy.py --device cuda --hybrid --no-tree --new-tokens 48 --rounds 3
     echo "hybrid proxy exit status: $?"
 else
     echo "skipped: no scripts/step_ops_proxy.py, or under 120 s left of ${CHECK_SECONDS:-840}"

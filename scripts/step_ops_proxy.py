@@ -3,8 +3,10 @@
 On a GPU at batch 1 an eager forward is bound by kernel launches, and every aten op that computes is at least one
 launch. This proxy makes the arithmetic negligible (a random Qwen3 of 36 layers, width 64, vocabulary 512; a 5-layer
 draft, block 16), so what remains is what each loop dispatches: plain `generate` per token, eager and compiled
-(Transformers' documented way: a static cache and `torch.compile` of the forward), the target's verify and the
-draft's forward alone (what any DFlash loop must run), a dflash-hf chain step and a tree step, eager and compiled
+(Transformers' documented way: a static cache and `torch.compile` of the forward), that compiled forward alone over
+one token and over a block (the floor of any compiled verify: once inductor has fused the launches, a block's
+arithmetic is no longer negligible on a CPU), the target's verify and the draft's forward alone (what any DFlash
+loop must run), a dflash-hf chain step and a tree step, eager and compiled
 (`spec_generate(compile=True)`: inductor on a CPU; its ops are not counted, they run inside compiled graphs).
 Compute ops leave out views and aliases (`VIEW_OPS`, and any op that returns its input), which launch no kernel; all
 ops are shown beside them. Every output is checked against `generate` first.
@@ -30,19 +32,25 @@ Numbers depend on the machine; compare rows of one run only.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM, StaticCache
 
 from dflash_hf import DFlashDraftModel
+from dflash_hf.cache_dflash import static_capacity
 from dflash_hf.generation_dflash import DecodeSession, dflash_proposer, synchronize
 from dflash_hf.settings_dflash import resolve_settings
 from dflash_hf.synthetic import CPU_SHRINK, build_synthetic_pair, shrink_configs, synthetic_spec
 from dflash_hf.training.recipe import draft_config_for
+from dflash_hf.versions_dflash import cache_keyword, rewind_static_cache
 
 # aten ops that launch no kernel: views, aliases and no-op markers (a same-dtype `to` returns its input: see below)
 VIEW_OPS = frozenset({
@@ -50,6 +58,8 @@ VIEW_OPS = frozenset({
     "detach", "detach_", "as_strided", "split", "split_with_sizes", "unbind", "reshape", "_reshape_alias", "view_as",
     "chunk", "narrow", "lift_fresh", "resolve_conj", "resolve_neg", "expand_as",
 })
+
+Timer = Callable[[], float]  # one more timed run: ms per step (per token for `generate`)
 
 
 class OpCounter(TorchDispatchMode):
@@ -131,14 +141,14 @@ def synthetic_pair(name: str, device: torch.device) -> tuple[torch.nn.Module, DF
 
 
 def generate_costs(target: torch.nn.Module, prompt: torch.Tensor, new_tokens: int, compiled: bool = False
-                   ) -> tuple[float, tuple[float, float] | None, list[int], float]:
-    """(ms, (compute ops, all ops) or None when compiled) per token of greedy `generate`, its tokens, and the seconds
-    of its first call (compiled: mostly the compilation)."""
+                   ) -> tuple[Timer, tuple[float, float] | None, list[int], float]:
+    """A timer of greedy `generate` (ms per token of one more call), its (compute ops, all ops) per token or None when
+    compiled, its tokens, and the seconds of its first call (compiled: mostly the compilation)."""
     arguments = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     with CompiledForward(target) if compiled else nullcontext({}) as extra:
         arguments.update(extra)
         started = time.perf_counter()
-        target.generate(prompt, **arguments)  # warm-up (compiled: the compilation)
+        output = target.generate(prompt, **arguments)  # warm-up (compiled: the compilation)
         first_call = time.perf_counter() - started
         target.generate(prompt, **arguments)
         ops = None
@@ -147,20 +157,59 @@ def generate_costs(target: torch.nn.Module, prompt: torch.Tensor, new_tokens: in
             with counter:
                 target.generate(prompt, **arguments)
             ops = counter.per(new_tokens)
+
+    def timer() -> float:
+        with CompiledForward(target) if compiled else nullcontext({}):
+            synchronize(prompt.device)
+            started = time.perf_counter()
+            target.generate(prompt, **arguments)
+            synchronize(prompt.device)
+            return 1000 * (time.perf_counter() - started) / new_tokens
+
+    return timer, ops, output[0, prompt.shape[1]:].tolist(), first_call
+
+
+@torch.inference_mode()
+def compiled_forward_costs(target: torch.nn.Module, prompt: torch.Tensor, widths: tuple[int, ...], capacity: int,
+                           calls: int = 96) -> dict[int, Timer]:
+    """Timers (ms per call, the mean of `calls`) of the target's compiled forward (Transformers' own, as compiled
+    `generate` runs it) over each of `widths` new tokens after the prompt, on a StaticCache of `capacity` columns (a
+    compiled verify's), written and rewound at the same columns: the floor of any compiled verify of that width."""
+    forward = CompiledForward(target).forward
+    timed = {}
+    for width in widths:
+        cache = StaticCache(config=target.config, max_cache_len=capacity)
+        target(prompt, use_cache=True, **{cache_keyword(target): cache})
+        tokens = torch.randint(0, 500, (1, width), generator=torch.Generator().manual_seed(3)).to(prompt.device)
+        positions = torch.arange(prompt.shape[1], prompt.shape[1] + width, device=prompt.device)
+
+        def call(cache: StaticCache = cache, tokens: torch.Tensor = tokens, positions: torch.Tensor = positions
+                 ) -> None:
+            forward(input_ids=tokens, position_ids=positions[None], use_cache=True, cache_position=positions,
+                    **{cache_keyword(target): cache})
+            rewind_static_cache(cache, positions.shape[0])
+
+        for _ in range(3):
+            call()  # warm-up (the first: the compilation of this width)
+        timed[width] = call
+
+    def timer(call: Callable[[], None]) -> float:
         synchronize(prompt.device)
         started = time.perf_counter()
-        output = target.generate(prompt, **arguments)
+        for _ in range(calls):
+            call()
         synchronize(prompt.device)
-        seconds = time.perf_counter() - started
-    return 1000 * seconds / new_tokens, ops, output[0, prompt.shape[1]:].tolist(), first_call
+        return 1000 * (time.perf_counter() - started) / calls
+
+    return {width: partial(torch.inference_mode()(timer), call) for width, call in timed.items()}
 
 
 @torch.inference_mode()
 def forward_costs(target: torch.nn.Module, draft: DFlashDraftModel, prompt: torch.Tensor
-                  ) -> tuple[float, tuple[float, float]]:
-    """(ms, (compute ops, all ops)) of one 16-token target verify (returning every hidden state) and one draft
-    forward over a block of 16 with 16 new context columns: what a DFlash step cannot avoid (in inference mode, as
-    the loop runs)."""
+                  ) -> tuple[Timer, tuple[float, float]]:
+    """A timer (ms, the mean of 20) and the (compute ops, all ops) of one 16-token target verify (returning every
+    hidden state) and one draft forward over a block of 16 with 16 new context columns: what a DFlash step cannot
+    avoid (in inference mode, as the loop runs)."""
     cache = DynamicCache(config=target.config)
     target(prompt, past_key_values=cache, use_cache=True)
     width = prompt.shape[1]
@@ -184,14 +233,14 @@ def forward_costs(target: torch.nn.Module, draft: DFlashDraftModel, prompt: torc
     step(None)  # warm-up
     counter = OpCounter()
     step(counter)
-    return 1000 * sum(step(None) for _ in range(20)) / 20, counter.per(1)  # a mean, as the loop's rows
+    return lambda: 1000 * sum(step(None) for _ in range(20)) / 20, counter.per(1)  # a mean, as the loop's rows
 
 
 def loop_costs(target: torch.nn.Module, draft: DFlashDraftModel, prompt: torch.Tensor, new_tokens: int,
                tree_size: int | None, compile: bool = False
-               ) -> tuple[float, tuple[float, float] | None, float, list[int], float]:
-    """(ms, (compute ops, all ops) or None when compiled, tau) per draft-and-verify step of the loop, its tokens, and
-    the seconds of its first call (compiled: mostly the compilation)."""
+               ) -> tuple[Timer, tuple[float, float] | None, float, list[int], float]:
+    """A timer of the loop (ms per draft-and-verify step of one more call), its (compute ops, all ops) per step or
+    None when compiled, its tau and tokens, and the seconds of its first call (compiled: mostly the compilation)."""
     settings = resolve_settings(target, prompt, draft, max_new_tokens=new_tokens, block_size=16, cpu_kernels=False,
                                 tree_size=tree_size, do_sample=False, compile=compile)
 
@@ -222,9 +271,33 @@ def loop_costs(target: torch.nn.Module, draft: DFlashDraftModel, prompt: torch.T
         counter = OpCounter()
         _, steps, _ = run(counter)
         ops = counter.per(steps)
-    seconds, steps, session = run(None)
+    _, _, session = run(None)
     result = session.finish()
-    return 1000 * seconds / steps, ops, result.tau, result.new_tokens(0), first_call
+
+    def timer() -> float:
+        seconds, steps, _ = run(None)
+        return 1000 * seconds / steps
+
+    return timer, ops, result.tau, result.new_tokens(0), first_call
+
+
+@dataclass
+class Row:
+    """A row of the table: what it times, its timer and its ms per round, its op counts, tau and first call."""
+
+    name: str
+    timer: Timer
+    ops: tuple[float, float] | None = None
+    tau: str = ""
+    first_call: str = ""
+    ms: list[float] = field(default_factory=list)
+
+    def line(self) -> str:
+        """The row as a markdown line: the median of its rounds, and their range when there are several."""
+        counts = "- | -" if self.ops is None else f"{self.ops[0]:,.0f} | {self.ops[1]:,.0f}"
+        ms = f"{statistics.median(self.ms):.1f}" + (f" ({min(self.ms):.1f}-{max(self.ms):.1f})" if len(self.ms) > 1
+                                                     else "")
+        return f"| {self.name} | {ms} | {counts} | {self.tau} | {self.first_call} |"
 
 
 def main() -> None:
@@ -238,6 +311,9 @@ def main() -> None:
     parser.add_argument("--synthetic", metavar="PAIR", help="a pair of `bench --synthetic` (Qwen3-8B) instead")
     parser.add_argument("--hybrid", action="store_true", help="a Qwen3.5-shaped hybrid target instead")
     parser.add_argument("--hybrid-layers", type=int, default=32, help="its depth (Qwen3.5-27B: 64)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="timed rounds, every row once a round, in turns (a passing load touches all rows alike); "
+                             "the table shows each row's median and range")
     args = parser.parse_args()
     if args.synthetic:
         target, draft = synthetic_pair(args.synthetic, torch.device(args.device))
@@ -250,42 +326,77 @@ def main() -> None:
         shape = "36 layers x 64"
     prompt = torch.randint(0, 500, (1, args.prompt_length), generator=torch.Generator().manual_seed(1))
     prompt = prompt.to(args.device)
-    ms, ops, expected, _ = generate_costs(target, prompt, args.new_tokens)
     print(f"prompt {args.prompt_length} tokens, {args.new_tokens} new, torch {torch.__version__}, {shape}, "
           f"{args.device}, {torch.get_num_threads()} threads")
-    print("| loop | ms per step | compute ops per step | all aten ops | tau | first call, s |\n"
-          "|---|---:|---:|---:|---:|---:|")
+    rows = measure(args, target, draft, prompt)
+    for _ in range(args.rounds - 1):
+        for row in rows.values():
+            row.ms.append(row.timer())
+    report(rows, args.rounds)
 
-    def row(name: str, ms: float, ops: tuple[float, float] | None, tau: str = "", first_call: str = "") -> None:
-        counts = "- | -" if ops is None else f"{ops[0]:,.0f} | {ops[1]:,.0f}"
-        print(f"| {name} | {ms:.1f} | {counts} | {tau} | {first_call} |")
 
-    row("plain `generate` (per token)", ms, ops, "1")
-    if not args.no_compile and not args.hybrid:
-        ms, _, tokens, first_call = generate_costs(target, prompt, args.new_tokens, compiled=True)
-        agree = tokens == expected
-        row("plain `generate`, compiled (static cache; per token)" + ("" if agree else " (differs from eager!)"), ms,
-            None, "1", f"{first_call:.1f}")
+def measure(args: argparse.Namespace, target: torch.nn.Module, draft: DFlashDraftModel, prompt: torch.Tensor
+            ) -> dict[str, Row]:
+    """The rows `args` asks for, each warmed up, counted and timed once (printed as it comes)."""
+    rows: dict[str, Row] = {}
+
+    def add(key: str, row: Row) -> None:  # its first round now, so a run stopped early still shows it
+        row.ms.append(row.timer())
+        rows[key] = row
+        print(f"first round: {row.name}: {row.ms[0]:.1f} ms", flush=True)
+
+    timer, ops, expected, _ = generate_costs(target, prompt, args.new_tokens)
+    add("generate", Row("plain `generate` (per token)", timer, ops, "1"))
+    compiled = not args.no_compile
+    if compiled and not args.hybrid:
+        timer, _, tokens, first_call = generate_costs(target, prompt, args.new_tokens, compiled=True)
+        differs = "" if tokens == expected else " (differs from eager!)"
+        add("compiled generate", Row(f"plain `generate`, compiled (static cache; per token){differs}", timer, None,
+                                     "1", f"{first_call:.1f}"))
+        block = 16
+        capacity = static_capacity(args.prompt_length + args.new_tokens + block)  # the compiled verify's cache
+        floor = compiled_forward_costs(target, prompt, (1, block), capacity)
+        add("forward 1", Row(f"the target's compiled forward alone, 1 token ({capacity}-column static cache)",
+                             floor[1]))
+        add("forward block", Row(f"the target's compiled forward alone, {block} tokens: the floor of a compiled "
+                                 "verify", floor[block]))
     if not args.hybrid:  # (a hybrid target's verify alone would leave its recurrent states advanced)
-        ms, ops = forward_costs(target, draft, prompt)
-        row("target verify + draft forward alone", ms, ops)
-    rows = [("dflash-hf chain", None, False)]
-    rows += [] if args.no_tree else [(f"dflash-hf tree of {args.tree_size}", args.tree_size, False)]
-    rows += [] if args.no_compile else [("dflash-hf chain, compiled", None, True)]
-    rows += [] if args.no_compile or args.no_tree else [(f"dflash-hf tree of {args.tree_size}, compiled",
-                                                         args.tree_size, True)]
-    step_ms = {}
-    for name, tree_size, compile in rows:
-        ms, ops, tau, tokens, first_call = loop_costs(target, draft, prompt, args.new_tokens, tree_size, compile)
-        step_ms[tree_size, compile] = ms
+        timer, ops = forward_costs(target, draft, prompt)
+        add("verify + draft", Row("target verify + draft forward alone", timer, ops))
+    loops = [("chain", "dflash-hf chain", None, False)]
+    loops += [] if args.no_tree else [("tree", f"dflash-hf tree of {args.tree_size}", args.tree_size, False)]
+    loops += [("compiled chain", "dflash-hf chain, compiled", None, True)] if compiled else []
+    loops += [("compiled tree", f"dflash-hf tree of {args.tree_size}, compiled", args.tree_size, True)
+              ] if compiled and not args.no_tree else []
+    for key, name, tree_size, compile in loops:
+        timer, ops, tau, tokens, first_call = loop_costs(target, draft, prompt, args.new_tokens, tree_size, compile)
         if args.synthetic:
             agree = next((index for index, (a, b) in enumerate(zip(tokens, expected)) if a != b), len(expected))
             name += f" (first {agree} of {len(expected)} tokens as generate's)"
         else:
             assert tokens == expected, f"{name}: output differs from generate"
-        row(name, ms, ops, f"{tau:.2f}", f"{first_call:.1f}")
-    if (None, True) in step_ms:
-        print(f"\ncompiled chain step / eager chain step: {step_ms[None, True] / step_ms[None, False]:.2f}")
+        add(key, Row(name, timer, ops, f"{tau:.2f}", f"{first_call:.1f}"))
+    return rows
+
+
+def report(rows: dict[str, Row], rounds: int) -> None:
+    """The table of every row's median (and range) over the rounds, then the ratios between rows that README quotes."""
+    print(f"\n{rounds} rounds; ms: the median (the range)\n"
+          "| loop | ms per step | compute ops per step | all aten ops | tau | first call, s |\n"
+          "|---|---:|---:|---:|---:|---:|")
+    for row in rows.values():
+        print(row.line())
+    median = {key: statistics.median(row.ms) for key, row in rows.items()}
+    ratios = [("compiled chain step / eager chain step", "compiled chain", "chain"),
+              ("compiled chain step / compiled `generate` token", "compiled chain", "compiled generate"),
+              ("compiled tree step / compiled chain step", "compiled tree", "compiled chain"),
+              ("the compiled block forward alone / the compiled 1-token forward", "forward block", "forward 1"),
+              ("the compiled block forward alone / compiled `generate` token", "forward block", "compiled generate")]
+    print()
+    for name, numerator, denominator in ratios:
+        if numerator in median and denominator in median:
+            print(f"{name}: {median[numerator] / median[denominator]:.2f}")
+
 
 if __name__ == "__main__":
     main()
