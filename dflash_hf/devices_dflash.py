@@ -1,6 +1,7 @@
 """Where a Transformers model computes, what its decoder config is and which attention backends take a mask as given:
 the few facts every other module reads of a target (possibly dispatched or offloaded by Accelerate, possibly a
-multimodal wrapper around a decoder) or of a draft.
+multimodal wrapper around a decoder) or of a draft; and how a compiled forward's failures reach the user
+(`compiled_call`).
 
 Hub remote code: imports only torch (and Accelerate, only for offloaded models).
 """
@@ -8,7 +9,7 @@ Hub remote code: imports only torch (and Accelerate, only for offloaded models).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -59,3 +60,23 @@ def materialized_weight(module: torch.nn.Module) -> Iterator[torch.Tensor]:
 
     with align_module_device(module, execution_device(module)):
         yield module.weight
+
+
+def compiled_call(compiled: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Any:
+    """`compiled(*args, **kwargs)` (a `torch.compile`d function of `compile=True`), with torch.compile's two failures
+    as ValueErrors that say what to do: `what` (say, "Qwen3ForCausalLM's verify") is not one graph with the installed
+    Transformers and torch, or it has compiled as often as torch.compile's recompile limit allows in this process."""
+    try:
+        return compiled(*args, **kwargs)
+    except torch._dynamo.exc.FailOnRecompileLimitHit as error:
+        raise ValueError(
+            f"compile=True: {what} has reached torch.compile's recompile limit in this process (each new target, "
+            "draft, row count or cache size compiles it anew); pass compile={'recompile_limit': 32} (a dict of "
+            "torch.compile options) to allow more, or compile=False (the eager loop). See README, \"Compiled "
+            "decoding\".") from error
+    except torch._dynamo.exc.TorchDynamoException as error:  # not one graph (a data-dependent loop, say)
+        summary = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(
+            f"compile=True cannot capture {what} as one graph with the installed Transformers and torch "
+            f"(torch.compile: {summary}); pass compile=False (the eager loop runs it exactly). See README, "
+            "\"Compiled decoding\".") from error

@@ -10,13 +10,14 @@ Hub remote code: imports only torch and transformers.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
 from .cache_dflash import CacheColumns, DraftContextCache, StaticDraftContextCache, host_to_device, static_capacity
-from .devices_dflash import execution_device, materialized_weight
+from .devices_dflash import compiled_call, execution_device, materialized_weight
 from .kernels_dflash import few_row_kernels, few_row_logits, few_row_product, is_plain_linear
 from .sampling_dflash import draw_uniforms, process_logits, sample_from
 
@@ -177,18 +178,21 @@ def draft_forward(draft: DFlashDraft, *args: Any, **kwargs: Any) -> torch.Tensor
     return draft(*args, **kwargs)
 
 
-_COMPILED_DRAFT_FORWARDS: dict[str, Callable[..., torch.Tensor]] = {}  # repr(options) -> compiled draft_forward
+# draft -> {its options: draft_forward compiled for it}
+_COMPILED_DRAFT_FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _COMPILED_DRAFTS_GUARD = threading.Lock()
 
 
-def compiled_draft(options: dict[str, Any]) -> Callable[..., torch.Tensor]:
-    """`draft_forward` under `torch.compile(**options)`, made once per options: later calls, and other drafts, reuse
-    it (its graphs are kept per draft by dynamo, which holds no draft alive)."""
+def compiled_draft(draft: DFlashDraft, options: dict[str, Any]) -> Callable[..., torch.Tensor]:
+    """`draft_forward` under `torch.compile(**options)` for `draft`, made once per draft and options: later calls with
+    it reuse its graphs, and another draft's are counted apart (`isolate_recompiles`), so drafts tried one after
+    another in a process do not add up to torch.compile's recompile limit. Held weakly: it lives as the draft does."""
     key = repr(sorted(options.items()))
     with _COMPILED_DRAFTS_GUARD:
-        if key not in _COMPILED_DRAFT_FORWARDS:
-            _COMPILED_DRAFT_FORWARDS[key] = torch.compile(draft_forward, **options)
-        return _COMPILED_DRAFT_FORWARDS[key]
+        compiled = _COMPILED_DRAFT_FORWARDS.setdefault(draft, {})
+        if key not in compiled:
+            compiled[key] = torch.compile(draft_forward, **options)
+        return compiled[key]
 
 
 class DFlashProposer:
@@ -214,7 +218,7 @@ class DFlashProposer:
         if compile is not None and context_columns is None:
             raise ValueError("A compiled DFlashProposer needs context_columns: the prompt width plus max_new_tokens "
                              "plus the block size (generation_dflash.dflash_proposer passes it).")
-        self.compiled = None if compile is None else compiled_draft(compile)
+        self.compiled = None if compile is None else compiled_draft(draft, compile)
         self.context_columns = context_columns
         self.cache: DraftContextCache | StaticDraftContextCache | None = draft.new_cache() if compile is None else None
         self.columns: CacheColumns | None = None  # real context positions among the cache's columns
@@ -258,7 +262,10 @@ class DFlashProposer:
         capacity, valid = self.cache.capacity, self.columns.valid  # [N, W]
         mask = torch.nn.functional.pad(valid, (0, capacity - valid.shape[1] + step.block_size), value=True)
         mask[:, valid.shape[1] : capacity] = False  # [N, C + B]: the rows' context columns, then the block
-        forward = self.draft if first else lambda *args, **kwargs: self.compiled(self.draft, *args, **kwargs)
+        def compiled(*args: Any, **kwargs: Any) -> torch.Tensor:
+            return compiled_call(self.compiled, "the draft's forward", self.draft, *args, **kwargs)
+
+        forward = self.draft if first else compiled
         return hidden, positions, mask[:, None, None, :], forward
 
     def propose(self, step: DraftStep) -> torch.Tensor | Proposal:

@@ -37,6 +37,7 @@ from typing import Any, Iterator
 import torch
 
 from .cache_dflash import host_to_device, recurrent_cache_layers
+from .devices_dflash import compiled_call
 from .target_dflash import decoder_layers
 from .versions_dflash import (
     align_token_count,
@@ -659,7 +660,8 @@ class StaticRecurrentStates:
         device = next(iter(self.rules.values())).before.device
         index = host_to_device([columns + [0] * (width - len(columns)) for columns in kept_columns], device)  # [N, b]
         counts = host_to_device([len(columns) for columns in kept_columns], device)  # [N]
-        self.compiled_rollback(index, counts, host_to_device(num_columns, device))
+        compiled_call(self.compiled_rollback, "the recurrent layers' rollback", index, counts,
+                      host_to_device(num_columns, device))
         self.recorded, self.kept = False, True  # the states before the verify are gone: the kept ones replace them
 
     def _rollback(self, index: torch.Tensor, counts: torch.Tensor, num_columns: torch.Tensor) -> None:

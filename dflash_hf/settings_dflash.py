@@ -8,6 +8,7 @@ Hub remote code: imports only torch and transformers.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import warnings
@@ -510,7 +511,7 @@ def resolve_settings(
     step_costs: StepCosts | None = None,
     draft_vocab: bool | Sequence[int] | torch.Tensor | None = None,
     tree_size: int | None = None,
-    compile: bool | dict[str, Any] = False,
+    compile: bool | dict[str, Any] | None = False,
     logits_processor: Any = None,
     stopping_criteria: Any = None,
     prefix_allowed_tokens_fn: Any = None,
@@ -545,6 +546,7 @@ def resolve_settings(
                          "measure them at this block size (dflash_hf.cost_model.measure_verify_costs).")
     vocabulary_size = target.get_output_embeddings().weight.shape[0] if draft is not None else 0
     check_tree_size(tree_size, target, draft, step_costs)
+    compile = check_compile(compile)
     if compile is not False:
         refusal = compile_refusal(target, step_costs, cpu_kernels,
                                   None if draft is None else draft.target_layer_ids)
@@ -632,10 +634,33 @@ def compile_refusal(target: torch.nn.Module, step_costs: Any, cpu_kernels: bool 
     return torch_refusal("compile=True")
 
 
+def check_compile(option: Any) -> bool | dict[str, Any]:
+    """`compile=option` checked: True, False (None reads as False) or a dict of `torch.compile` keyword arguments
+    whose names and backend torch knows; anything else is refused by name, before any forward."""
+    if option is None or isinstance(option, bool):
+        return bool(option)
+    if not isinstance(option, dict):
+        raise TypeError(f"compile must be True, False or a dict of torch.compile options, got {option!r}.")
+    parameters = inspect.signature(torch.compile).parameters.values()
+    accepted = [parameter.name for parameter in parameters if parameter.name != "model"]
+    unknown = sorted(set(option) - set(accepted))
+    if unknown and not any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+        raise ValueError(f"compile={{...}} is passed to torch.compile, which takes no {', '.join(unknown)}; its "
+                         f"options are {', '.join(accepted)}.")
+    backend = option.get("backend")
+    if isinstance(backend, str) and backend not in torch.compiler.list_backends(exclude_tags=()):
+        raise ValueError(f"compile={{'backend': {backend!r}}} names no backend of this torch; it has "
+                         f"{', '.join(torch.compiler.list_backends())} (torch.compiler.list_backends()).")
+    return option
+
+
 def compile_options(option: bool | dict[str, Any], device: torch.device) -> dict[str, Any]:
     """The `torch.compile` options of `compile=option`: True gives inductor, with CUDA graphs on a GPU
     (`mode="reduce-overhead"`); a dict is passed to `torch.compile` with `fullgraph=True` unless it sets `fullgraph`
-    itself (a whole graph by default: a graph break would run part of every verify eagerly, without a word)."""
+    itself (a whole graph by default: a graph break would run part of every verify eagerly, without a word). Each
+    compiled function's graphs count apart against the recompile limit (`isolate_recompiles`, unless the dict sets it):
+    the targets and drafts of one process do not add up."""
     if isinstance(option, dict):
-        return {"fullgraph": True, **option}
-    return {"mode": "reduce-overhead", "fullgraph": True} if device.type == "cuda" else {"fullgraph": True}
+        return {"fullgraph": True, "isolate_recompiles": True, **option}
+    on_gpu = {"mode": "reduce-overhead"} if device.type == "cuda" else {}
+    return {**on_gpu, "fullgraph": True, "isolate_recompiles": True}

@@ -40,7 +40,7 @@ from .cache_dflash import (
     sliding_window,
     static_capacity,
 )
-from .devices_dflash import mask_dtype, target_device, target_text_config
+from .devices_dflash import compiled_call, mask_dtype, target_device, target_text_config
 from .recurrent_dflash import Mixer, PathPlan, StaticRecurrentStates
 from .target_dflash import FeatureCapture, feature_modules, module_hidden_states, prefill_forward
 from .tree_dflash import DraftTree, tree_sees
@@ -138,15 +138,8 @@ class StaticVerifier:
         write = static_write_arguments(self.target, kept, width, input_ids.device)
         self.written = kept + width
         with self.capturing(plan):
-            try:
-                return self.compiled(self.target, input_ids, position_ids, mask, self.cache, write)
-            except torch._dynamo.exc.TorchDynamoException as error:  # its forward is not one graph (a data-dependent
-                # loop, say): refused by name, before any token of the call is committed
-                summary = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-                raise ValueError(
-                    f"compile=True cannot capture {type(self.target).__name__}'s forward as one graph with the "
-                    f"installed Transformers and torch (torch.compile: {summary}); pass compile=False (the eager "
-                    "loop runs it exactly). See README, \"Compiled decoding\".") from error
+            return compiled_call(self.compiled, f"{type(self.target).__name__}'s verify", self.target, input_ids,
+                                 position_ids, mask, self.cache, write)
 
     def rewind(self, kept: int) -> None:
         """Cut the cache back to its first `kept` columns (the tensors keep their addresses)."""

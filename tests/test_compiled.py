@@ -414,3 +414,60 @@ def test_compiled_tree_sampling_draws_the_tokens_the_eager_tree_draws():
         assert compiled.tolist() == eager.tolist(), seed
         outputs.add(tuple(eager.tolist()))
     assert len(outputs) == 3
+
+
+@COMPILES
+def test_targets_tried_one_after_another_in_a_process_never_reach_the_recompile_limit():
+    """Five target families and one draft, a prompt and a left-padded batch of two on each: ten compiled setups in
+    one process, each equal to `generate`. Each verifier's and draft's graphs count apart (`isolate_recompiles`);
+    counted together, as torch.compile does by default, dynamo stopped at its limit of 8 during the ninth."""
+    draft = make_draft(1)
+    prompts = [random_prompt(seed, length) for seed, length in ((0, 5), (1, 9))]
+    input_ids, attention_mask = left_pad([prompt[0].tolist() for prompt in prompts], pad_token_id=0)
+    torch._dynamo.reset()
+    setups = 0
+    for family in ["qwen3", "llama3_rope", "mistral", "gemma3", "gpt_oss", "qwen3"]:
+        if not ONE_GRAPH.get(family, True):
+            continue
+        target = build_target(family)
+        expected = [plain_greedy(target, prompt, 6)[0, prompt.shape[1]:].tolist() for prompt in prompts]
+        one = draft.spec_generate(target=target, input_ids=prompts[0], max_new_tokens=6, compile=DYNAMO_ONLY)
+        assert one[0, prompts[0].shape[1]:].tolist() == expected[0], family
+        both = draft.spec_generate(target=target, input_ids=input_ids, attention_mask=attention_mask,
+                                   max_new_tokens=6, compile=DYNAMO_ONLY, return_stats=True)
+        assert [both.new_tokens(row) for row in range(2)] == expected, family
+        setups += 2
+    assert setups >= 10
+
+
+@COMPILES
+def test_reaching_the_recompile_limit_is_a_clear_error():
+    """One verifier allowed a single graph (`recompile_limit`: 1): a later call that verifies a tree (another width)
+    must compile anew and is refused by name with the option to pass, not with dynamo's own exception."""
+    target, draft = make_target(seed=3), make_draft(3)
+    options = {**DYNAMO_ONLY, "recompile_limit": 1}
+    short = random_prompt(3, 6)
+    assert draft.spec_generate(target=target, input_ids=short, max_new_tokens=6, compile=options).tolist() == \
+        plain_greedy(target, short, 6).tolist()
+    with pytest.raises(ValueError, match=r"verify has reached torch.compile's recompile limit.*compile=False"):
+        draft.spec_generate(target=target, input_ids=short, max_new_tokens=6, compile=options, tree_size=4)
+
+
+@pytest.mark.parametrize("compile, error, message", [
+    (0, TypeError, "compile must be True, False or a dict"),
+    ("no", TypeError, "compile must be True, False or a dict"),
+    ({"bogus": 1}, ValueError, "takes no bogus; its options are .*backend"),
+    ({"backend": "nope"}, ValueError, "names no backend of this torch.*inductor"),
+])
+def test_a_compile_value_torch_cannot_take_is_refused_by_name(compile, error, message):
+    target, draft = make_target(seed=0), make_draft(0)
+    with pytest.raises(error, match=message):
+        draft.spec_generate(target=target, input_ids=random_prompt(0, 5), max_new_tokens=4, compile=compile)
+
+
+def test_compile_none_is_compile_false():
+    """compile=None reads as compile=False: the eager loop runs (cpu_kernels=True, refused under compile, is taken)."""
+    target, draft = make_target(seed=0), make_draft(0)
+    prompt = random_prompt(0, 5)
+    output = draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=6, compile=None, cpu_kernels=True)
+    assert output.tolist() == plain_greedy(target, prompt, 6).tolist()
