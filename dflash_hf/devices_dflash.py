@@ -72,8 +72,8 @@ def compiled_call(compiled: Callable[..., Any], what: str, *args: Any, **kwargs:
         raise ValueError(
             f"compile=True: {what} has reached torch.compile's recompile limit in this process (each new target, "
             "draft, row count or cache size compiles it anew); pass compile={'recompile_limit': 32} (a dict of "
-            "torch.compile options) to allow more, or compile=False (the eager loop). See README, \"Compiled "
-            "decoding\".") from error
+            "torch.compile options) to allow more, call torch.compiler.reset() to drop the process's compiled "
+            "graphs, or pass compile=False (the eager loop). See README, \"Compiled decoding\".") from error
     except torch._dynamo.exc.TorchDynamoException as error:  # not one graph (a data-dependent loop, say)
         summary = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(
