@@ -10,16 +10,21 @@ import os
 import tempfile
 
 # Under pytest-xdist (`-n auto`, README's test command): each worker gets its own Transformers remote-code module
-# cache (two workers loading exported folders of one name would write the same files) and its share of the cores.
-# Set before Transformers is imported, which reads HF_MODULES_CACHE once.
+# cache (two workers loading exported folders of one name would write the same files) and its share of the cores,
+# and so do the processes it starts (Jupyter kernels, `accelerate launch`, remote-code checks): they read
+# OMP_NUM_THREADS. Without it, a notebook's kernel ran 2 threads beside the other worker on a 2-core machine and took
+# 2.1x as long as with 1 (MEASUREMENTS.md, "the suite's threads"). Set before torch and Transformers are imported
+# (Transformers reads HF_MODULES_CACHE once).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="dflash-hf-modules-")
+    CORES_PER_WORKER = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ["OMP_NUM_THREADS"] = str(CORES_PER_WORKER)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    torch.set_num_threads(CORES_PER_WORKER)
 
 from helpers import make_draft, make_target
 from sampling_checks import sampling_target
@@ -31,7 +36,8 @@ from dflash_hf import DFlashDraftModel
 SLOWEST_FIRST = ("test_notebooks.py::test_notebook_executes", "test_sampling.py::test_shortened_steps",
                  "test_hybrid_targets.py::test_sampling_keeps", "test_bench.py::test_data_parallel",
                  "test_compiled.py::test_the_default_compiled_path",
-                 "test_compiled_hybrid.py::test_the_default_compiled_path", "test_training_distributed.py::")
+                 "test_compiled_hybrid.py::test_the_default_compiled_path", "test_training_distributed.py::",
+                 "test_compiled_hybrid.py::test_compiled_hybrid_sampling")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

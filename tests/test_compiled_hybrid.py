@@ -88,8 +88,10 @@ def test_after_every_compiled_tree_step_each_state_equals_a_plain_forwards(targe
 @needs_hybrid
 def test_the_default_compiled_path_keeps_every_state_exact_on_a_hybrid_target():
     """compile=True (inductor on a CPU), a chain: every state checked after every step of a batch (under inductor, a
-    copy of the cache's state into a buffer in the verify that writes the state once read the written one)."""
-    assert decode_checking_states(make_hybrid_target("qwen3_5", seed=0), True, None, True) >= 3
+    copy of the cache's state into a buffer in the verify that writes the state once read the written one, off by
+    about the states' size, 1e-2). Inductor's fused kernels round differently from the plain forward: 1.2e-5 apart on
+    an AVX2 machine, so 1e-4 here."""
+    assert decode_checking_states(make_hybrid_target("qwen3_5", seed=0), True, None, True, atol=1e-4) >= 3
 
 
 @needs_hybrid

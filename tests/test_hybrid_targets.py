@@ -181,10 +181,10 @@ def plain_states(target: torch.nn.Module, tokens: list[int]) -> dict[int, dict[s
     return {layer: layer_tensors(cache.layers[layer]) for layer in recurrent_cache_layers(cache)}
 
 
-def assert_states_equal_plain_forwards(target: torch.nn.Module, session: DecodeSession) -> None:
+def assert_states_equal_plain_forwards(target: torch.nn.Module, session: DecodeSession, atol: float = 1e-5) -> None:
     """Each active row's recurrent cache layers hold, tensor for tensor, what a plain forward over its committed tokens
-    leaves: per-row tensors that row's, and a batch-wide count (a 0-d tensor) the cache's columns (holes included, as
-    the attention layers keep them)."""
+    leaves (to `atol`): per-row tensors that row's, and a batch-wide count (a 0-d tensor) the cache's columns (holes
+    included, as the attention layers keep them)."""
     state = session.state
     for position, row in enumerate(state.active):
         if state.finished[row]:
@@ -198,15 +198,15 @@ def assert_states_equal_plain_forwards(target: torch.nn.Module, session: DecodeS
                     holes = state.backend.columns.width - len(committed)
                     assert int(live[name]) == int(tensor) + holes, (layer, name)
                 else:
-                    torch.testing.assert_close(live[name][position], tensor[0], rtol=1e-4, atol=1e-5,
+                    torch.testing.assert_close(live[name][position], tensor[0], rtol=1e-4, atol=atol,
                                                msg=lambda message, at=(layer, name): f"{at}: {message}")
 
 
 def decode_checking_states(target: torch.nn.Module, batch: bool, tree_size: int | None,
-                           compile: bool | dict = False) -> int:
+                           compile: bool | dict = False, atol: float = 1e-5) -> int:
     """A chain's rows keep different prefixes, a tree's rows different root-to-leaf paths; after the prefill and every
-    step each recurrent cache layer's tensors equal a plain forward's over the row's committed tokens (eager or
-    compiled backend). The number of steps."""
+    step each recurrent cache layer's tensors equal a plain forward's over the row's committed tokens, to `atol` (eager
+    or compiled backend). The number of steps."""
     prompts = [random_prompt(7, 9)[0].tolist()] + ([random_prompt(8, 3)[0].tolist()] if batch else [])
     references = [plain_greedy(target, torch.tensor([prompt]), 24) for prompt in prompts]
     input_ids, attention_mask = left_pad(prompts, 0)
@@ -218,10 +218,10 @@ def decode_checking_states(target: torch.nn.Module, batch: bool, tree_size: int 
     steps = 0
     with session.running():
         session.prefill(input_ids, attention_mask)
-        assert_states_equal_plain_forwards(target, session)
+        assert_states_equal_plain_forwards(target, session, atol)
         while session.step():
             steps += 1
-            assert_states_equal_plain_forwards(target, session)
+            assert_states_equal_plain_forwards(target, session, atol)
     return steps
 
 
