@@ -45,8 +45,8 @@ SHARED_OPTIONS: dict[str, dict] = {
     "--prompts": dict(nargs="+", default=None,
                       help="prompt JSONL files, one object a line with a turns, question, prompt, problem or "
                            "instruction field (default: the data folder's files, see --data-dir)"),
-    "--data-dir": dict(default=None, help="folder of the default prompt files ($DFLASH_HF_DATA_DIR, else a "
-                                          "shared/data folder beside this checkout)"),
+    "--data-dir": dict(default=None, help="folder of the default prompt files ($DFLASH_HF_DATA_DIR, else the "
+                                          "prompt sets shipped in dflash_hf/data)"),
     "--num-prompts": dict(type=int, nargs="+", metavar="N",
                           help="the first N prompts of each prompt file (or dataset), or one count per file, e.g. "
                                "--prompts gsm8k_train.jsonl mbpp_train.jsonl --num-prompts 5280 459"),

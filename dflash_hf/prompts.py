@@ -10,13 +10,13 @@ from typing import Any, Iterable
 PROMPT_FIELDS = ("turns", "question", "prompt", "problem", "instruction")  # tried in this order
 
 
+SHIPPED_DATA_DIR = Path(__file__).resolve().parent / "data"  # the prompt sets installed with the package
+
+
 def default_data_dir() -> Path:
-    """Where the benchmark and training JSONL files live: $DFLASH_HF_DATA_DIR, else the first `shared/data` beside the
-    working folder or beside this checkout."""
-    if os.environ.get("DFLASH_HF_DATA_DIR"):
-        return Path(os.environ["DFLASH_HF_DATA_DIR"])
-    candidates = [Path.cwd().parent / "shared" / "data", Path(__file__).resolve().parents[2] / "shared" / "data"]
-    return next((path for path in candidates if path.is_dir()), candidates[0])
+    """Where the benchmark and training JSONL files live: $DFLASH_HF_DATA_DIR, else the prompt sets shipped with the
+    package (`dflash_hf/data`, sources and licenses in its README)."""
+    return Path(os.environ["DFLASH_HF_DATA_DIR"]) if os.environ.get("DFLASH_HF_DATA_DIR") else SHIPPED_DATA_DIR
 
 
 def record_turns(record: dict[str, Any], field: str | None = None, where: str = "a record") -> list[str]:

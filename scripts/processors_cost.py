@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import torch
 
 from dflash_hf import load_demo
+from dflash_hf.prompts import default_data_dir
 from dflash_hf.settings_dflash import generation_tokens
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_test.jsonl"
+DATA = default_data_dir() / "gsm8k_test.jsonl"
 CASES = {"none": {}, "repetition_penalty=1.1": {"repetition_penalty": 1.1},
          "no_repeat_ngram_size=4": {"no_repeat_ngram_size": 4}}
 
