@@ -10,7 +10,8 @@ it: `verify` takes a tree or none.
   a 2-D mask only where columns are not positions.
 - `static_dflash.StaticBackend` (`compile=True`): a fixed-address StaticCache, a fixed verify width under
   `torch.compile` (CUDA graphs on a GPU); a hybrid target's Gated DeltaNet layers rolled back at fixed shapes
-  (`recurrent_dflash.StaticRecurrentStates`).
+  (`recurrent_dflash.StaticRecurrentStates`). Its batch keeps every row; `static_dflash.FixedRowBatch` around it
+  gives the steps the live rows only.
 - `RecurrentRollback` wraps the eager backend of a hybrid target: it records around each verify and rolls each
   recurrent layer back to the kept columns (`recurrent_dflash`).
 
@@ -38,7 +39,7 @@ from .cache_dflash import (
 from .devices_dflash import mask_dtype, target_device, target_text_config
 from .recurrent_dflash import PathPlan, RecurrentStates, rollback_mixers
 from .settings_dflash import DecodingSettings
-from .static_dflash import StaticBackend
+from .static_dflash import FixedRowBatch, StaticBackend
 from .target_dflash import FeatureCapture, last_logits_only, prefill_forward, verify_forward
 from .tree_dflash import DraftTree, tree_sees
 from .versions_dflash import cache_keyword, returned_cache
@@ -73,8 +74,8 @@ class TargetBackend(Protocol):
     def compact(self) -> None:
         """Drop the cache's holes when the backend's budget says so."""
 
-    def drop_rows(self, keep: list[int], index: torch.Tensor) -> bool:
-        """Keep only the rows `keep` (index: the same on the device); False where the backend keeps every row."""
+    def drop_rows(self, keep: list[int], index: torch.Tensor) -> None:
+        """Rows finished: every later call takes and returns the rows `keep` (index: the same on the device) only."""
 
     def decode_token(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
         """One token of plain decoding [n, 1] over the cache (the cost model's unit); undone by `discard`."""
@@ -150,11 +151,10 @@ class EagerBackend:
         if order is not None:
             reorder_cache_columns(self.cache, order)
 
-    def drop_rows(self, keep: list[int], index: torch.Tensor) -> bool:
+    def drop_rows(self, keep: list[int], index: torch.Tensor) -> None:
         """Finished rows leave the cache."""
         select_cache_rows(self.cache, index)
         self.columns.select_rows(keep, index)
-        return True
 
     def decode_token(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
         """The target's own one-token forward, its LM head over that token."""
@@ -215,9 +215,9 @@ class RecurrentRollback:
         """The inner compaction (recurrent states have no columns)."""
         self.inner.compact()
 
-    def drop_rows(self, keep: list[int], index: torch.Tensor) -> bool:
+    def drop_rows(self, keep: list[int], index: torch.Tensor) -> None:
         """The inner row selection (recurrent layers select their rows too)."""
-        return self.inner.drop_rows(keep, index)
+        self.inner.drop_rows(keep, index)
 
     def decode_token(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
         """The inner one-token forward, recorded so that `discard` undoes it."""
@@ -236,7 +236,8 @@ def target_backend(target: torch.nn.Module, settings: DecodingSettings, layer_id
             raise ValueError("compile=True on a hybrid target verifies at least 2 columns a step (its recurrent "
                              "layers are rolled back from the chunked rule's inputs): pass block_size >= 2, or "
                              "compile=False. See README, \"Compiled decoding\".")
-        return StaticBackend(target, layer_ids, num_rows, settings.compile,
-                             prompt_width + settings.max_new_tokens + verify_width, verify_width, mixers)
+        return FixedRowBatch(StaticBackend(target, layer_ids, num_rows, settings.compile,
+                                           prompt_width + settings.max_new_tokens + verify_width, verify_width,
+                                           mixers))
     backend = EagerBackend(target, layer_ids)
     return RecurrentRollback(backend) if mixers else backend

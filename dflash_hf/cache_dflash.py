@@ -159,6 +159,40 @@ class CacheColumns:
         return index
 
 
+class FixedRows:
+    """The live rows of a batch whose tensors keep all N rows (a compiled call: another row count would compile
+    anew). Its owner's methods take and return the live rows only: `fill` puts them in their places among the N
+    (finished rows get a filler), `take` reads them back."""
+
+    def __init__(self, num_rows: int, device: torch.device) -> None:
+        self.num_rows, self.device = num_rows, device
+        self.rows = list(range(num_rows))  # the live rows' places among the N, in the live order
+        self.index: torch.Tensor | None = None  # the same on `device`; None while every row is live
+
+    def select_rows(self, keep: list[int]) -> None:
+        """Rows finished: `keep` indexes the live rows that stay."""
+        self.rows = [self.rows[position] for position in keep]
+        self.index = host_to_device(self.rows, self.device)
+
+    def fill(self, live: torch.Tensor, filler: Any = 0) -> torch.Tensor:
+        """live [n, ...] -> [N, ...]: each live row in its place, `filler` in the finished rows."""
+        if self.index is None:
+            return live
+        full = live.new_full((self.num_rows, *live.shape[1:]), filler)
+        return full.index_copy_(0, self.index.to(live.device), live)
+
+    def fill_list(self, live: list[Any], filler: Any) -> list[Any]:
+        """The same for a list of n per-row values."""
+        full = [filler] * self.num_rows
+        for row, value in zip(self.rows, live):
+            full[row] = value
+        return full
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """full [N, ...] -> the live rows [n, ...]."""
+        return full if self.index is None else full[self.index.to(full.device)]
+
+
 def verify_attention_mask(columns: CacheColumns, sees: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
                           window: int | None = None, width: int | None = None) -> torch.Tensor:
     """Additive mask [N, 1, b, width] of a verify of b columns at `positions` [N, b] after the cache's columns: a
@@ -518,12 +552,6 @@ class StaticDraftContextCache:
         keys[:, :, self.capacity :].copy_(block_key)
         values[:, :, self.capacity :].copy_(block_value)
         return keys, values
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        """Keep the batch rows `index` [n] (a compiled loop keeps its rows; a new shape compiles anew)."""
-        self.key_buffers = [None if old is None else fixed_address(old[index]) for old in self.key_buffers]
-        self.value_buffers = [None if old is None else fixed_address(old[index]) for old in self.value_buffers]
-        self.positions = None if self.positions is None else fixed_address(self.positions[index])
 
     def reorder_columns(self, index: torch.Tensor) -> None:
         """Compaction in place: the first W' context columns become the per-row columns index [N, W']."""

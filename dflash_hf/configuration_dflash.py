@@ -24,6 +24,7 @@ REMOTE_CODE_FILES = (
     "devices_dflash.py",
     "kernels_dflash.py",
     "target_dflash.py",
+    "draft_backends_dflash.py",
     "proposer_dflash.py",
     "recurrent_dflash.py",
     "static_dflash.py",

@@ -23,7 +23,8 @@ import torch
 
 from .backends_dflash import target_backend
 from .cache_dflash import host_to_device, left_padded_positions
-from .devices_dflash import target_device
+from .devices_dflash import execution_device, target_device
+from .draft_backends_dflash import draft_backend
 from .kernels_dflash import cpu_kernels
 from .proposer_dflash import DFlashDraft, DFlashProposer, Proposal, Proposer
 from .sampling_dflash import mean_acceptance_length
@@ -167,14 +168,13 @@ def prefill(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
 
 
 def drop_finished(state: DecodeState, proposer: Proposer | None) -> bool:
-    """Finished rows leave the batch: the backend's cache (unless it keeps its rows: a compiled batch, whose
-    finished rows commit nothing), the features and the proposer; whether any row is still active."""
+    """Finished rows leave the live rows (`state.active`), and so every stage after: the backend (`drop_rows`), the
+    unseen features and the proposer (`select_rows`); whether any row is still live."""
     still_active = [row for row in state.active if not state.finished[row]]
     if still_active and len(still_active) < len(state.active):
         keep = [state.active.index(row) for row in still_active]
         index = host_to_device(keep, state.device)
-        if not state.backend.drop_rows(keep, index):
-            return True
+        state.backend.drop_rows(keep, index)
         if state.context is not None:
             state.context = state.context.select_rows(index)
         if hasattr(proposer, "select_rows"):
@@ -338,13 +338,15 @@ def speculative_decode(
 # --- spec_generate: the loop with a DFlash draft ---------------------------------------------------------------------
 
 
-def dflash_proposer(draft: DFlashDraft, target: torch.nn.Module, settings: DecodingSettings,
-                    prompt_width: int = 0) -> DFlashProposer:
-    """The proposer `spec_generate` runs: the draft with the call's mask id, acceptance rule and draft vocabulary
-    (compiled: with a static context cache for prompts `prompt_width` wide)."""
+def dflash_proposer(draft: DFlashDraft, target: torch.nn.Module, settings: DecodingSettings, prompt_width: int = 0,
+                    num_rows: int = 1) -> DFlashProposer:
+    """The proposer `spec_generate` runs: the draft with the call's mask id, acceptance rule, draft vocabulary and
+    draft backend (`draft_backend`; compiled: a context cache of `num_rows` rows for prompts `prompt_width` wide)."""
+    backend = draft_backend(draft, settings.compile, num_rows,
+                            prompt_width + settings.max_new_tokens + settings.block_size,
+                            execution_device(target.get_input_embeddings()))
     return DFlashProposer(draft, target, settings.mask_token_id, sample_proposals=settings.acceptance == "rejection",
-                          draft_vocab=settings.draft_vocab, compile=settings.compile,
-                          context_columns=prompt_width + settings.max_new_tokens + settings.block_size)
+                          draft_vocab=settings.draft_vocab, backend=backend)
 
 
 @torch.no_grad()
@@ -395,8 +397,8 @@ def spec_generate(
         stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, tree_size=tree_size, compile=compile,
         logits_processor=logits_processor, stopping_criteria=stopping_criteria,
         prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, tokenizer=tokenizer, **generation_settings)
-    result = speculative_decode(target, dflash_proposer(draft, target, settings, input_ids.shape[1]), input_ids,
-                                attention_mask=attention_mask, settings=settings)
+    proposer = dflash_proposer(draft, target, settings, prompt_width=input_ids.shape[1], num_rows=input_ids.shape[0])
+    result = speculative_decode(target, proposer, input_ids, attention_mask=attention_mask, settings=settings)
     return result if return_stats or settings.return_dict else result.output_ids
 
 

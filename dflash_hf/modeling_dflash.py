@@ -44,6 +44,7 @@ from .configuration_dflash import (
     read_rope_parameters,
 )
 from .devices_dflash import MASKED_ATTENTION, materialized_weight, target_device  # noqa: F401
+from .draft_backends_dflash import DraftBackend  # noqa: F401
 from .families_dflash import ROLLBACK_MODEL_TYPES  # noqa: F401
 from .generation_dflash import DFlashGenerationMixin
 from .kernels_dflash import cpu_kernels  # noqa: F401

@@ -1,23 +1,23 @@
 """Proposers: what drafts the next tokens of each row for one step of the loop.
 
 `speculative_decode` takes any object with `propose(step) -> [N, block_size - 1]` (the `Proposer` protocol);
-`DFlashProposer` drafts with a DFlash draft (anything shaped as the `DFlashDraft` protocol) and owns the draft's
-context cache for one generation. See docs/architecture.md, "The proposer seam".
+`DFlashProposer` drafts with a DFlash draft (anything shaped as the `DFlashDraft` protocol) through a draft backend
+(`draft_backends_dflash`: eager or compiled, the draft's context cache and rows). See docs/architecture.md, "The
+proposer seam".
 
 Hub remote code: imports only torch and transformers.
 """
 
 from __future__ import annotations
 
-import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from .cache_dflash import CacheColumns, DraftContextCache, StaticDraftContextCache, host_to_device, static_capacity
-from .devices_dflash import compiled_call, execution_device, materialized_weight
+from .cache_dflash import DraftContextCache, host_to_device
+from .devices_dflash import execution_device, materialized_weight
+from .draft_backends_dflash import DraftBackend, EagerDraftBackend
 from .kernels_dflash import few_row_kernels, few_row_logits, few_row_product, is_plain_linear
 from .sampling_dflash import draw_uniforms, process_logits, sample_from
 
@@ -173,40 +173,14 @@ class Proposer(Protocol):
         ...
 
 
-def draft_forward(draft: DFlashDraft, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """The draft's forward, as a function of the draft: what `compiled_draft` compiles (it holds no draft)."""
-    return draft(*args, **kwargs)
-
-
-# draft -> {its options: draft_forward compiled for it}
-_COMPILED_DRAFT_FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_COMPILED_DRAFTS_GUARD = threading.Lock()
-
-
-def compiled_draft(draft: DFlashDraft, options: dict[str, Any]) -> Callable[..., torch.Tensor]:
-    """`draft_forward` under `torch.compile(**options)` for `draft`, made once per draft and options: later calls with
-    it reuse its graphs, and another draft's are counted apart (`isolate_recompiles`), so drafts tried one after
-    another in a process do not add up to torch.compile's recompile limit. Held weakly: it lives as the draft does."""
-    key = repr(sorted(options.items()))
-    with _COMPILED_DRAFTS_GUARD:
-        compiled = _COMPILED_DRAFT_FORWARDS.setdefault(draft, {})
-        if key not in compiled:
-            compiled[key] = torch.compile(draft_forward, **options)
-        return compiled[key]
-
-
 class DFlashProposer:
-    """Proposes blocks with a DFlash draft; owns the draft's context cache for one generation.
-
-    Compiled (`compile`: torch.compile options, `context_columns`: the target's prompt width plus every new token
-    and one block): the draft reads its context from a `StaticDraftContextCache` laid out as the target's cache, and
-    each step after the first hands it a block-wide context (the kept columns, then masked padding), so its compiled
-    forward sees one shape; the first step, whose context is the prompt, runs eagerly.
-    """
+    """Proposes blocks with a DFlash draft through a draft backend (`draft_backends_dflash`: the draft's context
+    cache, forward and rows for one generation; default: the eager one); it embeds each block and turns the
+    forward's hidden states into proposals."""
 
     def __init__(self, draft: DFlashDraft, target: torch.nn.Module, mask_token_id: int,
                  sample_proposals: bool = True, draft_vocab: torch.Tensor | None = None,
-                 compile: dict[str, Any] | None = None, context_columns: int | None = None) -> None:
+                 backend: DraftBackend | None = None) -> None:
         self.draft = draft
         self.sample_proposals = sample_proposals  # at temperature > 0: sample from q (else propose the argmax)
         self.target_layer_ids = draft.target_layer_ids
@@ -215,67 +189,15 @@ class DFlashProposer:
         self.device = execution_device(self.embed_tokens)
         self.vocab = None if draft_vocab is None else DraftVocabulary(self.lm_head, draft_vocab.to(self.device))
         self.mask_token_id = mask_token_id
-        if compile is not None and context_columns is None:
-            raise ValueError("A compiled DFlashProposer needs context_columns: the prompt width plus max_new_tokens "
-                             "plus the block size (generation_dflash.dflash_proposer passes it).")
-        self.compiled = None if compile is None else compiled_draft(draft, compile)
-        self.context_columns = context_columns
-        self.cache: DraftContextCache | StaticDraftContextCache | None = draft.new_cache() if compile is None else None
-        self.columns: CacheColumns | None = None  # real context positions among the cache's columns
+        self.backend = EagerDraftBackend(draft) if backend is None else backend
 
     def select_rows(self, keep: list[int]) -> None:
-        """Drop the cached context of rows that left the batch; `keep` indexes the rows that stay."""
-        if self.columns is None:
-            return
-        index = host_to_device(keep, self.device)
-        self.cache.select_rows(index)
-        self.columns.select_rows(keep, index)
-
-    def _attention_mask(self, step: DraftStep, context_counts: list[int]) -> torch.Tensor | None:
-        """Record the step's new context columns (context_counts: positions before each pending token); the mask
-        [N, 1, 1, C + B] over context and block (None: all real)."""
-        num_rows, device = len(step.row_ids), self.device
-        if self.columns is None:
-            self.columns = CacheColumns(torch.ones(num_rows, 0, dtype=torch.bool, device=device), [0] * num_rows)
-        new_valid = step.context_valid
-        if new_valid is None:
-            new_valid = torch.ones(num_rows, step.target_hidden.shape[1], dtype=torch.bool, device=device)
-        self.columns.append(new_valid, [total - seen for total, seen in zip(context_counts, self.columns.real_counts)])
-        seen_mask = self.columns.attention_mask(step.block_size)  # [N, C + B] or None
-        return None if seen_mask is None else seen_mask[:, None, None, :]
-
-    def _static_context(self, step: DraftStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
-        """Compiled: (features, positions, mask [N, 1, 1, C + B], the forward to run) of this step's context, written
-        after the cache's columns: the prompt's as they are (eagerly), later ones padded to the block's width."""
-        first = self.columns is None
-        if first:
-            capacity = static_capacity(self.context_columns)
-            self.cache = StaticDraftContextCache(len(self.draft.layers), capacity, step.block_size)
-        start = 0 if first else self.columns.width
-        self._attention_mask(step, step.pending_positions)  # records the new columns
-        hidden, positions = step.target_hidden, step.context_position_ids  # [N, c, L*H], [N, c]
-        if not first:  # block-wide: the columns past the kept ones are masked, and overwritten by the next step
-            padding = step.block_size - hidden.shape[1]
-            hidden = torch.nn.functional.pad(hidden, (0, 0, 0, padding))
-            positions = torch.nn.functional.pad(positions, (0, padding))
-        self.cache.slots = torch.arange(start, start + hidden.shape[1], device=self.device)
-        capacity, valid = self.cache.capacity, self.columns.valid  # [N, W]
-        mask = torch.nn.functional.pad(valid, (0, capacity - valid.shape[1] + step.block_size), value=True)
-        mask[:, valid.shape[1] : capacity] = False  # [N, C + B]: the rows' context columns, then the block
-        def compiled(*args: Any, **kwargs: Any) -> torch.Tensor:
-            return compiled_call(self.compiled, "the draft's forward", self.draft, *args, **kwargs)
-
-        forward = self.draft if first else compiled
-        return hidden, positions, mask[:, None, None, :], forward
+        """Rows left the batch; `keep` indexes the rows that stay."""
+        self.backend.select_rows(keep)
 
     def propose(self, step: DraftStep) -> torch.Tensor | Proposal:
         """The draft's proposals [N, B-1] for positions s+1 .. s+B-1: its argmax, or samples of q when sampling."""
         device, block_size = self.device, step.block_size
-        if self.compiled is None:
-            forward, target_hidden, context_position_ids = self.draft, step.target_hidden, step.context_position_ids
-            attention_mask = self._attention_mask(step, step.pending_positions)  # position s: the positions before it
-        else:
-            target_hidden, context_position_ids, attention_mask, forward = self._static_context(step)
         block_position_ids = step.block_position_ids  # [N, B]
         if block_position_ids is None:
             block_position_ids = (host_to_device(step.pending_positions, device)[:, None]
@@ -286,18 +208,9 @@ class DFlashProposer:
         with materialized_weight(self.embed_tokens) as embedding_weight:
             block_embeddings = self.draft.embed_block(block_ids, embedding_weight)  # [N, B, H]
         with few_row_kernels(self.draft):  # on a CPU, its few-row products by the fastest kernel timed here
-            hidden = forward(
-                block_embeddings,
-                target_hidden,
-                block_position_ids,
-                context_position_ids,
-                cache=self.cache,
-                attention_mask=attention_mask,
-            )
-        room = None if self.compiled is None else self.cache.capacity - block_size  # a static cache: next write fits
-        index = self.columns.compaction(room=room)
-        if index is not None:
-            self.cache.reorder_columns(index)
+            hidden = self.backend.forward(block_embeddings, block_position_ids, step.target_hidden,
+                                          step.context_position_ids, step.context_valid,
+                                          step.pending_positions)  # [N, B, H]; position s: the positions before it
         proposal_states = hidden[:, 1:].reshape(-1, hidden.shape[-1])  # [N * (B-1), H]
         proposal_states = proposal_states.contiguous().to(self.lm_head.weight.dtype)
         sample = step.temperature > 0.0 and self.sample_proposals

@@ -34,6 +34,7 @@ from transformers.utils import logging
 
 from .cache_dflash import (
     CacheColumns,
+    FixedRows,
     causal_sees,
     gather_columns,
     position_attention,
@@ -178,9 +179,9 @@ def static_verifier(target: torch.nn.Module, num_rows: int, layer_ids: list[int]
 
 
 class StaticBackend:
-    """The compiled target backend of one call (`backends_dflash.TargetBackend`): its target's `StaticVerifier`
-    (graph and cache, reused across calls), the columns of this call, every verify `verify_width` wide. Finished
-    rows stay in the batch (a new row count would compile anew); they commit and keep nothing."""
+    """The compiled target backend of one call: its target's `StaticVerifier` (graph and cache, reused across calls),
+    the columns of this call, every verify `verify_width` wide, over all of the call's rows (a new row count would
+    compile anew). `FixedRowBatch` around it is the call's `backends_dflash.TargetBackend`."""
 
     def __init__(self, target: torch.nn.Module, layer_ids: list[int] | None, num_rows: int, options: dict[str, Any],
                  columns_needed: int, verify_width: int, mixers: list[Mixer]) -> None:
@@ -252,10 +253,67 @@ class StaticBackend:
         if order is not None:
             self.verifier.reorder_columns(order)
 
-    def drop_rows(self, keep: list[int], index: torch.Tensor) -> bool:
-        """Finished rows stay (False): a batch of another size would compile anew."""
-        return False
-
     def decode_token(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
         """Not offered: the cost model times the eager loop (compile=True refuses step_costs)."""
         raise ValueError("The compiled backend verifies at one fixed width; time steps with compile=False.")
+
+
+class FixedRowBatch:
+    """The compiled backend as the steps see it (`backends_dflash.TargetBackend`): its live rows only. Finished rows
+    stay in the inner backend's batch, so no shape changes (`cache_dflash.FixedRows`): a verify gives them a filler
+    (token 0 at position 0, a tree of filler nodes) and returns the live rows' logits and features; they keep no
+    column."""
+
+    def __init__(self, inner: StaticBackend) -> None:
+        self.inner = inner
+        self.rows = FixedRows(inner.verifier.num_rows, target_device(inner.target))
+
+    @property
+    def columns(self) -> CacheColumns:
+        """The inner backend's columns (every row of the batch)."""
+        return self.inner.columns
+
+    @property
+    def cache(self) -> Any:
+        """The target's StaticCache."""
+        return self.inner.cache
+
+    def prefill(self, input_ids: torch.Tensor, attention: dict[str, torch.Tensor], valid: torch.Tensor,
+                capture: FeatureCapture) -> Any:
+        """The inner prefill (every row is live)."""
+        return self.inner.prefill(input_ids, attention, valid, capture)
+
+    def step_width(self, block_size: int, longest_remaining: int) -> int:
+        """The inner backend's."""
+        return self.inner.step_width(block_size, longest_remaining)
+
+    def verify(self, input_ids: torch.Tensor, positions: torch.Tensor, tree: DraftTree | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The inner verify of the live rows [n, b] among fillers: (logits [n, b, V], features [n, b, L*H] or None)."""
+        rows = self.rows
+        if tree is not None and rows.index is not None:
+            size = tree.size
+            tree = DraftTree(rows.fill_list(tree.tokens, [0] * size), rows.fill_list(tree.parents, [0] * size),
+                             rows.fill_list(tree.depths, [1] * size), rows.fill_list(tree.real, [False] * size))
+        logits, features = self.inner.verify(rows.fill(input_ids), rows.fill(positions), tree)
+        return rows.take(logits), None if features is None else rows.take(features)
+
+    def keep(self, kept_columns: list[list[int]], kept: torch.Tensor) -> None:
+        """The inner keep; finished rows keep nothing."""
+        self.inner.keep(self.rows.fill_list(kept_columns, []), self.rows.fill(kept, False))
+
+    def discard(self) -> None:
+        """The inner discard."""
+        self.inner.discard()
+
+    def compact(self) -> None:
+        """The inner compaction."""
+        self.inner.compact()
+
+    def drop_rows(self, keep: list[int], index: torch.Tensor) -> None:
+        """Later calls take and return the rows `keep` only; the finished rows stay in the inner batch."""
+        self.rows.select_rows(keep)
+
+    def decode_token(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
+        """The inner one-token forward (which the compiled backend does not offer)."""
+        return self.inner.decode_token(self.rows.fill(input_ids), self.rows.fill(positions))

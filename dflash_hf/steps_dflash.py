@@ -67,8 +67,8 @@ class DecodeState:
     generated: list[list[int]]  # per row: committed tokens; the last one is pending
     acceptance_lengths: list[list[int]]  # per row: tokens committed by each verify step
     verified_lengths: list[list[int]]  # per row: tokens verified by each step
-    finished: list[bool]
-    active: list[int]  # rows in the backend's batch, in its row order (a compiled batch keeps finished rows)
+    finished: list[bool]  # per row: it ended (a stop, a criterion, its length); it leaves `active` next step
+    active: list[int]  # the live rows, in the order of every stage's batch: the backend's, the proposer's, a verdict's
     backend: TargetBackend  # the target's cache and verify (backends_dflash)
     layer_ids: list[int] | None  # target layers the proposer reads (None: it needs no features)
     context: TargetContext | None  # features the proposer has not seen yet
@@ -157,7 +157,7 @@ def plan_step(state: DecodeState, settings: DecodingSettings) -> StepPlan:
     starts = [len(state.prompts[row]) + len(state.generated[row]) - 1 for row in state.active]
     return StepPlan(
         width=width,
-        counts=[max(min(width, left), 1) for left in remaining],  # 1: a finished row kept in a compiled batch
+        counts=[min(width, left) for left in remaining],
         positions=host_to_device(starts, state.device)[:, None] + torch.arange(width, device=state.device),
         pending=host_to_device([[state.generated[row][-1]] for row in state.active], state.device),
     )
@@ -195,14 +195,10 @@ def propose(proposer: Proposer | None, state: DecodeState, step: StepPlan, setti
 
 
 def commit(state: DecodeState, step: StepPlan, verdict: Verdict, settings: DecodingSettings) -> list[int]:
-    """Per active row, `commit_block` of its judged proposals and the target's tokens: append what it commits, record
-    the step, mark finished rows; the accepted counts (-1: a row that had finished before the step, which a compiled
-    batch keeps; it keeps no column)."""
+    """Per live row, `commit_block` of its judged proposals and the target's tokens: append what it commits, record
+    the step, mark the rows that ended; the accepted proposals of each."""
     accepted_counts = []
     for index, row in enumerate(state.active):
-        if state.finished[row]:  # a compiled verify's batch keeps finished rows: they commit and keep nothing
-            accepted_counts.append(-1)
-            continue
         accepted, new_tokens, stopped = commit_block(verdict.proposed[index], verdict.target_tokens[index],
                                                      step.counts[index], settings.stop_token_ids)
         if settings.rules is not None:
@@ -248,8 +244,7 @@ def kept_mask(kept_columns: list[list[int]], device: torch.device) -> torch.Tens
 def keep_context(state: DecodeState, step: StepPlan, verdict: Verdict, accepted_counts: list[int]) -> None:
     """Keep the verify columns of each row's pending token and committed proposals: in the backend's cache (the rest
     leaves it), and as new features for the proposer (each row's kept columns in order, left-aligned)."""
-    kept_columns = [[] if count < 0 else [0] + columns[:count]
-                    for columns, count in zip(verdict.columns, accepted_counts)]
+    kept_columns = [[0] + columns[:count] for columns, count in zip(verdict.columns, accepted_counts)]
     kept = kept_mask(kept_columns, state.device)  # [n, w]
     state.backend.keep(kept_columns, kept)
     if verdict.features is None or state.context is None:

@@ -367,7 +367,7 @@ class RecordingProposer(DFlashProposer):
         self.steps.append(tokens)
         for row, row_tokens in zip(step.row_ids, tokens.tolist()):
             self.proposed.setdefault(row, []).append(row_tokens)
-        self.cache_excess.append(self.cache.get_seq_length() - max(len(s) - 1 for s in step.sequences))
+        self.cache_excess.append(self.backend.cache.get_seq_length() - max(len(s) - 1 for s in step.sequences))
         return proposal
 
 

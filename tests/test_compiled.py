@@ -27,6 +27,7 @@ from torch._dynamo.utils import counters
 
 from dflash_hf import speculative_decode
 from dflash_hf.cache_dflash import left_pad
+from dflash_hf.draft_backends_dflash import draft_backend
 from dflash_hf.proposer_dflash import DFlashProposer
 from dflash_hf.settings_dflash import StepCosts
 from dflash_hf.versions_dflash import NEWER_TORCH_FEATURES, torch_refusal
@@ -48,8 +49,9 @@ class GuidedDFlashProposer(DFlashProposer):
     the target's own continuation, wrong from a random offset: accepted lengths vary as a trained draft's do."""
 
     def __init__(self, draft, target, reference: torch.Tensor, seed: int, compile: dict | None = None,
-                 context_columns: int | None = None) -> None:
-        super().__init__(draft, target, draft.mask_token_id, compile=compile, context_columns=context_columns)
+                 context_columns: int = 0) -> None:
+        super().__init__(draft, target, draft.mask_token_id,
+                         backend=draft_backend(draft, compile, 1, context_columns, torch.device("cpu")))
         self.reference = ReferenceProposer(reference, corrupt_seed=seed)
         self.drafted: list[list[list[int]]] = []
 

@@ -111,7 +111,7 @@ def test_decoding_keeps_no_autograd_graph_when_parameters_require_grad():
         handle.remove()
     assert len(result.acceptance_lengths[0]) > 3
     assert all(layer.keys.grad_fn is None and not layer.keys.requires_grad for layer in caches[-1].layers)
-    assert all(keys.grad_fn is None and not keys.requires_grad for keys in proposer.cache.keys)
+    assert all(keys.grad_fn is None and not keys.requires_grad for keys in proposer.backend.cache.keys)
 
 
 # --- A flash-attention draft never gets a 4-D mask -------------------------------------------------------------------

@@ -111,6 +111,7 @@ LAYERS = (
     {"devices_dflash", "sampling_dflash", "processors_dflash", "cache_dflash", "configuration_dflash",
      "custom_generate_dflash", "prompts", "smollm2"},
     {"kernels_dflash", "tree_dflash"},
+    {"draft_backends_dflash"},
     {"proposer_dflash", "target_dflash"},
     {"recurrent_dflash"},
     {"settings_dflash", "static_dflash"},
