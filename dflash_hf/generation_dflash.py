@@ -250,8 +250,10 @@ class DecodeSession:
     @contextmanager
     def running(self) -> Iterator[DecodeSession]:
         """The call's scope: its target's lock, the CPU kernels (if on) and inference mode (no autograd bookkeeping:
-        fewer ops per step); all released when it ends, also after an exception. What a call creates in it (caches,
-        features) stays inside: `finish`, outside it, returns ordinary tensors the caller may change in place."""
+        fewer ops per step); all released when it ends, also after an exception. What an eager call creates in it
+        (caches, features) ends with it; a compiled call's target verifier (graph and static cache) and draft graphs
+        outlive it, for later calls, and are written only inside calls. `finish`, outside it, returns ordinary tensors
+        the caller may change in place."""
         with ExitStack() as scope:
             scope.enter_context(call_lock(self.target))
             scope.enter_context(cpu_kernels(self.settings.cpu_kernels))

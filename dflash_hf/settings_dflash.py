@@ -29,7 +29,8 @@ from .versions_dflash import torch_refusal
 DEFAULT_MAX_NEW_TOKENS = 256
 GENERATE_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}  # generate's, for unset fields
 ACCEPTANCE_RULES = ("rejection", "equality")
-# Generation settings the loop cannot honour, with the values at which they change nothing.
+# Generation settings beyond a call's own (CALL_SETTINGS), each with the value at which it changes nothing: the logits
+# processors, warpers, stopping criteria and outputs the loop applies, and the decoding modes it refuses (below).
 NEUTRAL_GENERATION_SETTINGS = {
     "num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1, "repetition_penalty": 1.0,
     "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": 0,
@@ -103,7 +104,9 @@ class DecodingSettings:
     step_costs: StepCosts | None = None  # given: each step verifies only the prefix of proposals worth its cost
     draft_vocab: torch.Tensor | None = None  # [K]: the ids the draft proposes from (None: every token)
     tree_size: int | None = None  # given: each step verifies a tree of this many drafted tokens (None: a chain)
-    compile: dict[str, Any] | None = None  # given: torch.compile options of the static-shape verify (static_dflash)
+    # given: torch.compile options of the static-shape verify (static_dflash) and of the draft's forward
+    # (draft_backends_dflash)
+    compile: dict[str, Any] | None = None
     rules: PositionRules | None = None  # generate's processors and criteria at each position (None: none to apply)
     return_dict: bool = False  # return_dict_in_generate: the call returns its output object, not the ids alone
 

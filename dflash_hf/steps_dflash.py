@@ -1,17 +1,20 @@
-"""One draft-and-verify step over the active rows, and its two strategies: a chain and a tree.
+"""One draft-and-verify step over the live rows, and its two strategies: a chain and a tree.
 
 A step runs `plan_step` (the block's positions), `propose` (the proposer's tokens for it), then its strategy's
 `arrange` (a chain: cut to a worthwhile width when step costs are given; a tree: planted from the draft's candidates)
 and `verify` (one target pass; what it judged, as a `Verdict`), then `commit` (the committed tokens) and
 `keep_context` (the cache columns and features of what was committed). The target's side (its cache, the verify
 forward, keep and discard) is the call's backend (`backends_dflash.TargetBackend`: eager, compiled, or the eager one
-with a hybrid target's recurrent rollback); the stages call its methods and never ask which it is. What the loop
-records (tokens, lengths, finished rows) changes in `commit`; the backend's cache grows in `verify` and is cut back
-to what was committed in `keep_context`; `propose` hands the unseen features to the proposer.
+with a hybrid target's recurrent rollback); the stages call its methods and never ask which it is. Every stage sees
+the live rows only (`DecodeState.active`): a row that ended leaves them before the next step, on every backend. What
+the loop records (tokens, lengths, which rows ended) changes in `commit`; the backend's cache grows in `verify`, and
+`keep_context` tells it which columns to keep (the eager cache is cropped to them there; the compiled one overwrites
+the rest at its next verify); `propose` hands the unseen features to the proposer.
 
-`ChainStep` and `TreeStep` are the strategies (`StepStrategy`): each has its own arrange and verify, and a new one
-plugs in without touching the others, as a `CandidateGenerator` does in Transformers' assisted decoding.
-`generation_dflash.DecodeSession` runs the steps. See docs/architecture.md.
+`ChainStep` and `TreeStep` are the strategies (`StepStrategy`), as `CandidateGenerator`s are in Transformers'
+assisted decoding: each has its own arrange and verify. They are not yet apart: the shared stages know a tree
+(`StepPlan.tree`, read by `position_prefixes`), the backends' verify takes one, and a tree's one-token block is
+verified by `ChainStep.verify`. `generation_dflash.DecodeSession` runs the steps. See docs/architecture.md.
 
 Hub remote code: imports only torch and transformers.
 """
@@ -354,7 +357,7 @@ class ChainStep:
         scores = target_scores(logits, lambda: position_prefixes(state, step, proposal.tokens), state.active,
                                settings)
         tokens_of_target = target_tokens(scores, proposal, state.active, step, settings)
-        judged = torch.cat((proposal.tokens, tokens_of_target), dim=1).tolist()  # the step's one device read
+        judged = torch.cat((proposal.tokens, tokens_of_target), dim=1).tolist()  # the verify's one device read
         columns = list(range(1, step.width))
         return Verdict([tokens[: step.width - 1] for tokens in judged],
                        [tokens[step.width - 1 :] for tokens in judged], [columns] * len(judged), features,
@@ -405,7 +408,7 @@ class TreeStep:
         scores = target_scores(logits, lambda: position_prefixes(state, step, proposal.tokens), state.active,
                                settings)
         if settings.greedy:
-            argmax = to_host(scores.argmax(dim=-1))[0].tolist()  # [n, 1 + N]: the step's one read after the verify
+            argmax = to_host(scores.argmax(dim=-1))[0].tolist()  # [n, 1 + N]: the verify's one device read
             walks = [walk_greedy(trees, row, argmax[row]) for row in rows]
             finals = [argmax[row][path[-1] if path else 0] for row, path in zip(rows, walks)]
         else:
