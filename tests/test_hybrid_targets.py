@@ -184,11 +184,14 @@ def plain_states(target: torch.nn.Module, tokens: list[int]) -> dict[int, dict[s
 def assert_states_equal_plain_forwards(target: torch.nn.Module, session: DecodeSession, atol: float = 1e-5) -> None:
     """Each active row's recurrent cache layers hold, tensor for tensor, what a plain forward over its committed tokens
     leaves (to `atol`): per-row tensors that row's, and a batch-wide count (a 0-d tensor) the cache's columns (holes
-    included, as the attention layers keep them)."""
+    included, as the attention layers keep them). A compiled batch keeps finished rows: its live rows' places in the
+    cache are its `rows`."""
     state = session.state
+    fixed = getattr(state.backend, "rows", None)  # static_dflash.FixedRowBatch
     for position, row in enumerate(state.active):
         if state.finished[row]:
             continue
+        place = position if fixed is None else fixed.rows[position]
         committed = state.prompts[row] + state.generated[row][:-1]  # the pending token is not in the cache
         for layer, expected in plain_states(target, committed).items():
             live = layer_tensors(state.backend.cache.layers[layer])
@@ -198,7 +201,7 @@ def assert_states_equal_plain_forwards(target: torch.nn.Module, session: DecodeS
                     holes = state.backend.columns.width - len(committed)
                     assert int(live[name]) == int(tensor) + holes, (layer, name)
                 else:
-                    torch.testing.assert_close(live[name][position], tensor[0], rtol=1e-4, atol=atol,
+                    torch.testing.assert_close(live[name][place], tensor[0], rtol=1e-4, atol=atol,
                                                msg=lambda message, at=(layer, name): f"{at}: {message}")
 
 
