@@ -136,6 +136,10 @@ class CompiledDraftBackend:
         """The forward over all rows under a 4-D mask over the cache's capacity and the block; the live rows'
         hidden states."""
         rows, block_size = self.rows, block_embeddings.shape[1]
+        if block_embeddings.shape[0] != len(rows.rows):
+            raise ValueError(f"This compiled draft backend holds {rows.num_rows} rows, {len(rows.rows)} of them live; "
+                             f"the step has {block_embeddings.shape[0]}. Make it with the call's row count "
+                             "(generation_dflash.dflash_proposer's num_rows).")
         valid = context_valid
         if valid is None:
             valid = torch.ones(context.shape[:2], dtype=torch.bool, device=context.device)

@@ -15,6 +15,8 @@ decoding"; `backends_dflash` holds the seam and the eager backend.
   (`recurrent_dflash.StaticRecurrentStates`); a tree's run along its paths at a fixed count.
 - The draft's features are the outputs of the chosen layers, stored by forward hooks that do nothing else and
   concatenated inside the compiled graph. The hooks are on the target only during a verify (`capturing`).
+- Rows that finish stay in the batch (another row count would compile anew): `FixedRowBatch` around the backend
+  fills them in and gives the steps the live rows only.
 - One `StaticVerifier` per target is kept and reused by later calls with the same rows, layers and options, so its
   compiled graph and cache are reused too. It holds the target and its layers weakly: it lives as long as the target
   does, and no longer.
