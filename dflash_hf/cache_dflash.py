@@ -3,9 +3,9 @@
 N left-padded rows share the columns of the target's and the draft's caches. Each row accepts its
 own number of tokens per step, so rows leave unused columns ("holes"); an attention mask hides
 them, and the caches are compacted once the holes pass `CACHE_HOLE_BUDGET`. This module holds the edits of a
-`DynamicCache`'s key/value layers (crop, row selection, compaction; Transformers 4.57 and 5.x alike) and the draft's
-context caches; `recurrent_dflash` snapshots and restores recurrent layers, and `static_dflash` rewinds its
-`StaticCache`, each through the cache's own methods and attributes.
+`DynamicCache`'s key/value layers (crop, row selection, compaction; Transformers 4.57 and 5.x alike), the draft's
+context caches and the live rows of a compiled batch (`FixedRows`); `recurrent_dflash` snapshots and restores
+recurrent layers, and `static_dflash` rewinds its `StaticCache`, each through the cache's own methods and attributes.
 
 Every verify step cuts the target's cache back to the accepted prefix, so a target must keep per-position keys and
 values: sliding-window layers get a cache layer that keeps every position (the model's own masks still apply the
@@ -353,7 +353,8 @@ def full_history_cache(target: torch.nn.Module, config: Any) -> Any:
 
     Transformers' sliding-window cache layers drop positions older than the window, so they cannot be cropped back
     once the window is full. Here those layers are plain `DynamicLayer`s that keep every position; the model's masks
-    still apply the window (they count it in cache columns: see `CacheColumns.contiguous`). Refuses recurrent targets.
+    still apply the window (they count it in cache columns: see `CacheColumns.contiguous`). Refuses a target whose
+    recurrent layers cannot be rolled back (`check_croppable_target`).
     """
     from transformers.cache_utils import DynamicLayer
 
