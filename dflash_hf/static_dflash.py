@@ -18,8 +18,9 @@ decoding"; `backends_dflash` holds the seam and the eager backend.
 - Rows that finish stay in the batch (another row count would compile anew): `FixedRowBatch` around the backend
   fills them in and gives the steps the live rows only.
 - One `StaticVerifier` per target is kept and reused by later calls with the same rows, layers and options, so its
-  compiled graph and cache are reused too. It holds the target and its layers weakly: it lives as long as the target
-  does, and no longer.
+  compiled graph and cache are reused too. It holds the target and its feature layers weakly (a hybrid target's
+  recurrent mixers strongly, which hold no reference back to the target): kept in a table keyed weakly by the
+  target, it lives as long as the target does, and no longer.
 
 Hub remote code: imports only torch and transformers.
 """
