@@ -51,9 +51,10 @@ def dependency_bounds(name: str) -> tuple[str, str]:
 
 
 def ci_installs() -> list[dict[str, str]]:
-    """Each `pip install` line of `.ci/run` that pins torch: {package: pinned version}."""
-    return [dict(re.findall(r"\b([a-z]+)==([\d.]+)", line)) for line in CI.splitlines()
-            if line.startswith("pip install") and "torch==" in line]
+    """Each `pip install` line of `.ci/run` that pins torch, newest torch first: {package: pinned version}."""
+    installs = [dict(re.findall(r"\b([a-z]+)==([\d.]+)", line)) for line in CI.splitlines()
+                if "pip install" in line and "torch==" in line]
+    return sorted(installs, key=lambda pins: [int(part) for part in pins["torch"].split(".")], reverse=True)
 
 
 def test_pyprojects_torch_and_transformers_ranges_are_what_ci_installs_at_both_ends():
