@@ -30,7 +30,7 @@ from .backends_dflash import TargetBackend  # noqa: F401
 from .cache_dflash import DraftContextCache
 from .checkpoint_dflash import DFlashCheckpointMixin
 from .configuration_dflash import DFlashConfig, is_dflash2, layer_attention, read_rope_parameters
-from .custom_generate_dflash import generate  # noqa: F401
+from .custom_generate_dflash import generate as custom_generate  # noqa: F401
 from .devices_dflash import MASKED_ATTENTION, materialized_weight, target_device  # noqa: F401
 from .families_dflash import ROLLBACK_MODEL_TYPES  # noqa: F401
 from .generation_dflash import DFlashGenerationMixin

@@ -102,7 +102,7 @@ class DecodingSettings:
     step_costs: StepCosts | None = None  # given: each step verifies only the prefix of proposals worth its cost
     draft_vocab: torch.Tensor | None = None  # [K]: the ids the draft proposes from (None: every token)
     tree_size: int | None = None  # given: each step verifies a tree of this many drafted tokens (None: a chain)
-    compile: dict[str, Any] | None = None  # given: torch.compile options of the verify (static_dflash) and the draft
+    compile: dict[str, Any] | None = None  # given: torch.compile options of the verify and the draft's forward
     rules: PositionRules | None = None  # generate's processors and criteria at each position (None: none to apply)
     return_dict: bool = False  # return_dict_in_generate: the call returns its output object, not the ids alone
 
@@ -158,7 +158,8 @@ def resolve_generation_choices(target: torch.nn.Module, prompt_length: int, gene
 
     `arguments`: max_new_tokens (or max_length), do_sample, temperature, top_k, top_p,
     stop_token_ids (or eos_token_id), pad_token_id (None: not given), and the GenerationConfig fields of processors,
-    criteria and outputs (NEUTRAL_GENERATION_SETTINGS); a decoding mode (DECODING_MODES) is refused by name.
+    criteria and outputs (NEUTRAL_GENERATION_SETTINGS); a decoding mode (DECODING_MODES) is refused by name, and so
+    is a temperature, top_k, top_p or max_length out of its range.
     """
     config = generation_config if generation_config is not None else getattr(target, "generation_config", None)
     unknown = sorted(key for key in arguments if key not in CALL_SETTINGS and key not in NEUTRAL_GENERATION_SETTINGS)

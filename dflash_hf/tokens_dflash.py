@@ -1,6 +1,6 @@
 """The token ids a generation needs besides the prompt: stop ids, the pad id and the draft's mask id, read from the
 target's generation config, the tokenizer and the draft (`generation_tokens`: the commands and users share it), and
-`token_id_list`, which reads ids given in any of the forms `generate` accepts.
+`token_id_list`, which reads ids given as an int, a list, a tensor or a numpy array.
 
 Hub remote code: imports only torch, transformers and its sibling files.
 """

@@ -1,5 +1,6 @@
-"""Checks of a call's inputs, each raising an error that names the problem and the fix: the target, the prompt and
-its padding, the draft against the target, and the per-row streamers and sampling generators.
+"""Checks of a call's inputs, each error naming the problem and the fix: the target, the prompt and its padding, the
+draft against the target (`check_draft_target` also returns the mask id and warns about a dtype mismatch), and the
+streamers and sampling generators, which `row_streamers` / `row_generators` return one per row.
 
 Hub remote code: imports only torch, transformers and its sibling files.
 """
