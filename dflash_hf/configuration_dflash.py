@@ -16,6 +16,7 @@ DFLASH_HF_VERSION = "0.2.0"  # the package version; exported folders record it (
 REMOTE_CODE_FILES = (
     "configuration_dflash.py",
     "modeling_dflash.py",
+    "checkpoint_dflash.py",
     "versions_dflash.py",
     "families_dflash.py",
     "cache_dflash.py",
@@ -29,6 +30,9 @@ REMOTE_CODE_FILES = (
     "static_dflash.py",
     "backends_dflash.py",
     "tree_dflash.py",
+    "tokens_dflash.py",
+    "validation_dflash.py",
+    "refusals_dflash.py",
     "settings_dflash.py",
     "steps_dflash.py",
     "generation_dflash.py",
