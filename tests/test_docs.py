@@ -167,6 +167,9 @@ def test_every_command_and_flag_named_exists_in_the_parser(path):
         if re.fullmatch(r"--[a-z][\w-]*", flag) and flag not in ALL_FLAGS | OTHER_PROGRAMS_FLAGS | SCRIPT_FLAGS:
             wrong.append(f"`{code}`: no subcommand or script has {flag}")
     for script, flag in re.findall(r"python (\S+\.py)\b([^`\n]*)", text):  # `python scripts/x.py --flag ...`
+        if script.startswith(("scripts/", "examples/")) and script not in SCRIPTS:
+            wrong.append(f"{script}: no such script")
+            continue
         wrong += [f"{script}: no {word}" for word in re.findall(r"(?<!\S)--[\w-]+", flag)
                   if script in SCRIPTS and word not in SCRIPTS[script]]
     assert not wrong, wrong
@@ -257,19 +260,21 @@ PACKAGE_DIRS = {path.name for path in PACKAGE.iterdir() if path.is_dir()}
 
 
 def repository_paths(text: str) -> list[str]:
-    """Paths in backticks that name this repository's files: starting at a top-level entry (`tests/...`, `.ci/run`)
-    or at a folder of the package (`published_configs/...`), or a bare `*.py` / `*.ipynb` file name."""
+    """Paths that name this repository's files, in inline code and code blocks, word by word: starting at a top-level
+    entry (`tests/...`, `.ci/run`) or at a folder of the package (`published_configs/...`), or a bare `*.py` /
+    `*.ipynb` file name of inline code."""
     found = []
-    for code in INLINE_CODE.findall(prose(text)):
-        code = code.strip()
-        if " " in code or "://" in code or "*" in code or "<" in code or code.startswith(("~", "$", "-")):
+    words = [(word, True) for code in INLINE_CODE.findall(prose(text)) for word in code.split()]
+    words += [(word, False) for _, body in FENCE.findall(text) for word in body.split()]
+    for word, inline in words:
+        word = word.strip("\"'`,;:()[]")
+        if "://" in word or "*" in word or "<" in word or "{" in word or word.startswith(("~", "$", "-", ".venv")):
             continue
-        first = code.split("/")[0]
-        if ("/" in code and (first in TOP_LEVEL or first in PACKAGE_DIRS)) or first in {"README.md",
-                                                                                     "MEASUREMENTS.md"}:
-            found.append(code.split("::")[0].split(":")[0])
-        elif re.fullmatch(r"[\w.-]+\.(py|ipynb)", code):
-            found.append(code)
+        first = word.split("/")[0]
+        if ("/" in word and (first in TOP_LEVEL or first in PACKAGE_DIRS)) or word in {"README.md", "MEASUREMENTS.md"}:
+            found.append(word.split("::")[0])
+        elif inline and re.fullmatch(r"[\w.-]+\.(py|ipynb)", word):
+            found.append(word)
     return found
 
 
