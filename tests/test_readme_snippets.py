@@ -21,6 +21,7 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 QUICKSTART = README.split("## GPU quickstart", 1)[1].split("\n## ", 1)[0]
 USAGE = QUICKSTART + README.split("\n## Usage\n", 1)[1].split("\n## ", 1)[0]
 HYBRID = (ROOT / "docs" / "hybrid.md").read_text(encoding="utf-8")
+API = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
 CONVERSION = (ROOT / "docs" / "hub.md").read_text(encoding="utf-8").split(
     "## Conversion: Transformers' own DFlash model", 1)[1].split("\n## ", 1)[0]
 SWAPS = {'"cuda:0"': '"cpu"', "torch.bfloat16": "torch.float32", "max_new_tokens=2048": "max_new_tokens=12",
@@ -75,6 +76,9 @@ def test_the_usage_examples_run_and_give_the_targets_own_output(hub, capsys):
     batch = namespace["res"]  # the sampling example's result; the batch's answers were decoded from its rows
     assert len(namespace["answers"]) == 2 and batch.num_new_tokens[0] >= 1
     assert "tau" in capsys.readouterr().out
+    api = dict(namespace)  # docs/api.md's one-prompt example, on the quickstart's models and prompt
+    exec(compile(blocks(API, "python")[0], "docs/api.md", "exec"), api)
+    assert torch.equal(api["out"], expected[:, : api["out"].shape[1]]) and api["res"].tau >= 1.0
     if HAS_HYBRID:  # docs/hybrid.md's example: its own models, the quickstart's prompt and stop ids
         hybrid = dict(namespace)
         exec(compile(blocks(HYBRID, "python")[0], "docs/hybrid.md", "exec"), hybrid)
