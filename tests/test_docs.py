@@ -82,6 +82,18 @@ def test_every_relative_link_and_anchor_resolves(path):
     assert not broken, broken
 
 
+@pytest.mark.parametrize("path", DOCS, ids=lambda path: path.name)
+def test_every_section_named_above_or_below_is_a_heading_of_the_page(path):
+    """`"Section" below`, `("Section", above)` and `[file.md](file.md), "Section"` name headings that exist."""
+    text = prose(path.read_text(encoding="utf-8"))
+    named = [(path, name) for name in re.findall(r"\"([^\"\n]+)\",?\s+(?:below|above)\b", text)]
+    named += [((path.parent / link).resolve(), name) for link, name in
+              re.findall(r"\]\(([\w./-]+\.md)\),\s*\"([^\"]+)\"", text)]
+    missing = [f"{page.name}: {name}" for page, name in named
+               if " ".join(name.split()) not in headings(page) and f"`{name}`" not in headings(page)]
+    assert not missing, missing
+
+
 def readme_section_references(text: str) -> list[str]:
     """Sections named as `README, "X"`, `README "X"`, `README ("X")`, `README.md ("X")` or `README, 'X'` (in Python
     source, string literals split over lines are joined first)."""
