@@ -351,7 +351,8 @@ def test_readmes_results_are_in_the_measurements_current_results():
 
 # --- Names of the code ----------------------------------------------------------------------------------------------
 
-MODULES = {module.name.removeprefix("dflash_hf.") for module in pkgutil.walk_packages(dflash_hf.__path__, "dflash_hf.")}
+MODULES = {module.name.removeprefix("dflash_hf.")
+           for module in pkgutil.walk_packages(dflash_hf.__path__, "dflash_hf.")}
 CODE_NAME = re.compile(r"`(?:dflash_hf\.)?((?:training\.)?[a-z_]+)\.([A-Za-z_]\w*)(?:\.(\w+))?(?:\(|`)")
 
 
