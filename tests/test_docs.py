@@ -67,7 +67,7 @@ def test_the_slug_follows_githubs_rules():
 # --- Links and anchors --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", DOCS, ids=lambda path: path.name)
+@pytest.mark.parametrize("path", [*DOCS, ROOT / "MEASUREMENTS.md"], ids=lambda path: path.name)
 def test_every_relative_link_and_anchor_resolves(path):
     broken = []
     for target in re.findall(r"\]\(([^)\s]+)\)", prose(path.read_text(encoding="utf-8"))):
@@ -98,15 +98,16 @@ def readme_section_references(text: str) -> list[str]:
     """Sections named as `README, "X"`, `README "X"`, `README ("X")`, `README.md ("X")` or `README, 'X'` (in Python
     source, string literals split over lines are joined first)."""
     text = re.sub(r"[\"']\s*\n\s*[rf]*[\"']", "", text)
-    found = re.findall(r"README(?:\.md)?(?:,\s*|\s+|\s*\(\s*)(?:\\?\"([^\"\\\n]+)\\?\"|'([^'\n]+)')", text)
-    return [" ".join((double or single).split()) for double, single in found]
+    pattern = re.compile(r"README(?:\.md)?(?:,\s*|\s+|\s*\(\s*)(?:\\?\"([^\"\\\n]+)\\?\"|'([^'\n]+)')")
+    return [" ".join((match.group(1) or match.group(2)).split()) for match in pattern.finditer(text)
+            if not text[:match.start()].endswith("` ")]  # `other/repo` README, "X": another repository's
 
 
 def test_every_readme_section_named_in_code_docs_and_errors_exists():
     """Errors and docstrings point users to README sections by name: each must be a heading of README (`X: Y` names
     a section Y under a heading X)."""
     names = {heading.strip("`") for heading in headings(ROOT / "README.md")} | set(headings(ROOT / "README.md"))
-    sources = [*PACKAGE.rglob("*.py"), *DOCS, ROOT / "MEASUREMENTS.md", *(ROOT / "docs").glob("*.md")]
+    sources = [*PACKAGE.rglob("*.py"), *PACKAGE.glob("*/README.md"), *DOCS, ROOT / "MEASUREMENTS.md"]
     missing = set()
     for path in sources:
         for name in readme_section_references(path.read_text(encoding="utf-8")):
