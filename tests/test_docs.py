@@ -333,7 +333,7 @@ def test_readmes_published_drafts_are_the_configs():
     assert len(listed) >= 10
     for name, layers, block in listed:
         assert configs[name] == (int(layers), int(block)), name
-    low, high = map(int, re.search(r"draft \((\d+) to (\d+) layers\)", README).groups())
+    low, high = map(int, re.search(r"draft \((\d+) to (\d+) layers", README).groups())
     assert (low, high) == (min(v[0] for v in configs.values()), max(v[0] for v in configs.values()))
 
 
