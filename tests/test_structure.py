@@ -102,9 +102,9 @@ def test_no_two_modules_import_each_other():
     assert not cycles
 
 
-# The package's layers, lowest first (docs/architecture.md, "Modules and the direction of their imports"): a module imports only from
-# layers below its own, so the model inherits `spec_generate` from the loop's mixin as Transformers' models inherit
-# GenerationMixin, and nothing in the loop imports the model. A new module must be placed here.
+# The package's layers, lowest first (docs/architecture.md, "Modules and the direction of their imports"): a module
+# imports only from layers below its own, so the model inherits `spec_generate` from the loop's mixin as Transformers'
+# models inherit GenerationMixin, and nothing in the loop imports the model. A new module must be placed here.
 LAYERS = (
     {"versions_dflash"},
     {"families_dflash"},
