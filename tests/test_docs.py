@@ -358,3 +358,29 @@ def test_readmes_measured_numbers_are_in_the_measurements_current_results():
     current = measurements.split("## Current results", 1)[1].split("\n## ", 1)[0]
     assert {"1.70", "2.12", "1.69", "9.8", "72"} <= stated  # the headline numbers are among those checked
     assert stated <= numbers(current), sorted(stated - numbers(current))
+
+
+# --- Names of the code ----------------------------------------------------------------------------------------------
+
+MODULES = {module.name.removeprefix("dflash_hf.")
+           for module in pkgutil.walk_packages(dflash_hf.__path__, "dflash_hf.")}
+CODE_NAME = re.compile(r"`(?:dflash_hf\.)?((?:training\.)?[a-z_]+)\.([A-Za-z_]\w*)(?:\.(\w+))?(?:\(|`)")
+
+
+def code_names(text: str) -> list[tuple[str, str, str]]:
+    """(module, name, attribute) for each `module.name` (or `dflash_hf.module.name`, `module.Class.attribute`,
+    `module.function(...)`) in inline code whose module is one of the package's."""
+    extensions = {"py", "md", "json", "jsonl", "yaml", "ipynb", "sh", "gz", "safetensors"}
+    return [match for match in CODE_NAME.findall(prose(text)) if match[0] in MODULES and match[1] not in extensions]
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda path: path.name)
+def test_every_name_of_the_code_named_exists(path):
+    """`versions_dflash.torch_refusal`, `dflash_hf.cache_dflash.CACHE_HOLE_BUDGET`, ...: the module has the name."""
+    missing = []
+    for module, name, attribute in code_names(path.read_text(encoding="utf-8")):
+        loaded = importlib.import_module(f"dflash_hf.{module}")
+        found = getattr(loaded, name, None)
+        if found is None or (attribute and inspect.isclass(found) and not hasattr(found, attribute)):
+            missing.append(f"{module}.{name}" + (f".{attribute}" if attribute else ""))
+    assert not missing, missing
