@@ -102,9 +102,9 @@ def test_no_two_modules_import_each_other():
     assert not cycles
 
 
-# The package's layers, lowest first (README "Where things are", docs/architecture.md): a module imports only from
-# layers below its own, so the model inherits `spec_generate` from the loop's mixin as Transformers' models inherit
-# GenerationMixin, and nothing in the loop imports the model. A new module must be placed here.
+# The package's layers, lowest first (docs/architecture.md, "Modules and the direction of their imports"): a module
+# imports only from layers below its own, so the model inherits `spec_generate` from the loop's mixin as Transformers'
+# models inherit GenerationMixin, and nothing in the loop imports the model. A new module must be placed here.
 LAYERS = (
     {"versions_dflash"},
     {"families_dflash"},
@@ -129,7 +129,7 @@ LAYER_OF = {f"dflash_hf.{name}": depth for depth, names in enumerate(LAYERS) for
 
 
 def test_every_module_has_a_layer():
-    assert set(MODULES) == set(LAYER_OF), "place new modules in LAYERS (and in README's table)"
+    assert set(MODULES) == set(LAYER_OF), "place new modules in LAYERS (and in docs/architecture.md's table)"
 
 
 @pytest.mark.parametrize("module", sorted(LAYER_OF))
