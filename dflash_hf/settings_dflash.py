@@ -19,9 +19,9 @@ import torch
 
 from .cache_dflash import config_cache, recurrent_layers, target_refusal, windowed_mask_refusal
 from .devices_dflash import MASKED_ATTENTION, execution_device, target_device, target_text_config
+from .mixers_dflash import rollback_mixers
 from .processors_dflash import CallPrompts, PositionRules, position_rules
 from .proposer_dflash import DFlashDraft, draft_vocab_ids
-from .recurrent_dflash import rollback_mixers
 from .target_dflash import feature_modules
 from .versions_dflash import torch_refusal
 

@@ -21,7 +21,7 @@ from helpers import (
 from sampling_checks import NUM_NEW, NUM_SAMPLES, assert_follows, exact_joint, sampled_counts
 from sampling_checks import SAMPLING_VOCAB as VOCAB
 
-from dflash_hf import recurrent_dflash, speculative_decode
+from dflash_hf import mixers_dflash, recurrent_dflash, speculative_decode
 from dflash_hf.cache_dflash import left_pad, recurrent_cache_layers
 from dflash_hf.devices_dflash import target_text_config
 from dflash_hf.families_dflash import RECURRENT_REFUSALS, ROLLBACK_MODEL_TYPES
@@ -578,7 +578,7 @@ def test_a_kernel_that_keeps_its_conv_state_privately_is_refused_before_any_forw
         speculative_decode(target, ReferenceProposer(expected, corrupt_seed=4), prompt, max_new_tokens=24,
                            block_size=6)
     assert not forwards and not calls
-    monkeypatch.setattr(recurrent_dflash, "kernel_replacements", lambda mixer: [])
+    monkeypatch.setattr(mixers_dflash, "kernel_replacements", lambda mixer: [])
     with pytest.raises(AssertionError, match="a token the target would not produce"):  # its state escaped the rollback
         speculative_decode(target, ReferenceProposer(expected, corrupt_seed=4), prompt, max_new_tokens=24,
                            block_size=6)
@@ -592,7 +592,7 @@ def test_a_chains_rollback_replays_only_the_gated_delta_recurrence(hybrid_target
     target = hybrid(hybrid_targets, family)
     prompt = random_prompt(5, 11)
     expected = plain_greedy(target, prompt, 30)
-    mixers = recurrent_dflash.find_mixers(target, recurrent_cache_layers(
+    mixers = mixers_dflash.find_mixers(target, recurrent_cache_layers(
         transformers.DynamicCache(config=target_text_config(target))))
     assert all(mixer.gated_delta is not None for mixer in mixers)
     forwards, decoder_forwards = [], []
