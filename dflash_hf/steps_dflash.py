@@ -360,7 +360,7 @@ class ChainStep:
         scores = target_scores(logits, lambda: position_prefixes(state, step, proposal.tokens), state.active,
                                settings)
         tokens_of_target = target_tokens(scores, proposal, state.active, step, settings)
-        judged = torch.cat((proposal.tokens, tokens_of_target), dim=1).tolist()  # the step's one device read
+        judged = torch.cat((proposal.tokens, tokens_of_target), dim=1).tolist()  # the verdict's one device read
         columns = list(range(1, step.width))
         return Verdict([tokens[: step.width - 1] for tokens in judged],
                        [tokens[step.width - 1 :] for tokens in judged], [columns] * len(judged), features,
@@ -409,7 +409,7 @@ class TreeStep:
         scores = target_scores(logits, lambda: position_prefixes(state, step, proposal.tokens), state.active,
                                settings)
         if settings.greedy:
-            argmax = to_host(scores.argmax(dim=-1))[0].tolist()  # [n, 1 + N]: the step's one read after the verify
+            argmax = to_host(scores.argmax(dim=-1))[0].tolist()  # [n, 1 + N]: the walk's one device read
             walks = [walk_greedy(trees, row, argmax[row]) for row in rows]
             finals = [argmax[row][path[-1] if path else 0] for row, path in zip(rows, walks)]
         else:
