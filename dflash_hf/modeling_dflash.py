@@ -35,13 +35,15 @@ from .devices_dflash import MASKED_ATTENTION, materialized_weight, target_device
 from .families_dflash import ROLLBACK_MODEL_TYPES  # noqa: F401
 from .generation_dflash import DFlashGenerationMixin
 from .kernels_dflash import cpu_kernels  # noqa: F401
+from .mixers_dflash import rollback_mixers  # noqa: F401
 from .processors_dflash import PositionRules  # noqa: F401
 from .proposer_dflash import DFlashProposer  # noqa: F401
-from .recurrent_dflash import recurrent_states  # noqa: F401
+from .recurrent_dflash import RecurrentStates  # noqa: F401
 from .refusals_dflash import tree_refusal  # noqa: F401
 from .sampling_dflash import process_logits  # noqa: F401
 from .settings_dflash import resolve_settings  # noqa: F401
 from .static_dflash import StaticBackend  # noqa: F401
+from .static_recurrent_dflash import StaticRecurrentRollback  # noqa: F401
 from .steps_dflash import ChainStep  # noqa: F401
 from .target_dflash import verify_forward  # noqa: F401
 from .tokens_dflash import generation_tokens  # noqa: F401

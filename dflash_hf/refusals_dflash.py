@@ -14,8 +14,8 @@ import torch
 
 from .cache_dflash import config_cache, recurrent_layers, target_refusal, windowed_mask_refusal
 from .devices_dflash import MASKED_ATTENTION, target_text_config
+from .mixers_dflash import rollback_mixers
 from .proposer_dflash import DFlashDraft
-from .recurrent_dflash import rollback_mixers
 from .target_dflash import feature_modules
 from .versions_dflash import torch_refusal
 

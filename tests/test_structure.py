@@ -79,7 +79,8 @@ def test_the_stages_never_ask_which_backend_runs():
     """The loop's stages (steps_dflash, generation_dflash) reach the target only through the backend's methods: no
     module of a backend is imported there, and no attribute of one (a cache, its columns, recurrent states, a static
     verifier) is read off the decode state or the backend."""
-    backend_modules = {"dflash_hf.static_dflash", "dflash_hf.recurrent_dflash"}
+    backend_modules = {"dflash_hf.static_dflash", "dflash_hf.recurrent_dflash", "dflash_hf.static_recurrent_dflash",
+                       "dflash_hf.mixers_dflash"}
     backend_internals = {"cache", "columns", "states", "verifier", "static", "recurrent", "inner", "cache_argument"}
     for module in ("dflash_hf.steps_dflash", "dflash_hf.generation_dflash"):
         tree = ast.parse(MODULES[module].read_text())
@@ -112,9 +113,11 @@ LAYERS = (
      "custom_generate_dflash", "prompts", "smollm2"},
     {"kernels_dflash", "tree_dflash", "checkpoint_dflash"},
     {"proposer_dflash", "target_dflash"},
+    {"mixers_dflash"},
     {"recurrent_dflash", "tokens_dflash", "validation_dflash"},
     {"refusals_dflash"},
     {"settings_dflash", "static_dflash"},
+    {"static_recurrent_dflash"},
     {"backends_dflash"},
     {"steps_dflash"},
     {"generation_dflash"},
