@@ -5,7 +5,8 @@ from .configuration_dflash import DFLASH_HF_VERSION, DFlashConfig
 from .generation_dflash import SpecGenerateOutput, speculative_decode
 from .modeling_dflash import DFlashDraftModel
 from .proposer_dflash import DraftStep
-from .settings_dflash import DecodingSettings, GenerationTokens, generation_tokens, resolve_settings
+from .settings_dflash import DecodingSettings, resolve_settings
+from .tokens_dflash import GenerationTokens, generation_tokens
 
 __version__ = DFLASH_HF_VERSION
 

@@ -2,18 +2,18 @@
 
 A backend owns what the target holds from the prefill on: the cache it creates and the columns each row's positions
 sit in (`cache_dflash.CacheColumns`), the verify forward with its mask and positions, and what follows a verify:
-`keep` (the accepted columns), `discard` (all of it), `compact` (the holes), `drop_rows` (finished rows). The steps
+`keep` (the accepted columns), `discard` (the verify), `compact` (the holes), `drop_rows` (finished rows). The steps
 (`steps_dflash`) call these methods and never ask which backend runs; the strategies (chain, tree) are orthogonal to
-it: `verify` takes a tree or none.
+it: `verify` takes the `cache_dflash.VerifyLayout` a strategy built (positions, which columns each sees, the paths).
 
 - `EagerBackend`: a DynamicCache cropped after every verify; finished rows leave the batch; a chain's verify passes
   a 2-D mask only where columns are not positions.
 - `static_dflash.StaticBackend` (`compile=True`): a fixed-address StaticCache, a fixed verify width under
-  `torch.compile` (CUDA graphs on a GPU); a hybrid target's Gated DeltaNet layers rolled back at fixed shapes
-  (`recurrent_dflash.StaticRecurrentStates`). Its batch keeps every row; `static_dflash.FixedRowBatch` around it
-  gives the steps the live rows only.
-- `RecurrentRollback` wraps the eager backend of a hybrid target: it records around each verify and rolls each
-  recurrent layer back to the kept columns (`recurrent_dflash`).
+  `torch.compile` (CUDA graphs on a GPU). Its batch keeps every row; `static_dflash.FixedRowBatch` around it (and
+  around its rollback) gives the steps the live rows only.
+- A hybrid target's backend is one of those wrapped in its rollback, which hands the inner backend a hook around each
+  verify (`around`) and rolls each recurrent layer back to the kept columns after `keep`: `RecurrentRollback` (eager,
+  `recurrent_dflash`), `static_recurrent_dflash.StaticRecurrentRollback` (compiled, Gated DeltaNet layers).
 
 As vLLM's model runner sits beside its proposer: the proposer (`proposer_dflash`) drafts, the backend verifies.
 See docs/architecture.md, "The target backend". Hub remote code: imports only torch and transformers.
@@ -21,12 +21,14 @@ See docs/architecture.md, "The target backend". Hub remote code: imports only to
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from .cache_dflash import (
     CacheColumns,
+    VerifyLayout,
     check_cache,
     config_cache,
     crop_cache,
@@ -37,11 +39,13 @@ from .cache_dflash import (
     sliding_window,
 )
 from .devices_dflash import mask_dtype, target_device, target_text_config
-from .recurrent_dflash import PathPlan, RecurrentStates, rollback_mixers
+from .mixers_dflash import rollback_mixers
+from .recurrent_dflash import RecurrentStates
 from .settings_dflash import DecodingSettings
 from .static_dflash import FixedRowBatch, StaticBackend
-from .target_dflash import FeatureCapture, last_logits_only, prefill_forward, verify_forward
-from .tree_dflash import DraftTree, tree_sees
+from .static_recurrent_dflash import StaticRecurrentRollback, check_compiled_rollback
+from .target_dflash import NO_HOOK, FeatureCapture, last_logits_only, prefill_forward, verify_forward
+from .tree_dflash import PathPlan
 from .versions_dflash import cache_keyword, returned_cache
 
 
@@ -58,10 +62,9 @@ class TargetBackend(Protocol):
     def step_width(self, block_size: int, longest_remaining: int) -> int:
         """The next step's block width, given the call's block size and the most tokens a row still needs."""
 
-    def verify(self, input_ids: torch.Tensor, positions: torch.Tensor, tree: DraftTree | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The target over input_ids [n, b] at positions [n, b] after the cache's columns, as a chain (each column
-        sees those before it) or as `tree`'s root and nodes (each sees its ancestors): (logits [n, b, V], the
+    def verify(self, input_ids: torch.Tensor, layout: VerifyLayout) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target over input_ids [n, b] after the cache's columns, at `layout`'s positions, each column seeing the
+        verify columns `layout` says (a chain: those before it; a tree: its ancestors): (logits [n, b, V], the
         features [n, b, L*H] of every column, or None). The cache holds the columns until `keep` or `discard`."""
 
     def keep(self, kept_columns: list[list[int]], kept: torch.Tensor) -> None:
@@ -69,7 +72,7 @@ class TargetBackend(Protocol):
         the rest leaves the cache (recurrent states: rolled back to them)."""
 
     def discard(self) -> None:
-        """Forget the last verify (or decode_token) and any keep after it: the cache as it was before."""
+        """Forget the last verify, before any keep of it: the cache as it was before the verify."""
 
     def compact(self) -> None:
         """Drop the cache's holes when the backend's budget says so."""
@@ -77,8 +80,17 @@ class TargetBackend(Protocol):
     def drop_rows(self, keep: list[int], index: torch.Tensor) -> None:
         """Rows finished: every later call takes and returns the rows `keep` (index: the same on the device) only."""
 
+
+@runtime_checkable
+class TimedBackend(TargetBackend, Protocol):
+    """A backend whose single stages the cost model times (the eager ones: compile=True refuses step costs): one
+    token of plain decoding too, and a `discard` that also forgets a keep after the verify."""
+
     def decode_token(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
         """One token of plain decoding [n, 1] over the cache (the cost model's unit); undone by `discard`."""
+
+    def discard(self) -> None:
+        """Forget the last verify (or decode_token) and any keep after it: the cache as it was before."""
 
 
 class EagerBackend:
@@ -111,25 +123,27 @@ class EagerBackend:
         """The block size, or what the longest row still needs."""
         return min(block_size, longest_remaining)
 
-    def attention(self, positions: torch.Tensor, tree: DraftTree | None) -> dict[str, Any]:
-        """A verify's positions and mask: a chain's is 2-D, only where columns are not positions (the model adds
-        causality and its window); a tree's is 4-D (each column sees its ancestors), per layer type where layers
-        have a window, which it counts in positions."""
-        num_rows, width = positions.shape
-        if tree is None:
-            mask = self.columns.attention_mask(width)
+    def attention(self, layout: VerifyLayout) -> dict[str, Any]:
+        """A verify's positions and mask: where each column sees those before it (a chain), 2-D and only where
+        columns are not positions (the model adds causality and its window); else 4-D (each column sees what
+        `layout.sees` says: a tree's, its ancestors), per layer type where layers have a window, which it counts in
+        positions."""
+        positions = layout.positions
+        if layout.sees is None:
+            mask = self.columns.attention_mask(positions.shape[1])
             return {"position_ids": positions, **({} if mask is None else {"attention_mask": mask.long()})}
-        mask = position_attention(self.columns, tree_sees(tree, self.device), positions, mask_dtype(self.target),
-                                  self.config, self.window)
+        mask = position_attention(self.columns, layout.sees, positions, mask_dtype(self.target), self.config,
+                                  self.window)
         return {"position_ids": positions, "attention_mask": mask}
 
-    def verify(self, input_ids: torch.Tensor, positions: torch.Tensor, tree: DraftTree | None = None
+    def verify(self, input_ids: torch.Tensor, layout: VerifyLayout, around: AbstractContextManager[None] = NO_HOOK
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The target's forward over the verify columns; the cache grows in place."""
+        """The target's forward over the verify columns; the cache grows in place. `around` (a wrapper's hooks) is
+        entered around the forward only."""
         self.before = self.columns.copy()
         capture = FeatureCapture(self.target, self.layer_ids, self.device)
-        logits, outputs = verify_forward(self.target, capture, input_ids=input_ids, use_cache=True,
-                                         **self.attention(positions, tree), **{self.cache_argument: self.cache})
+        logits, outputs = verify_forward(self.target, capture, around, input_ids=input_ids, use_cache=True,
+                                         **self.attention(layout), **{self.cache_argument: self.cache})
         features = capture.result(outputs)  # [n, b, L*H] or None
         del outputs  # its cache is self.cache; nothing else of it is kept
         return logits.to(self.device), features
@@ -140,7 +154,7 @@ class EagerBackend:
         crop_cache(self.cache, self.columns.width)
 
     def discard(self) -> None:
-        """The columns and the cache as before the last verify."""
+        """The columns and the cache as before the last verify (or decode_token), a keep after it included."""
         if self.before is not None:
             self.columns = self.before
         crop_cache(self.cache, self.columns.width)
@@ -164,9 +178,9 @@ class EagerBackend:
 
 
 class RecurrentRollback:
-    """A hybrid target's backend: the eager one, with each recurrent layer's state recorded around every verify and
-    rolled back to the kept columns after it (`recurrent_dflash.RecurrentStates`); a tree's mixers run along its
-    root-to-leaf paths."""
+    """A hybrid target's eager backend: the `EagerBackend`, with each recurrent layer's state recorded around every
+    verify and rolled back to the kept columns after it (`recurrent_dflash.RecurrentStates`); a tree's mixers run
+    along its root-to-leaf paths. Its compiled counterpart: `static_recurrent_dflash.StaticRecurrentRollback`."""
 
     def __init__(self, inner: EagerBackend) -> None:
         self.inner = inner
@@ -193,13 +207,11 @@ class RecurrentRollback:
         """The inner backend's."""
         return self.inner.step_width(block_size, longest_remaining)
 
-    def verify(self, input_ids: torch.Tensor, positions: torch.Tensor, tree: DraftTree | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The inner verify, recording the states it starts from and the mixers' inputs."""
-        paths = None if tree is None else PathPlan.of([tree.paths(row) for row in range(len(tree.tokens))],
-                                                      input_ids.shape[1], input_ids.device)
-        with self.states.recording(paths):
-            return self.inner.verify(input_ids, positions, tree)
+    def verify(self, input_ids: torch.Tensor, layout: VerifyLayout) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The inner verify, recording the states it starts from and the mixers' inputs (a tree's mixers: run along
+        `layout.paths`)."""
+        plan = None if layout.paths is None else PathPlan.of(layout.paths, input_ids.shape[1], input_ids.device)
+        return self.inner.verify(input_ids, layout, around=self.states.recording(plan))
 
     def keep(self, kept_columns: list[list[int]], kept: torch.Tensor) -> None:
         """The inner keep; each recurrent layer advanced over exactly the kept columns."""
@@ -207,7 +219,8 @@ class RecurrentRollback:
         self.states.advance(kept_columns, self.inner.columns.width)
 
     def discard(self) -> None:
-        """The recurrent states and the inner backend as before the last verify."""
+        """The recurrent states and the inner backend as before the last verify (or decode_token), a keep after it
+        included."""
         self.states.restore()
         self.inner.discard()
 
@@ -227,17 +240,16 @@ class RecurrentRollback:
 
 def target_backend(target: torch.nn.Module, settings: DecodingSettings, layer_ids: list[int] | None, num_rows: int,
                    prompt_width: int) -> TargetBackend:
-    """The call's backend: compiled (`settings.compile`), else eager, wrapped in the recurrent rollback where the
+    """The call's backend: compiled (`settings.compile`), else eager, wrapped in its recurrent rollback where the
     target has recurrent layers (refused here, before any forward, where they could not be rolled back)."""
     mixers = rollback_mixers(target, config_cache(target_text_config(target)))
-    if settings.compile is not None:
-        verify_width = settings.block_size if settings.tree_size is None else 1 + settings.tree_size
-        if mixers and verify_width < 2:  # one column runs the token-by-token rule, whose inputs are not recorded
-            raise ValueError("compile=True on a hybrid target verifies at least 2 columns a step (its recurrent "
-                             "layers are rolled back from the chunked rule's inputs): pass block_size >= 2, or "
-                             "compile=False. See README, \"Compiled decoding\".")
-        return FixedRowBatch(StaticBackend(target, layer_ids, num_rows, settings.compile,
-                                           prompt_width + settings.max_new_tokens + verify_width, verify_width,
-                                           mixers))
-    backend = EagerBackend(target, layer_ids)
-    return RecurrentRollback(backend) if mixers else backend
+    if settings.compile is None:
+        backend = EagerBackend(target, layer_ids)
+        return RecurrentRollback(backend) if mixers else backend
+    verify_width = settings.block_size if settings.tree_size is None else 1 + settings.tree_size
+    if mixers:
+        check_compiled_rollback(mixers, verify_width)
+    static = StaticBackend(target, layer_ids, num_rows, settings.compile,
+                           prompt_width + settings.max_new_tokens + verify_width, verify_width)
+    inner = StaticRecurrentRollback(static, mixers) if mixers else static
+    return FixedRowBatch(inner, num_rows, target_device(target))

@@ -29,7 +29,8 @@ from .evaluation import (
 )
 from .modeling_dflash import DFlashDraftModel
 from .prompts import chat_prompt_ids, read_conversations, record_turns, user_prompt_ids
-from .settings_dflash import GenerationTokens, generation_tokens, resolve_block_size
+from .settings_dflash import resolve_block_size
+from .tokens_dflash import GenerationTokens, generation_tokens
 
 
 @dataclass(frozen=True)

@@ -4,20 +4,22 @@ N left-padded rows share the columns of the target's and the draft's caches. Eac
 own number of tokens per step, so rows leave unused columns ("holes"); an attention mask hides
 them, and the caches are compacted once the holes pass `CACHE_HOLE_BUDGET`. This module holds the edits of a
 `DynamicCache`'s key/value layers (crop, row selection, compaction; Transformers 4.57 and 5.x alike), the draft's
-context caches and the live rows of a compiled batch (`FixedRows`); `recurrent_dflash` snapshots and restores
-recurrent layers, and `static_dflash` rewinds its `StaticCache`, each through the cache's own methods and attributes.
+context caches, the live rows of a compiled batch (`FixedRows`), and a verify's layout (`VerifyLayout`) and masks;
+`recurrent_dflash` snapshots and restores recurrent layers, and `static_dflash` rewinds its `StaticCache`, each through
+the cache's own methods and attributes.
 
 Every verify step cuts the target's cache back to the accepted prefix, so a target must keep per-position keys and
 values: sliding-window layers get a cache layer that keeps every position (the model's own masks still apply the
 window). Layers whose cache holds a recurrent state (Gated DeltaNet in Qwen3-Next and Qwen3.5, Mamba-2, ...) are
-rolled back by `recurrent_dflash` instead, in the families of `families_dflash.ROLLBACK_MODEL_TYPES`; other
-recurrent targets are refused.
+rolled back instead (`recurrent_dflash`; compile=True: `static_recurrent_dflash`), in the families of
+`families_dflash.ROLLBACK_MODEL_TYPES`; other recurrent targets are refused.
 
 Hub remote code: imports only torch and transformers.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -218,6 +220,22 @@ def causal_sees(num_rows: int, width: int, device: torch.device) -> torch.Tensor
     return torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(num_rows, width, width)
 
 
+@dataclass(frozen=True)
+class VerifyLayout:
+    """What a backend needs of a verify's b columns, as the step's strategy arranged them (a chain, a tree, ...):
+    their positions, which verify columns each one sees, and the root-to-leaf paths a recurrent layer runs along."""
+
+    positions: torch.Tensor  # [n, b]: each column's position (a tree: the root's plus the column's depth)
+    sees: torch.Tensor | None = None  # [n, b, b] bool: the verify columns each sees (None: itself and those before)
+    paths: list[list[list[int]]] | None = None  # per row, each path's columns from column 0 (None: one, in order)
+
+    def visible(self) -> torch.Tensor:
+        """Which verify columns each column sees [n, b, b] (bool)."""
+        if self.sees is not None:
+            return self.sees
+        return causal_sees(self.positions.shape[0], self.positions.shape[1], self.positions.device)
+
+
 def sliding_window(config: Any) -> int | None:
     """The attention window (in positions) of a decoder config with sliding-window layers, or None."""
     return getattr(config, "sliding_window", None) if has_windowed_layers(config) else None
@@ -295,7 +313,7 @@ def is_recurrent_layer(layer: Any) -> bool:
 
 
 def recurrent_cache_layers(cache: Any) -> list[int]:
-    """Indices of the layers of a cache that hold a recurrent state (rolled back by `recurrent_dflash`)."""
+    """Indices of the layers of a cache that hold a recurrent state (rolled back, not cropped)."""
     return [index for index, layer in enumerate(getattr(cache, "layers", ())) if is_recurrent_layer(layer)]
 
 
@@ -353,8 +371,8 @@ def full_history_cache(target: torch.nn.Module, config: Any) -> Any:
 
     Transformers' sliding-window cache layers drop positions older than the window, so they cannot be cropped back
     once the window is full. Here those layers are plain `DynamicLayer`s that keep every position; the model's masks
-    still apply the window (they count it in cache columns: see `CacheColumns.contiguous`). Refuses a target whose
-    recurrent layers cannot be rolled back (`check_croppable_target`).
+    still apply the window (they count it in cache columns: see `CacheColumns.contiguous`). A ValueError for a target
+    whose cache cannot be cut back (`check_croppable_target`: recurrent layers pass where they can be rolled back).
     """
     from transformers.cache_utils import DynamicLayer
 
@@ -394,7 +412,7 @@ def crop_cache(cache: Any, length: int) -> None:
         if excess > 0:
             cache.crop(-excess)  # a negative count removes that many positions on 4.57 and 5.x alike
         return
-    for layer in cache.layers:  # a hybrid cache: recurrent layers are rolled back by `recurrent_dflash`, not cropped
+    for layer in cache.layers:  # a hybrid cache: recurrent layers are rolled back (`recurrent_dflash`), not cropped
         if is_recurrent_layer(layer) or not hasattr(layer, "get_seq_length"):
             continue
         excess = layer.get_seq_length() - length

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .checkpoint_dflash import NATIVE_PREFIXES, check_draft_source
 from .configuration_dflash import (
     NATIVE_DEFAULTS,
     NATIVE_EXTRA_FIELDS,
@@ -23,7 +24,7 @@ from .configuration_dflash import (
     layer_attention,
     read_rope_parameters,
 )
-from .modeling_dflash import NATIVE_PREFIXES, DFlashDraftModel, check_draft_source
+from .modeling_dflash import DFlashDraftModel
 from .versions_dflash import native_draft_classes
 
 CONVERSION_TARGETS = ("transformers", "dflash")

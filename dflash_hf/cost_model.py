@@ -14,12 +14,14 @@ from typing import Any, Callable
 
 import torch
 
+from .backends_dflash import TimedBackend
 from .devices_dflash import target_device
 from .generation_dflash import DecodeSession, dflash_proposer, synchronize
 from .kernels_dflash import MAX_FEW_ROWS, cpu_kernels, few_row_product, is_plain_linear
 from .modeling_dflash import DFlashDraftModel
 from .proposer_dflash import DraftVocabulary, Proposal, draft_vocab_ids
-from .settings_dflash import StepCosts, neutral_overrides, resolve_block_size, resolve_settings, tree_refusal
+from .refusals_dflash import tree_refusal
+from .settings_dflash import StepCosts, neutral_overrides, resolve_block_size, resolve_settings
 from .steps_dflash import TreeStep, kept_mask
 
 BLOCK_SIZE_CANDIDATES = (2, 3, 4, 6, 8, 12, 16)  # what "auto" chooses among (and the draft's trained size)
@@ -61,13 +63,17 @@ class StepStages:
 
     def __init__(self, session: DecodeSession) -> None:
         self.session, self.state = session, session.state
+        if not isinstance(session.state.backend, TimedBackend):
+            raise ValueError("The cost model times the eager loop's stages (a plain token, a verify and its keep, "
+                             "each undone after): run its session with compile=False.")
+        self.backend: TimedBackend = session.state.backend
         self.block = session.plan()
         self.proposal = session.propose(self.block)  # the draft reads the whole context once
         self.single = session.plan(1)
 
     def plain_token(self) -> Any:
         """One token of `generate`: the target's own forward, its full LM head over that token."""
-        return self.state.backend.decode_token(self.single.pending, self.single.positions)
+        return self.backend.decode_token(self.single.pending, self.single.positions)
 
     def chain_verify(self, width: int) -> Callable[[], Any]:
         """A verify of `width` tokens per row (the pending token and the first width - 1 proposals)."""
@@ -91,7 +97,7 @@ class StepStages:
 
     def advance(self, kept_columns: list[list[int]], verdict: Any) -> Any:
         """What the loop's keep does after a verify (a hybrid target: its states rolled back to `kept_columns`)."""
-        self.state.backend.keep(kept_columns, kept_mask(kept_columns, self.state.device))
+        self.backend.keep(kept_columns, kept_mask(kept_columns, self.state.device))
         return verdict
 
     def discard(self) -> None:

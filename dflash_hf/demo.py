@@ -50,7 +50,7 @@ def run_demo(max_new_tokens: int = 256, dtype: torch.dtype = torch.float32, draf
     from .cost_model import choose_tree_size, resolve_block_choice
     from .evaluation import evaluate_draft
     from .prompts import user_prompt_ids
-    from .settings_dflash import generation_tokens
+    from .tokens_dflash import generation_tokens
 
     target, tokenizer, draft = load_demo(dtype, draft_path)
     prompts = [user_prompt_ids(tokenizer, prompt) for prompt in DEMO_PROMPTS]

@@ -19,8 +19,9 @@ from .devices_dflash import target_device, target_text_config
 from .generation_dflash import synchronize
 from .modeling_dflash import DFlashDraftModel
 from .sampling_dflash import cut_after_stop, mean_acceptance_length
-from .settings_dflash import GenerationTokens, StepCosts, neutral_overrides, resolve_block_size
+from .settings_dflash import StepCosts, neutral_overrides, resolve_block_size
 from .target_dflash import last_logits_only
+from .tokens_dflash import GenerationTokens
 from .versions_dflash import assisted_decoding_runs_recurrent_targets
 
 # "transformers_dflash": Transformers' own DFlash loop; "plain_compiled": `generate` compiled as Transformers documents

@@ -304,7 +304,8 @@ class DecodeSession:
         return (strategy or self.strategy).verify(self.state, step, proposal, self.settings)
 
     def discard_verify(self) -> None:
-        """Forget the last verify (and a keep after it): the backend's cache and columns as before it."""
+        """Forget the last verify: the backend's cache and columns as before it (`discard`; the eager backends, which
+        the cost model times, also forget a keep after it)."""
         self.state.backend.discard()
 
 

@@ -12,11 +12,7 @@ Hub remote code: this file imports only torch, transformers and its sibling file
 
 from __future__ import annotations
 
-import inspect
-import re
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,50 +28,33 @@ from .backends_dflash import TargetBackend  # noqa: F401
 # imports itself, not what those import: every remote-code module the model needs is imported here (the ones marked
 # F401 for that alone), so that an exported folder loads there too; tests/test_structure.py checks none is missing.
 from .cache_dflash import DraftContextCache
-from .configuration_dflash import (
-    CUSTOM_GENERATE_FILE,
-    DFLASH_HF_VERSION,
-    NATIVE_MODEL_TYPE,
-    REMOTE_CODE_FILES,
-    DFlashConfig,
-    config_from_native,
-    is_dflash2,
-    layer_attention,
-    read_rope_parameters,
-)
+from .checkpoint_dflash import DFlashCheckpointMixin
+from .configuration_dflash import DFlashConfig, is_dflash2, layer_attention, read_rope_parameters
+from .custom_generate_dflash import generate as custom_generate  # noqa: F401
 from .devices_dflash import MASKED_ATTENTION, materialized_weight, target_device  # noqa: F401
 from .draft_backends_dflash import DraftBackend  # noqa: F401
 from .families_dflash import ROLLBACK_MODEL_TYPES  # noqa: F401
 from .generation_dflash import DFlashGenerationMixin
 from .kernels_dflash import cpu_kernels  # noqa: F401
+from .mixers_dflash import rollback_mixers  # noqa: F401
 from .processors_dflash import PositionRules  # noqa: F401
 from .proposer_dflash import DFlashProposer  # noqa: F401
-from .recurrent_dflash import recurrent_states  # noqa: F401
+from .recurrent_dflash import RecurrentStates  # noqa: F401
+from .refusals_dflash import tree_refusal  # noqa: F401
 from .sampling_dflash import process_logits  # noqa: F401
 from .settings_dflash import resolve_settings  # noqa: F401
 from .static_dflash import StaticBackend  # noqa: F401
+from .static_recurrent_dflash import StaticRecurrentRollback  # noqa: F401
 from .steps_dflash import ChainStep  # noqa: F401
 from .target_dflash import verify_forward  # noqa: F401
+from .tokens_dflash import generation_tokens  # noqa: F401
 from .tree_dflash import build_trees  # noqa: F401
+from .validation_dflash import check_target  # noqa: F401
 from .versions_dflash import cache_keyword  # noqa: F401
-
-# Weight name prefixes of Transformers' native DFlash draft (`MuseGlimmerAssistantModel`) -> ours; the rest is shared.
-NATIVE_PREFIXES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
-# from_pretrained's form
-NATIVE_KEY_MAPPING = {"^" + re.escape(native): ours for native, ours in NATIVE_PREFIXES.items()}
-
-# The first line of every remote-code file that `save_pretrained` writes.
-REMOTE_CODE_HEADER = ("# Exported by dflash-hf {version}: a copy of the package's module; "
-                      "change the package, not this file.\n")
 
 # Draft dtypes whose range cannot hold target features (Qwen3 has hidden-state outliers over float16's 65,504): the
 # draft fuses its context in float32 there (`DFlashDraftModel.fuse_context`). bfloat16 has float32's exponent range.
 NARROW_RANGE_DTYPES = (torch.float16,)
-
-
-def without_export_header(text: str) -> str:
-    """A remote-code file's text without the header line `save_pretrained` puts first (as the package has it)."""
-    return text.split("\n", 1)[1] if text.startswith(REMOTE_CODE_HEADER.split("{", 1)[0]) else text
 
 
 class DFlashRMSNorm(nn.Module):
@@ -231,50 +210,25 @@ def layer_attention_mask(
     return allowed & base_mask
 
 
-@dataclass
-class TiledBlockMask:
-    """Training's block-sparse attention mask: the query rows in tiles, each seeing one context range and its own rows.
-
-    A tile (row start, row end, context start, context end, mask [N, 1, rows, context columns + rows], bool) attends
-    to the context keys [context start, context end) and to the keys of its own rows; every other key is hidden from
-    all its rows, so it is never computed. Exactly the dense mask's attention wherever the tiles' masks agree with it
-    (docs/training.md, "Blocks and the mask"). Keys are [context ; block], context_length C columns of context first.
-    """
-
-    context_length: int
-    tiles: list[tuple[int, int, int, int, torch.Tensor]]
+class TiledMask(Protocol):
+    """An attention mask that runs the attention itself, tile by tile over the query rows, so that only the keys each
+    tile sees are computed: training's (`TiledBlockMask`, dflash_hf/training/objective.py). The model only passes it
+    on, to each layer restricted by its kind; a call with a cache never takes one."""
 
     def restricted(self, query_positions: torch.Tensor, key_positions: torch.Tensor, causal: bool,
-                   window: int | None) -> TiledBlockMask:
-        """The same tiles with one layer kind's causal / sliding restriction (`layer_attention_mask`) added, over
+                   window: int | None) -> TiledMask:
+        """The same mask with one layer kind's causal / sliding restriction (`layer_attention_mask`) added, over
         query positions [N, T] and key positions [N, C + T]."""
-        if not causal and window is None:
-            return self
-        tiles = []
-        for rows_start, rows_end, context_start, context_end, mask in self.tiles:
-            keys = torch.cat((key_positions[:, context_start:context_end],
-                              key_positions[:, self.context_length + rows_start:self.context_length + rows_end]), 1)
-            tiles.append((rows_start, rows_end, context_start, context_end,
-                          layer_attention_mask(mask, query_positions[:, rows_start:rows_end], keys, causal, window)))
-        return replace(self, tiles=tiles)
 
     def attend(self, attention: Callable[..., tuple[torch.Tensor, Any]], module: nn.Module, query: torch.Tensor,
                key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        """`attention` tile by tile over query [N, heads, T, D] and key, value [N, kv_heads, C + T, D]; the output
+        """`attention` over query [N, heads, T, D] and key, value [N, kv_heads, C + T, D]; the output
         [N, T, heads, D] in row order."""
-        # split once (a split's backward is one concatenation; a slice's would fill a zero tensor of the whole input)
-        rows = [rows_end - rows_start for rows_start, rows_end, *_ in self.tiles]
-        block_length = query.shape[2]
-        context_key, block_key = key.split((self.context_length, block_length), dim=2)
-        context_value, block_value = value.split((self.context_length, block_length), dim=2)
-        outputs = []
-        for (*_, context_start, context_end, mask), tile_query, own_key, own_value in zip(
-                self.tiles, query.split(rows, dim=2), block_key.split(rows, dim=2), block_value.split(rows, dim=2)):
-            tile_key = torch.cat((context_key[:, :, context_start:context_end], own_key), dim=2)
-            tile_value = torch.cat((context_value[:, :, context_start:context_end], own_value), dim=2)
-            output, _ = attention(module, tile_query, tile_key, tile_value, mask, **kwargs)
-            outputs.append(output)
-        return torch.cat(outputs, dim=1)
+
+
+def is_tiled(attention_mask: torch.Tensor | TiledMask | None) -> bool:
+    """Whether `attention_mask` is a `TiledMask` (not a tensor, not None)."""
+    return attention_mask is not None and not isinstance(attention_mask, torch.Tensor)
 
 
 class DFlashAttention(nn.Module):
@@ -314,7 +268,7 @@ class DFlashAttention(nn.Module):
         context: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         cache: DraftContextCache | None = None,
-        attention_mask: torch.Tensor | TiledBlockMask | None = None,
+        attention_mask: torch.Tensor | TiledMask | None = None,
     ) -> torch.Tensor:
         """Attention of the block rows [B, T, H] (normalised) over the context rows [B, C, H] (and the cached
         ones) and the block; `rope`: cos and sin [B, C + T, D] of the context rows, then the block's."""
@@ -336,9 +290,10 @@ class DFlashAttention(nn.Module):
 
         attend = attention_function(self.config._attn_implementation, masked=attention_mask is not None)
         options = dict(dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling, is_causal=False)
-        if isinstance(attention_mask, TiledBlockMask):  # training: only the keys each tile sees
+        if is_tiled(attention_mask):  # training: only the keys each tile sees
             if cache is not None:
-                raise ValueError("A TiledBlockMask is a training mask: pass it without a cache.")
+                raise ValueError("A TiledMask (training's TiledBlockMask) is a training mask: pass it without a "
+                                 "cache.")
             output = attention_mask.attend(attend, self, query, key, value, **options)
         else:
             output, _ = attend(self, query, key, value, attention_mask, **options)
@@ -457,7 +412,7 @@ class DFlashDecoderLayer(nn.Module):
         context: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         cache: DraftContextCache | None = None,
-        attention_mask: torch.Tensor | TiledBlockMask | None = None,
+        attention_mask: torch.Tensor | TiledMask | None = None,
         block_length: int | None = None,
     ) -> torch.Tensor:
         block_length = block_length or hidden_states.shape[1]
@@ -477,32 +432,12 @@ class DFlashDecoderLayer(nn.Module):
         return convolution.finish(sublayer(prepared), kernel, block_length)
 
 
-def check_draft_source(source: Any, subfolder: str = "") -> None:
-    """Raise a FileNotFoundError / ValueError when `source` (and `subfolder` in it) names a local path that holds no
-    draft (a missing folder, a file, a folder without config.json); a Hub repo id ("namespace/name") passes."""
-    if source is None or not isinstance(source, (str, Path)):
-        return
-    path = Path(source).expanduser() / subfolder
-    if path.is_file():
-        raise ValueError(f"{source} is a file; pass the draft's folder (with config.json and model.safetensors).")
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"{source} holds no config.json: it is not a draft folder (export one with "
-                             "draft.save_pretrained(folder) or `dflash-hf convert`).")
-        return
-    text = str(source)
-    looks_local = (isinstance(source, Path) or path.is_absolute() or text.startswith((".", "~")) or "\\" in text
-                   or text.count("/") != 1)
-    if looks_local:
-        raise FileNotFoundError(f"No draft folder at {source}; pass an existing folder or a Hub repo id "
-                                "('namespace/name').")
-
-
-class DFlashDraftModel(PreTrainedModel, DFlashGenerationMixin):
+class DFlashDraftModel(DFlashCheckpointMixin, PreTrainedModel, DFlashGenerationMixin):
     """DFlash draft: fuses target hidden states (`fc`, `hidden_norm`) and denoises a block of masks.
 
     Weight names and config keys are those of the published `z-lab/*-DFlash*` checkpoints (docs/formats.md).
-    `spec_generate` (from `DFlashGenerationMixin`) runs lossless speculative decoding with a target model.
+    `spec_generate` (from `DFlashGenerationMixin`) runs lossless speculative decoding with a target model;
+    `from_pretrained` and `save_pretrained` (from `DFlashCheckpointMixin`) are strict and versioned.
     """
 
     config_class = DFlashConfig
@@ -584,7 +519,7 @@ class DFlashDraftModel(PreTrainedModel, DFlashGenerationMixin):
         block_position_ids: torch.Tensor,
         context_position_ids: torch.Tensor,
         cache: DraftContextCache | None = None,
-        attention_mask: torch.Tensor | TiledBlockMask | None = None,
+        attention_mask: torch.Tensor | TiledMask | None = None,
         block_length: int | None = None,
     ) -> torch.Tensor:
         """Final normalised hidden states [B, T, H] of the block rows.
@@ -592,9 +527,9 @@ class DFlashDraftModel(PreTrainedModel, DFlashGenerationMixin):
         block_embeddings [B, T, H]: `embed_block` of [t0, MASK, ...]; target_hidden [B, C, L*H]: concatenated target
         layer outputs of the (new) context positions; position ids are absolute. attention_mask (optional,
         broadcastable to [B, 1, T, cached C + C + T], bool or additive) hides padding, rejected columns, or (training)
-        other blocks, or is a `TiledBlockMask` (training, no cache); each layer adds its causal / sliding-window
-        restriction by position. block_length: rows per block when T holds several blocks (training; DFlash2's
-        convolutions stay inside each block), else T.
+        other blocks, or is a `TiledMask` (training's `TiledBlockMask`, no cache); each layer adds its causal /
+        sliding-window restriction by position. block_length: rows per block when T holds several blocks (training;
+        DFlash2's convolutions stay inside each block), else T.
         """
         context = self.fuse_context(target_hidden)  # [B, C, H]
         hidden_states = block_embeddings.to(self.fc.weight.dtype)
@@ -623,81 +558,20 @@ class DFlashDraftModel(PreTrainedModel, DFlashGenerationMixin):
             projected = F.linear(target_hidden.float(), weight.float())  # [B, C, H], float32
         return self.hidden_norm(projected).to(dtype)  # normalised in float32 (the norm keeps its input's dtype)
 
-    def _layer_masks(self, attention_mask: torch.Tensor | TiledBlockMask | None, query_positions: torch.Tensor,
+    def _layer_masks(self, attention_mask: torch.Tensor | TiledMask | None, query_positions: torch.Tensor,
                      key_positions: torch.Tensor
-                     ) -> dict[tuple[bool, int | None], torch.Tensor | TiledBlockMask | None]:
+                     ) -> dict[tuple[bool, int | None], torch.Tensor | TiledMask | None]:
         """The attention mask of each layer kind (causal, window) present in the draft."""
         kinds = {layer.attention_kind for layer in self.layers}
-        if isinstance(attention_mask, TiledBlockMask):
+        if is_tiled(attention_mask):
             return {kind: attention_mask.restricted(query_positions, key_positions, *kind) for kind in kinds}
         return {kind: layer_attention_mask(attention_mask, query_positions, key_positions, *kind) for kind in kinds}
 
     @classmethod
-    def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
-        """`PreTrainedModel.from_pretrained` of the class the checkpoint's config names (DFlash or DFlash2), refusing
-        a checkpoint whose weights do not match the draft one for one. A folder of Transformers' native DFlash draft
-        (`muse_glimmer_assistant`) loads as the same draft in our layout."""
-        wants_loading_info = kwargs.pop("output_loading_info", False)
-        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-        check_draft_source(source, kwargs.get("subfolder") or "")
-        if cls is DFlashDraftModel and not isinstance(kwargs.get("config"), DFlashConfig):
-            config_kwargs = {key: kwargs[key] for key in ("revision", "cache_dir", "local_files_only", "token",
-                                                          "subfolder", "force_download", "proxies") if key in kwargs}
-            config_dict, _ = DFlashConfig.get_config_dict(args[0] if args else kwargs["pretrained_model_name_or_path"],
-                                                          **config_kwargs)
-            if config_dict.get("model_type") == NATIVE_MODEL_TYPE:
-                kwargs["config"] = DFlashConfig(**config_from_native(config_dict))
-                kwargs.setdefault("key_mapping", NATIVE_KEY_MAPPING)
-            elif is_dflash2(config_dict):
-                cls = DFlash2DraftModel
-        elif cls is DFlashDraftModel and is_dflash2(kwargs["config"]):
-            cls = DFlash2DraftModel
-        try:
-            model, loading_info = super(DFlashDraftModel, cls).from_pretrained(*args, output_loading_info=True,
-                                                                               **kwargs)
-        except RuntimeError as error:  # Transformers refuses weights of other shapes with a RuntimeError
-            if "size" not in str(error):
-                raise
-            raise ValueError("The checkpoint's weights do not match a DFlash draft of this config: "
-                             f"{error}") from error
-        except Exception as error:
-            if type(error).__name__ != "SafetensorError":
-                raise
-            raise ValueError(f"{source}: the weights file is damaged and cannot be read ({error}); download or "
-                             "export the draft again.") from error
-        problems = {key: sorted(map(str, value)) for key, value in loading_info.items()
-                    if key in ("missing_keys", "unexpected_keys", "mismatched_keys") and value}
-        if problems:
-            details = "; ".join(f"{key}: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"
-                                for key, names in problems.items())
-            raise ValueError(f"The checkpoint's weights do not match a DFlash draft of this config "
-                             f"({cls.__name__}: {details}). "
-                             "Is it a DFlash draft in the published layout (fc, hidden_norm, layers.*, norm)?")
-        return (model, loading_info) if wants_loading_info else model
-
-    def save_pretrained(self, save_directory: str | Path, *args: Any, **kwargs: Any) -> None:
-        """`PreTrainedModel.save_pretrained` in the published DFlash layout (also for a draft loaded from a native
-        folder), recording the dflash-hf version in config.json and the remote-code files."""
-        if self.config.dflash_config.get("vocab_size_unknown"):
-            raise ValueError("This draft came from a native folder that does not record the target's vocabulary size; "
-                             "set draft.config.vocab_size = <the target's vocabulary size> and delete "
-                             "draft.config.dflash_config['vocab_size_unknown'] before saving (or use "
-                             "dflash-hf convert --vocab-size), so that other readers see the right size.")
-        self.config.dflash_hf_version = DFLASH_HF_VERSION
-        if "save_original_format" in inspect.signature(PreTrainedModel.save_pretrained).parameters:  # Transformers 5
-            kwargs.setdefault("save_original_format", False)  # not the names it was loaded under (key_mapping)
-        super().save_pretrained(save_directory, *args, **kwargs)
-        # custom_generate/generate.py, where `generate(custom_generate=FOLDER)` looks: this package module, as is
-        from .custom_generate_dflash import generate as custom_generate
-
-        custom_generate_path = Path(save_directory) / CUSTOM_GENERATE_FILE
-        custom_generate_path.parent.mkdir(exist_ok=True)
-        custom_generate_path.write_text(Path(inspect.getfile(custom_generate)).read_text(encoding="utf-8"),
-                                        encoding="utf-8")
-        header = REMOTE_CODE_HEADER.format(version=DFLASH_HF_VERSION)
-        for path in [Path(save_directory) / name for name in REMOTE_CODE_FILES] + [custom_generate_path]:
-            if path.exists():
-                path.write_text(header + without_export_header(path.read_text(encoding="utf-8")), encoding="utf-8")
+    def checkpoint_class(cls, config: DFlashConfig | dict[str, Any]) -> type[DFlashDraftModel]:
+        """The class `cls.from_pretrained` loads a checkpoint with `config` (a config or its dict) as: DFlashDraftModel
+        picks DFlash2DraftModel for a DFlash2 config; any other class loads as itself."""
+        return DFlash2DraftModel if cls is DFlashDraftModel and is_dflash2(config) else cls
 
 
 class DFlash2DraftModel(DFlashDraftModel):

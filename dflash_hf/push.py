@@ -7,8 +7,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .checkpoint_dflash import check_draft_source, without_export_header
 from .configuration_dflash import CUSTOM_GENERATE_FILE, REMOTE_CODE_FILES
-from .modeling_dflash import DFlashDraftModel, check_draft_source, without_export_header
+from .modeling_dflash import DFlashDraftModel
 
 REQUIRED_METADATA = ("base_model", "library_name", "pipeline_tag", "license", "tags")
 PACKAGE_DIR = Path(__file__).resolve().parent

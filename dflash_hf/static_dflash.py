@@ -10,17 +10,16 @@ decoding"; `backends_dflash` holds the seam and the eager backend.
 - Every verify is as wide as the call's (a chain's block, or a tree's root and nodes) and reads a 4-D mask over all
   `capacity` columns, built from positions (`cache_dflash.verify_attention_mask`): a chain's and a tree's verify are
   the same graph, and a window is counted in positions, which holes do not shift.
-- A hybrid target's Gated DeltaNet layers keep their states in the cache's own tensors: the verify records their
-  inputs into fixed buffers and `keep` rolls every row back with one more compiled call
-  (`recurrent_dflash.StaticRecurrentStates`); a tree's run along its paths at a fixed count.
+- The backend knows nothing of recurrent layers: a wrapper hands it hooks around the prefill and each verify (the
+  `around` arguments) and acts after `keep` and `discard` (a hybrid target's Gated DeltaNet layers:
+  `static_recurrent_dflash.StaticRecurrentRollback`).
 - The draft's features are the outputs of the chosen layers, stored by forward hooks that do nothing else and
   concatenated inside the compiled graph. The hooks are on the target only during a verify (`capturing`).
 - Rows that finish stay in the batch (another row count would compile anew): `FixedRowBatch` around the backend
   fills them in and gives the steps the live rows only.
 - One `StaticVerifier` per target is kept and reused by later calls with the same rows, layers and options, so its
-  compiled graph and cache are reused too. It holds the target and its feature layers weakly (a hybrid target's
-  recurrent mixers strongly, which hold no reference back to the target): kept in a table keyed weakly by the
-  target, it lives as long as the target does, and no longer.
+  compiled graph and cache are reused too. It holds the target and its layers weakly (the table of verifiers is keyed
+  by the target), so it is dropped with the target.
 
 Hub remote code: imports only torch and transformers.
 """
@@ -29,8 +28,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from contextlib import contextmanager
-from typing import Any, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from transformers.utils import logging
@@ -38,16 +37,14 @@ from transformers.utils import logging
 from .cache_dflash import (
     CacheColumns,
     FixedRows,
-    causal_sees,
+    VerifyLayout,
     gather_columns,
     position_attention,
     sliding_window,
     static_capacity,
 )
 from .devices_dflash import compiled_call, mask_dtype, target_device, target_text_config
-from .recurrent_dflash import Mixer, PathPlan, StaticRecurrentStates
-from .target_dflash import FeatureCapture, feature_modules, module_hidden_states, prefill_forward
-from .tree_dflash import DraftTree, tree_sees
+from .target_dflash import NO_HOOK, FeatureCapture, feature_modules, module_hidden_states, prefill_forward
 from .versions_dflash import cache_keyword, rewind_static_cache, static_write_arguments
 
 logger = logging.get_logger(__name__)
@@ -57,7 +54,7 @@ class StaticVerifier:
     """A target's compiled verify over its static cache (one per target and call shape; reused across calls)."""
 
     def __init__(self, target: torch.nn.Module, num_rows: int, layer_ids: list[int] | None,
-                 options: dict[str, Any], mixers: list[Mixer]) -> None:
+                 options: dict[str, Any]) -> None:
         self._target = weakref.ref(target)  # the table of verifiers is keyed by the target: no strong reference back
         self.num_rows, self.layer_ids, self.options = num_rows, layer_ids, options
         self._modules = [weakref.ref(module) for module in (feature_modules(target, layer_ids) if layer_ids else [])]
@@ -69,8 +66,6 @@ class StaticVerifier:
         self.capacity = 0  # the cache's columns
         self.written = 0  # columns of the cache up to the last forward's end (host-side; the cache is not asked)
         self.compiled = torch.compile(self._forward, **options)
-        # a hybrid target's Gated DeltaNet layers: recorded in fixed buffers, rolled back by a compiled call
-        self.recurrent = StaticRecurrentStates(mixers, options) if mixers else None
 
     def _hook(self, slot: int) -> Any:
         def store_output(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -78,17 +73,13 @@ class StaticVerifier:
         return store_output
 
     @contextmanager
-    def capturing(self, plan: PathPlan | None = None) -> Iterator[StaticVerifier]:
+    def capturing(self, around: AbstractContextManager[None] = NO_HOOK) -> Iterator[StaticVerifier]:
         """One verify's scope: the feature hooks (the same functions every time, so the compiled graph's guards
-        hold) are on the target's layers, and removed after it; a hybrid target's recurrent layers are recorded (and
-        run along `plan`'s paths, a tree's)."""
+        hold) are on the target's layers, and removed after it; `around` (a wrapper's hooks) is entered inside."""
         handles = [module().register_forward_hook(hook) for module, hook in zip(self._modules, self.hooks)]
         try:
-            if self.recurrent is None:
+            with around:
                 yield self
-            else:
-                with self.recurrent.recording(plan):
-                    yield self
         finally:
             for handle in handles:
                 handle.remove()
@@ -131,17 +122,17 @@ class StaticVerifier:
         return outputs.logits, features
 
     def verify(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: Any, kept: int,
-               plan: PathPlan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               around: AbstractContextManager[None] = NO_HOOK) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The compiled verify of input_ids [N, b] at position_ids [N, b] under `mask` ([N, 1, b, capacity], or one
         per layer type), written after the cache's `kept` columns: (logits [N, b, V], features [N, b, L*H] or
-        None). `plan`: a tree's paths, along which recurrent layers run."""
+        None). `around`: entered around the compiled call only (a wrapper's hooks: its graph captures them)."""
         width = input_ids.shape[1]
         self.rewind(kept)  # drop what the last verify wrote but did not keep
         if kept + width > self.capacity:
             raise ValueError(f"The static cache holds {self.capacity} columns; this step needs {kept + width}.")
         write = static_write_arguments(self.target, kept, width, input_ids.device)
         self.written = kept + width
-        with self.capturing(plan):
+        with self.capturing(around):
             return compiled_call(self.compiled, f"{type(self.target).__name__}'s verify", self.target, input_ids,
                                  position_ids, mask, self.cache, write)
 
@@ -166,7 +157,7 @@ _VERIFIERS_GUARD = threading.Lock()
 
 
 def static_verifier(target: torch.nn.Module, num_rows: int, layer_ids: list[int] | None,
-                    options: dict[str, Any], mixers: list[Mixer]) -> StaticVerifier:
+                    options: dict[str, Any]) -> StaticVerifier:
     """The target's verifier for calls of `num_rows` rows reading `layer_ids` with these compile options: the last
     one made for it when those match (its compiled graph is reused), else a new one."""
     with _VERIFIERS_GUARD:
@@ -177,20 +168,20 @@ def static_verifier(target: torch.nn.Module, num_rows: int, layer_ids: list[int]
                 "dflash-hf compile=True: this call compiles the target's verify and the draft's forward "
                 "(torch.compile; minutes the first time, less once torch's compile caches hold them); later calls "
                 "with this target and %d rows reuse them. See README, \"Compiled decoding\".", num_rows)
-            verifier = _VERIFIERS[target] = StaticVerifier(target, num_rows, layer_ids, options, mixers)
+            verifier = _VERIFIERS[target] = StaticVerifier(target, num_rows, layer_ids, options)
         return verifier
 
 
 class StaticBackend:
-    """The compiled target backend of one call: its target's `StaticVerifier` (graph and cache, reused across calls),
-    the columns of this call, every verify `verify_width` wide, over all of the call's rows (a new row count would
-    compile anew). `FixedRowBatch` around it is the call's `backends_dflash.TargetBackend`."""
+    """The compiled target backend of one call (a `FixedRowBackend`): its target's `StaticVerifier` (graph and cache,
+    reused across calls), the columns of this call, every verify `verify_width` wide. Finished rows stay in the batch
+    (a new row count would compile anew): `FixedRowBatch` around it hides them. A wrapper (a hybrid target's
+    `static_recurrent_dflash.StaticRecurrentRollback`) hands its hooks to `prefill` and `verify`."""
 
     def __init__(self, target: torch.nn.Module, layer_ids: list[int] | None, num_rows: int, options: dict[str, Any],
-                 columns_needed: int, verify_width: int, mixers: list[Mixer]) -> None:
+                 columns_needed: int, verify_width: int) -> None:
         self.target, self.verify_width = target, verify_width
-        self.verifier = static_verifier(target, num_rows, layer_ids, options, mixers)
-        self.recurrent = self.verifier.recurrent  # a hybrid target's recurrent layers (None: none)
+        self.verifier = static_verifier(target, num_rows, layer_ids, options)
         self.columns_needed = columns_needed  # the prompts, every new token and one verify past the last
         self.config = target_text_config(target)
         self.window = sliding_window(self.config)
@@ -203,16 +194,14 @@ class StaticBackend:
         return self.verifier.cache
 
     def prefill(self, input_ids: torch.Tensor, attention: dict[str, torch.Tensor], valid: torch.Tensor,
-                capture: FeatureCapture) -> Any:
-        """The prompts' pass (eager) into the static cache, from its first column."""
+                capture: FeatureCapture, around: Callable[[Any], AbstractContextManager[None]] = lambda cache: NO_HOOK
+                ) -> Any:
+        """The prompts' pass (eager) into the static cache, from its first column; `around(cache)` is entered around
+        the forward."""
         cache = self.verifier.new_cache(self.columns_needed)
-        if self.recurrent is None:
+        with around(cache):
             outputs = prefill_forward(self.target, input_ids, attention, capture,
                                       self.verifier.prefill_arguments(input_ids.shape[1]))
-        else:
-            with self.recurrent.allocating(cache, self.verify_width):
-                outputs = prefill_forward(self.target, input_ids, attention, capture,
-                                          self.verifier.prefill_arguments(input_ids.shape[1]))
         self.columns = CacheColumns(valid, valid.sum(dim=1).tolist())
         return outputs
 
@@ -220,35 +209,27 @@ class StaticBackend:
         """Always the whole block: the verify's width never changes."""
         return block_size
 
-    def verify(self, input_ids: torch.Tensor, positions: torch.Tensor, tree: DraftTree | None = None
+    def verify(self, input_ids: torch.Tensor, layout: VerifyLayout, around: AbstractContextManager[None] = NO_HOOK
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The compiled verify of input_ids [N, b] at positions [N, b]: a chain (`tree` None) or a tree's root and
-        nodes, both under a 4-D mask over the cache's capacity."""
-        num_rows, width = input_ids.shape
+        """The compiled verify of input_ids [N, b] as `layout` arranges them (a chain's and a tree's alike), under a
+        4-D mask over the cache's capacity; `around` is entered around the compiled call."""
+        width = input_ids.shape[1]
         if width != self.verify_width:
             raise ValueError(f"A compiled verify is {self.verify_width} columns wide; this step verifies {width}.")
-        sees = causal_sees(num_rows, width, input_ids.device) if tree is None else tree_sees(tree, input_ids.device)
-        mask = position_attention(self.columns, sees, positions, self.verifier.mask_dtype, self.config, self.window,
-                                  width=self.verifier.capacity)
+        mask = position_attention(self.columns, layout.visible(), layout.positions, self.verifier.mask_dtype,
+                                  self.config, self.window, width=self.verifier.capacity)
         self.before = self.columns.copy()
-        plan = None if tree is None or self.recurrent is None else PathPlan.of(
-            [tree.paths(row) for row in range(num_rows)], width, input_ids.device, fixed=True)
-        return self.verifier.verify(input_ids, positions, mask, self.columns.width, plan)
+        return self.verifier.verify(input_ids, layout.positions, mask, self.columns.width, around)
 
     def keep(self, kept_columns: list[list[int]], kept: torch.Tensor) -> None:
-        """The verify's kept columns [N, w] join the cache's; the rest is overwritten by the next verify. Recurrent
-        layers: rolled back to the kept columns in place."""
+        """The verify's kept columns [N, w] join the cache's; the rest is overwritten by the next verify."""
         self.columns.append(kept, [len(columns) for columns in kept_columns])
-        if self.recurrent is not None:
-            self.recurrent.keep(kept_columns, self.columns.width)
 
     def discard(self) -> None:
-        """The columns, and the cache's write counter, as before the last verify."""
+        """The columns, and the cache's write counter, as before the last verify (a keep after it included)."""
         if self.before is not None:
             self.columns = self.before
         self.verifier.rewind(self.columns.width)
-        if self.recurrent is not None:
-            self.recurrent.restore(self.columns.width)
 
     def compact(self) -> None:
         """Compaction in place, only once the next verify would not fit."""
@@ -256,20 +237,45 @@ class StaticBackend:
         if order is not None:
             self.verifier.reorder_columns(order)
 
-    def decode_token(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
-        """Not offered: the cost model times the eager loop (compile=True refuses step_costs)."""
-        raise ValueError("The compiled backend verifies at one fixed width; time steps with compile=False.")
+
+
+class FixedRowBackend(Protocol):
+    """A compiled backend whose batch keeps every row (`StaticBackend`, or a hybrid target's
+    `static_recurrent_dflash.StaticRecurrentRollback` around it): the target backend's methods but `drop_rows`, over
+    all N rows. `FixedRowBatch` around one is the call's `backends_dflash.TargetBackend`."""
+
+    columns: CacheColumns
+    cache: Any
+
+    def prefill(self, input_ids: torch.Tensor, attention: dict[str, torch.Tensor], valid: torch.Tensor,
+                capture: FeatureCapture) -> Any:
+        """The prompts' pass over every row."""
+
+    def step_width(self, block_size: int, longest_remaining: int) -> int:
+        """The verify's width."""
+
+    def verify(self, input_ids: torch.Tensor, layout: VerifyLayout) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A verify of every row [N, b]: (logits [N, b, V], features [N, b, L*H] or None)."""
+
+    def keep(self, kept_columns: list[list[int]], kept: torch.Tensor) -> None:
+        """Keep each row's accepted columns of the last verify."""
+
+    def discard(self) -> None:
+        """Forget the last verify (before any keep of it)."""
+
+    def compact(self) -> None:
+        """Drop the cache's holes when the backend's budget says so."""
 
 
 class FixedRowBatch:
     """The compiled backend as the steps see it (`backends_dflash.TargetBackend`): its live rows only. Finished rows
     stay in the inner backend's batch, so no shape changes (`cache_dflash.FixedRows`): a verify gives them a filler
-    (token 0 at position 0, a tree of filler nodes) and returns the live rows' logits and features; they keep no
-    column."""
+    (token 0 at position 0; in a tree, every node a child of the root, on the root's path only) and returns the live
+    rows' logits and features; they keep no column."""
 
-    def __init__(self, inner: StaticBackend) -> None:
+    def __init__(self, inner: FixedRowBackend, num_rows: int, device: torch.device) -> None:
         self.inner = inner
-        self.rows = FixedRows(inner.verifier.num_rows, target_device(inner.target))
+        self.rows = FixedRows(num_rows, device)
 
     @property
     def columns(self) -> CacheColumns:
@@ -290,16 +296,25 @@ class FixedRowBatch:
         """The inner backend's."""
         return self.inner.step_width(block_size, longest_remaining)
 
-    def verify(self, input_ids: torch.Tensor, positions: torch.Tensor, tree: DraftTree | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def verify(self, input_ids: torch.Tensor, layout: VerifyLayout) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The inner verify of the live rows [n, b] among fillers: (logits [n, b, V], features [n, b, L*H] or None)."""
+        logits, features = self.inner.verify(self.rows.fill(input_ids), self.filled(layout))
+        return self.rows.take(logits), None if features is None else self.rows.take(features)
+
+    def filled(self, layout: VerifyLayout) -> VerifyLayout:
+        """The live rows' layout [n, b] in their places among the N, finished rows given the filler's."""
         rows = self.rows
-        if tree is not None and rows.index is not None:
-            size = tree.size
-            tree = DraftTree(rows.fill_list(tree.tokens, [0] * size), rows.fill_list(tree.parents, [0] * size),
-                             rows.fill_list(tree.depths, [1] * size), rows.fill_list(tree.real, [False] * size))
-        logits, features = self.inner.verify(rows.fill(input_ids), rows.fill(positions), tree)
-        return rows.take(logits), None if features is None else rows.take(features)
+        if rows.index is None:
+            return layout
+        sees = layout.sees
+        if sees is not None:  # a tree: a filler's nodes each see the root and themselves
+            width = sees.shape[-1]
+            star = torch.eye(width, dtype=torch.bool, device=sees.device)
+            star[:, 0] = True
+            live = rows.fill(torch.ones(sees.shape[0], dtype=torch.bool, device=sees.device), False)  # [N]
+            sees = torch.where(live[:, None, None], rows.fill(sees, False), star)  # [N, b, b]
+        paths = None if layout.paths is None else rows.fill_list(layout.paths, [[0]])
+        return VerifyLayout(rows.fill(layout.positions), sees, paths)
 
     def keep(self, kept_columns: list[list[int]], kept: torch.Tensor) -> None:
         """The inner keep; finished rows keep nothing."""
@@ -316,7 +331,3 @@ class FixedRowBatch:
     def drop_rows(self, keep: list[int], index: torch.Tensor) -> None:
         """Later calls take and return the rows `keep` only; the finished rows stay in the inner batch."""
         self.rows.select_rows(keep)
-
-    def decode_token(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
-        """The inner one-token forward (which the compiled backend does not offer)."""
-        return self.inner.decode_token(self.rows.fill(input_ids), self.rows.fill(positions))

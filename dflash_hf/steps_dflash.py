@@ -27,12 +27,12 @@ from typing import Callable, Protocol
 import torch
 
 from .backends_dflash import TargetBackend
-from .cache_dflash import host_to_device, to_host
+from .cache_dflash import VerifyLayout, host_to_device, to_host
 from .processors_dflash import PositionRules
 from .proposer_dflash import DraftStep, Proposal, Proposer, SampledProposal
 from .sampling_dflash import commit_block, draw_uniforms, process_logits, sample_from, speculative_sample
 from .settings_dflash import DecodingSettings, StepCosts
-from .tree_dflash import MAX_CANDIDATES, DraftTree, build_trees, walk_greedy, walk_sampled
+from .tree_dflash import MAX_CANDIDATES, DraftTree, build_trees, tree_sees, walk_greedy, walk_sampled
 
 # --- What a step reads and changes -----------------------------------------------------------------------------------
 
@@ -353,11 +353,12 @@ class ChainStep:
         """One pass over [pending, proposals]; the target's token at each of them, read to the host at once.
         Positions are always passed: a cache's token counter is no source of positions (Transformers 5.25 reports a
         recurrent layer's count for the whole cache)."""
-        logits, features = state.backend.verify(torch.cat((step.pending, proposal.tokens), dim=1), step.positions)
+        logits, features = state.backend.verify(torch.cat((step.pending, proposal.tokens), dim=1),
+                                                VerifyLayout(step.positions))
         scores = target_scores(logits, lambda: position_prefixes(state, step, proposal.tokens), state.active,
                                settings)
         tokens_of_target = target_tokens(scores, proposal, state.active, step, settings)
-        judged = torch.cat((proposal.tokens, tokens_of_target), dim=1).tolist()  # the verify's one device read
+        judged = torch.cat((proposal.tokens, tokens_of_target), dim=1).tolist()  # the verdict's one device read
         columns = list(range(1, step.width))
         return Verdict([tokens[: step.width - 1] for tokens in judged],
                        [tokens[step.width - 1 :] for tokens in judged], [columns] * len(judged), features,
@@ -370,7 +371,7 @@ CHAIN = ChainStep()
 class TreeStep:
     """The target verifies a tree of `size` drafted nodes per row, planted from the draft's top candidates at each
     position (`tree_dflash`); each node attends to its ancestors, and the longest accepted root-to-leaf path is kept.
-    A block of one token (the last) is verified as a chain."""
+    A block of one token (the last) is a tree of the root alone."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -380,8 +381,8 @@ class TreeStep:
                 ) -> tuple[StepPlan, Proposal]:
         """The `size` nodes of highest draft path probability per row (from the proposal's candidates), as verify
         columns 1 .. size at the positions of their depths."""
-        if step.width == 1:
-            return step, proposal
+        if step.width == 1:  # nothing drafted: the root alone
+            return replace(step, tree=DraftTree(*([[] for _ in state.active] for _ in range(4)))), proposal
         if proposal.candidates is None:
             raise ValueError("tree_size needs the proposer's top tokens per position (Proposal.candidates, asked for "
                              "by DraftStep.num_candidates); this proposer gave none.")
@@ -400,15 +401,13 @@ class TreeStep:
     def verify(self, state: DecodeState, step: StepPlan, proposal: Proposal, settings: DecodingSettings) -> Verdict:
         """One pass over the root and the tree's nodes; per row the accepted path, walked on the host after one
         device read (greedy: the argmax; sampling: p, q and the uniforms)."""
-        if step.tree is None:
-            return CHAIN.verify(state, step, proposal, settings)
         trees, rows = step.tree, range(len(state.active))
-        logits, features = state.backend.verify(torch.cat((step.pending, proposal.tokens), dim=1), step.positions,
-                                                trees)
+        layout = VerifyLayout(step.positions, tree_sees(trees, state.device), [trees.paths(row) for row in rows])
+        logits, features = state.backend.verify(torch.cat((step.pending, proposal.tokens), dim=1), layout)
         scores = target_scores(logits, lambda: position_prefixes(state, step, proposal.tokens), state.active,
                                settings)
         if settings.greedy:
-            argmax = to_host(scores.argmax(dim=-1))[0].tolist()  # [n, 1 + N]: the verify's one device read
+            argmax = to_host(scores.argmax(dim=-1))[0].tolist()  # [n, 1 + N]: the walk's one device read
             walks = [walk_greedy(trees, row, argmax[row]) for row in rows]
             finals = [argmax[row][path[-1] if path else 0] for row, path in zip(rows, walks)]
         else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 import threading
 import weakref
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -116,6 +117,8 @@ class FeatureCapture:
 # --- LM head and verify pass ---------------------------------------------------------------------------------------
 
 
+NO_HOOK = nullcontext()  # a verify's `around` where no wrapper hooks it
+
 # Targets already probed by `plain_head_parts`: target -> (its class's forward when probed, whether its logits were
 # exactly lm_head(base(...))).
 _PLAIN_HEAD_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -146,7 +149,8 @@ def plain_head_parts(target: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
     Decided by what the target exposes (a base model under `base_model_prefix`, a plain Linear head), by what could
     intervene in its forward now (hooks, a patched forward: then never), by its config (no setting that soft-caps or
     scales the logits) and, once per class forward, by a two-token probe: logits that a target processes otherwise
-    differ from the bare head's.
+    differ from the bare head's. The probe runs the target, so call this before any hook of one verify is on it
+    (`verify_forward` does).
     """
     base = getattr(target, getattr(target, "base_model_prefix", "") or "model", None)
     head = target.get_output_embeddings()
@@ -165,7 +169,8 @@ def plain_head_parts(target: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
             own = target(input_ids=probe, position_ids=probe, use_cache=False).logits
             bare = head(base(input_ids=probe, position_ids=probe, use_cache=False).last_hidden_state)
             probed = (forward, own.shape == bare.shape and torch.equal(own, bare))
-        except Exception:  # a target the probe cannot run this way: its own forward does every verify
+        # a target the probe cannot run this way (other arguments, other outputs): its own forward does every verify
+        except (TypeError, ValueError, AttributeError):
             probed = (forward, False)
         with _PROBE_LOCK:
             _PLAIN_HEAD_PROBED[target] = probed
@@ -186,12 +191,13 @@ def prefill_forward(target: torch.nn.Module, input_ids: torch.Tensor, attention:
                       **capture.forward_arguments(), **cache_arguments)
 
 
-def verify_forward(target: torch.nn.Module, capture: FeatureCapture | None = None, **inputs: Any
-                   ) -> tuple[torch.Tensor, Any]:
-    """A verify pass: (logits [n, b, V], the forward's outputs with its cache); `capture` collects the features."""
+def verify_forward(target: torch.nn.Module, capture: FeatureCapture | None = None,
+                   around: AbstractContextManager[None] = NO_HOOK, **inputs: Any) -> tuple[torch.Tensor, Any]:
+    """A verify pass: (logits [n, b, V], the forward's outputs with its cache); `capture` collects the features;
+    `around` (a rollback's recording hooks) is entered around the forward only, after the LM head's probe."""
     capture = capture or FeatureCapture(target, None, torch.device("cpu"))
-    parts = plain_head_parts(target)
-    with capture, few_row_kernels(target):
+    parts = plain_head_parts(target)  # its probe (the first time) runs the target: before `around`'s hooks
+    with capture, few_row_kernels(target), around:
         if parts is None:
             outputs = target(**inputs, **capture.forward_arguments())
             return outputs.logits, outputs

@@ -1,10 +1,11 @@
-"""Tree verification: which drafted alternatives one verify checks, its attention mask, and the accepted path.
+"""Tree verification: which drafted alternatives one verify checks, what each column sees, and the accepted path.
 
 A DFlash draft gives a distribution at every position of its block, each independent of the tokens before it. A
 chain verifies the argmax at every position; a tree verifies the `size` nodes of highest draft path probability
 (the product of the draft's probabilities along the path), built best-first from each position's top candidates.
 Each node is one column of the verify (column 0 is the pending token, the root); it sees the row's context, its
-ancestors and itself, at the position of its depth. See docs/sampling.md, "Trees".
+ancestors and itself, at the position of its depth (`tree_sees`); a hybrid target's recurrent layers run along its
+root-to-leaf paths (`PathPlan`). See docs/sampling.md, "Trees".
 
 Acceptance walks the tree from the root. Greedy: a child is kept when it is the target's argmax at its parent.
 Sampling: recursive rejection sampling (SpecInfer): the children of a node are tried in turn, child x kept with
@@ -136,6 +137,42 @@ def tree_sees(trees: DraftTree, device: torch.device) -> torch.Tensor:
             sees.append([seen or column == node for column, seen in enumerate(sees[parent])])
         rows.append(sees)
     return host_to_device(rows, device, torch.bool)
+
+
+@dataclass
+class PathPlan:
+    """A tree verify's recurrent mixer call: every row's P root-to-leaf paths (its last again when it has fewer) as
+    rows of one batch, row r's paths at r * P .. r * P + P - 1, so that each column's recurrence sees its ancestors
+    only (hybrid targets: `recurrent_dflash`, `static_recurrent_dflash`). rows [n * P]: the cache row each path starts
+    from; reads [n * P, D]: the verify column of each place (b: padding); writes [n * P, D]: the column that takes its
+    output (b where padding, or where an earlier path of the row already gave it); first_paths [n]: each row's first
+    path."""
+
+    width: int  # b: the verify's columns
+    rows: torch.Tensor
+    reads: torch.Tensor
+    writes: torch.Tensor
+    first_paths: torch.Tensor
+
+    @staticmethod
+    def of(tree_paths: list[list[list[int]]], width: int, device: torch.device, fixed: bool = False) -> PathPlan:
+        """The call for `tree_paths` (per row, the columns of each root-to-leaf path, all starting at column 0) in a
+        verify of `width` columns; `fixed`: as many paths and places as any tree of `width` columns can have (width - 1
+        paths of width places), so that every tree's call has the same shapes (a compiled verify)."""
+        num_paths = max(width - 1, 1) if fixed else max(len(paths) for paths in tree_paths)
+        depth = width if fixed else max(len(path) for paths in tree_paths for path in paths)
+        rows, reads, writes = [], [], []
+        for row, paths in enumerate(tree_paths):
+            owned: set[int] = set()
+            for index in range(num_paths):
+                path = paths[min(index, len(paths) - 1)]
+                rows.append(row)
+                padding = [width] * (depth - len(path))
+                reads.append(path + padding)
+                writes.append([width if column in owned else column for column in path] + padding)
+                owned.update(path)
+        return PathPlan(width, *(host_to_device(value, device) for value in (rows, reads, writes)),
+                        host_to_device(list(range(0, len(rows), num_paths)), device))
 
 
 def walk_greedy(trees: DraftTree, row: int, argmax: list[int]) -> list[int]:

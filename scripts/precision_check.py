@@ -23,7 +23,8 @@ from dflash_hf.demo import load_demo
 from dflash_hf.evaluation import compare_outputs
 from dflash_hf.prompts import default_data_dir, read_conversations, user_prompt_ids
 from dflash_hf.sampling_dflash import cut_after_stop, mean_acceptance_length
-from dflash_hf.settings_dflash import generation_tokens, neutral_overrides
+from dflash_hf.settings_dflash import neutral_overrides
+from dflash_hf.tokens_dflash import generation_tokens
 
 
 class NotAvailable(Exception):

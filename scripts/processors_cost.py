@@ -14,7 +14,7 @@ import torch
 
 from dflash_hf import load_demo
 from dflash_hf.prompts import default_data_dir
-from dflash_hf.settings_dflash import generation_tokens
+from dflash_hf.tokens_dflash import generation_tokens
 
 DATA = default_data_dir() / "gsm8k_test.jsonl"
 CASES = {"none": {}, "repetition_penalty=1.1": {"repetition_penalty": 1.1},

@@ -20,7 +20,7 @@ from dflash_hf.cli import main
 from dflash_hf.cost_model import acceptance_histogram, cost_model_bound
 from dflash_hf.evaluation import BenchSettings, TurnRecord, Verdict, compare_outputs, markdown_table, summarize
 from dflash_hf.prompts import chat_prompt_ids
-from dflash_hf.settings_dflash import GenerationTokens
+from dflash_hf.tokens_dflash import GenerationTokens
 
 STEP_COSTS = {"target_1": 0.010, "target_block": 0.015, "draft": 0.005}
 ONE_STOP = GenerationTokens(stop_token_ids=[1], pad_token_id=1, mask_token_id=127)  # the tiny tokenizer's EOS

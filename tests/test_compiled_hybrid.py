@@ -1,6 +1,6 @@
 """compile=True on hybrid Gated DeltaNet targets (Qwen3.5, Qwen3-Next, OLMo-Hybrid): the compiled backend rolls
-each row's convolution and recurrent states back at fixed shapes (recurrent_dflash.StaticRecurrentStates), chains and
-trees, and decodes what the target's own greedy decode and the eager loop's sampling give, with no recompilation
+each row's convolution and recurrent states back at fixed shapes (static_recurrent_dflash), chains and trees, and
+decodes what the target's own greedy decode and the eager loop's sampling give, with no recompilation
 after the first call.
 
 Most tests compile with dynamo's `eager` backend (the same capture, guards and recompilations as inductor); one runs

@@ -133,12 +133,12 @@ def test_generate_with_custom_generate_runs_our_loop_without_the_package(tmp_pat
 
 def test_the_standalone_copies_agree_with_the_package_functions():
     """custom_generate/generate.py is loaded alone (no sibling files), so it carries its own `embedding_device` and
-    `_ids`; they must answer as `devices_dflash.execution_device` and `settings_dflash.token_id_list` do."""
+    `_ids`; they must answer as `devices_dflash.execution_device` and `tokens_dflash.token_id_list` do."""
     from types import SimpleNamespace
 
     from dflash_hf.custom_generate_dflash import _ids, embedding_device
     from dflash_hf.devices_dflash import execution_device
-    from dflash_hf.settings_dflash import token_id_list
+    from dflash_hf.tokens_dflash import token_id_list
 
     plain = torch.nn.Embedding(4, 2)
     dispatched = torch.nn.Embedding(4, 2)

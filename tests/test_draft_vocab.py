@@ -123,7 +123,7 @@ def test_warm_up_primes_the_few_row_kernels_so_timed_runs_do_not_choose_them(mon
     import dflash_hf.kernels_dflash as kernels_dflash
     from dflash_hf.cost_model import prime_few_row_kernels
     from dflash_hf.evaluation import BenchSettings, measure_prompts, warm_up
-    from dflash_hf.settings_dflash import GenerationTokens
+    from dflash_hf.tokens_dflash import GenerationTokens
 
     target = make_target("qwen3", seed=7)
     draft = DFlashDraftModel(draft_config(dflash_config={"mask_token_id": VOCAB_SIZE - 1,

@@ -16,7 +16,8 @@ from dflash_hf import modeling_dflash, speculative_decode, steps_dflash
 from dflash_hf.cache_dflash import left_pad
 from dflash_hf.generation_dflash import prefill
 from dflash_hf.proposer_dflash import DFlashProposer
-from dflash_hf.settings_dflash import DecodingSettings, check_draft_target
+from dflash_hf.settings_dflash import DecodingSettings
+from dflash_hf.validation_dflash import check_draft_target
 
 MASK = VOCAB_SIZE - 1
 

@@ -21,13 +21,14 @@ from helpers import (
 from sampling_checks import NUM_NEW, NUM_SAMPLES, assert_follows, exact_joint, sampled_counts
 from sampling_checks import SAMPLING_VOCAB as VOCAB
 
-from dflash_hf import recurrent_dflash, speculative_decode
+from dflash_hf import mixers_dflash, recurrent_dflash, speculative_decode
 from dflash_hf.cache_dflash import left_pad, recurrent_cache_layers
 from dflash_hf.devices_dflash import target_text_config
 from dflash_hf.families_dflash import RECURRENT_REFUSALS, ROLLBACK_MODEL_TYPES
 from dflash_hf.generation_dflash import DecodeSession
 from dflash_hf.proposer_dflash import DFlashProposer
 from dflash_hf.settings_dflash import resolve_settings
+from dflash_hf.target_dflash import plain_head_parts
 from dflash_hf.versions_dflash import cache_keyword
 
 HAS_HYBRID_CACHE = hasattr(transformers, "Qwen3_5ForCausalLM")  # Transformers 5.x
@@ -581,10 +582,62 @@ def test_a_kernel_that_keeps_its_conv_state_privately_is_refused_before_any_forw
         speculative_decode(target, ReferenceProposer(expected, corrupt_seed=4), prompt, max_new_tokens=24,
                            block_size=6)
     assert not forwards and not calls
-    monkeypatch.setattr(recurrent_dflash, "kernel_replacements", lambda mixer: [])
+    monkeypatch.setattr(mixers_dflash, "kernel_replacements", lambda mixer: [])
     with pytest.raises(AssertionError, match="a token the target would not produce"):  # its state escaped the rollback
         speculative_decode(target, ReferenceProposer(expected, corrupt_seed=4), prompt, max_new_tokens=24,
                            block_size=6)
+
+
+class WrongProposer:
+    """Proposes token 0 everywhere: the target rejects it (at these seeds), so every step keeps one column."""
+
+    target_layer_ids = None
+
+    def propose(self, step):
+        return torch.zeros(len(step.row_ids), step.block_size - 1, dtype=torch.long)
+
+
+@needs_hybrid
+def test_the_first_step_of_a_new_target_replays_only_the_recurrence():
+    """The LM-head probe of a target's first verify runs before the rollback's hooks: none of its calls is recorded,
+    so the first step's rollback replays the Gated DeltaNet recurrence from the verify's calls alone (a recorded probe
+    made it run each whole mixer again, projections included, outside any target forward)."""
+    target = make_hybrid_target("qwen3_5", seed=3)  # never probed: its first verify runs the probe
+    mixers = mixers_dflash.find_mixers(target, recurrent_cache_layers(
+        transformers.DynamicCache(config=target_text_config(target))))
+    mixer_forwards, decoder_forwards, rules = [], [], []
+    handles = [mixer.module.register_forward_hook(lambda *args: mixer_forwards.append(1)) for mixer in mixers]
+    handles += [rule.register_forward_hook(lambda *args: rules.append(1)) for mixer in mixers
+                for rule in mixer.gated_delta[1:]]
+    handles.append(target.get_decoder().register_forward_hook(lambda *args: decoder_forwards.append(1)))
+    prompt = random_prompt(9, 7)
+    session = DecodeSession(target, WrongProposer(), resolve_settings(target, prompt, None, max_new_tokens=20,
+                                                                      block_size=6))
+    try:
+        with session.running():
+            session.prefill(prompt)
+            assert session.step()  # the first step
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert session.state.acceptance_lengths[0] == [1]  # it kept 1 of its 6 columns: its states were rolled back
+    assert session.state.generated[0] == plain_greedy(target, prompt, 2)[0, 7:].tolist()
+    assert len(decoder_forwards) == 4  # the prefill, the probe's two (target and base model), the verify
+    assert len(mixer_forwards) == len(mixers) * len(decoder_forwards)  # no mixer ran outside a target forward
+    assert len(rules) == len(mixers) * (len(decoder_forwards) + 1)  # each forward's rule, and the replay's
+
+
+@needs_hybrid
+def test_a_new_hybrid_target_keeps_its_lm_head_fast_path_under_a_tree():
+    """A tree's first verify probes the LM head before its mixers are hooked to run along the tree's paths: the probe
+    succeeds and the fast path (the base model and the head, called directly) stays on for every later verify."""
+    target = make_hybrid_target("qwen3_5", seed=4)  # never probed
+    prompt = random_prompt(10, 6)
+    expected = plain_greedy(target, prompt, 12)
+    result = speculative_decode(target, TreeReferenceProposer(expected, 3, 4), prompt, max_new_tokens=12,
+                                block_size=4, tree_size=5)
+    assert torch.equal(result.output_ids, expected)
+    assert plain_head_parts(target) is not None
 
 
 @needs_hybrid
@@ -595,7 +648,7 @@ def test_a_chains_rollback_replays_only_the_gated_delta_recurrence(hybrid_target
     target = hybrid(hybrid_targets, family)
     prompt = random_prompt(5, 11)
     expected = plain_greedy(target, prompt, 30)
-    mixers = recurrent_dflash.find_mixers(target, recurrent_cache_layers(
+    mixers = mixers_dflash.find_mixers(target, recurrent_cache_layers(
         transformers.DynamicCache(config=target_text_config(target))))
     assert all(mixer.gated_delta is not None for mixer in mixers)
     forwards, decoder_forwards = [], []

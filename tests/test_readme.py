@@ -19,10 +19,18 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 SHOWN_COMMANDS = sorted(set(re.findall(r"(?:^|`|&& )dflash-hf ([a-z]+)", README, flags=re.M)))
 
 
+def section(heading: str) -> str:
+    """README's text under `heading` (a `## ` heading), up to the next `## ` heading."""
+    return README.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
 def setup_commands() -> tuple[str, str]:
-    section = README.split("## Install and run the demo", 1)[1]
-    blocks = re.findall(r"```bash\n(.*?)\n```", section, flags=re.S)
-    return blocks[0].strip(), blocks[1].strip()
+    """README's two set-up commands: the main job (the install section's line that ends in `dflash-hf demo`, after
+    `git clone`) and the test command (the tests section's)."""
+    install = re.findall(r"```bash\n(.*?)\n```", section("## Install"), flags=re.S)[0].splitlines()
+    assert install[0].startswith("git clone ") and install[0].endswith("&& cd dflash-hf")
+    tests = re.findall(r"```bash\n(.*?)\n```", section("## Tests"), flags=re.S)
+    return install[1].strip(), tests[0].strip()
 
 
 def test_readme_test_command_is_what_ci_runs():
@@ -51,9 +59,10 @@ def dependency_bounds(name: str) -> tuple[str, str]:
 
 
 def ci_installs() -> list[dict[str, str]]:
-    """Each `pip install` line of `.ci/run` that pins torch: {package: pinned version}."""
-    return [dict(re.findall(r"\b([a-z]+)==([\d.]+)", line)) for line in CI.splitlines()
-            if line.startswith("pip install") and "torch==" in line]
+    """Each `pip install` line of `.ci/run` that pins torch, newest torch first: {package: pinned version}."""
+    installs = [dict(re.findall(r"\b([a-z]+)==([\d.]+)", line)) for line in CI.splitlines()
+                if "pip install" in line and "torch==" in line]
+    return sorted(installs, key=lambda pins: [int(part) for part in pins["torch"].split(".")], reverse=True)
 
 
 def test_pyprojects_torch_and_transformers_ranges_are_what_ci_installs_at_both_ends():
@@ -75,5 +84,15 @@ def test_the_install_line_keeps_an_installed_torch():
     main_command, _ = setup_commands()
     install = main_command.split("pip install ", 1)[1].split(" && ")[0]
     assert install == '-e ".[demo]"'
-    section = README.split("### Which torch", 1)[1].split("\n## ", 1)[0]
-    assert "--index-url https://download.pytorch.org/whl/cpu" in section and "whl/cu" in section
+    which_torch = README.split("### Which torch", 1)[1].split("\n## ", 1)[0]
+    assert "--index-url https://download.pytorch.org/whl/cpu" in which_torch and "whl/cu" in which_torch
+
+
+def test_the_gpu_quickstart_with_a_published_draft_and_compile_comes_first():
+    """A new user finds clone, install, the CPU demo and the GPU quickstart (a published draft, compile=True) in
+    README's first 80 lines, and README stays one screen per job."""
+    head = "\n".join(README.splitlines()[:80])
+    for needed in ("git clone", "dflash-hf demo", "## GPU quickstart", "z-lab/Qwen3-8B-DFlash-b16",
+                   "draft.spec_generate(target=target, input_ids=input_ids", "compile=True", "first call"):
+        assert needed in head, needed
+    assert len(README.splitlines()) <= 270

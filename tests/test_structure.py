@@ -79,7 +79,8 @@ def test_the_stages_never_ask_which_backend_runs():
     """The loop's stages (steps_dflash, generation_dflash) reach the target only through the backend's methods: no
     module of a backend is imported there, and no attribute of one (a cache, its columns, recurrent states, a static
     verifier) is read off the decode state or the backend."""
-    backend_modules = {"dflash_hf.static_dflash", "dflash_hf.recurrent_dflash"}
+    backend_modules = {"dflash_hf.static_dflash", "dflash_hf.recurrent_dflash", "dflash_hf.static_recurrent_dflash",
+                       "dflash_hf.mixers_dflash"}
     backend_internals = {"cache", "columns", "states", "verifier", "static", "recurrent", "inner", "cache_argument"}
     for module in ("dflash_hf.steps_dflash", "dflash_hf.generation_dflash"):
         tree = ast.parse(MODULES[module].read_text())
@@ -102,19 +103,22 @@ def test_no_two_modules_import_each_other():
     assert not cycles
 
 
-# The package's layers, lowest first (README "Where things are", docs/architecture.md): a module imports only from
-# layers below its own, so the model inherits `spec_generate` from the loop's mixin as Transformers' models inherit
-# GenerationMixin, and nothing in the loop imports the model. A new module must be placed here.
+# The package's layers, lowest first (docs/architecture.md, "Modules and the direction of their imports"): a module
+# imports only from layers below its own, so the model inherits `spec_generate` from the loop's mixin as Transformers'
+# models inherit GenerationMixin, and nothing in the loop imports the model. A new module must be placed here.
 LAYERS = (
     {"versions_dflash"},
     {"families_dflash"},
     {"devices_dflash", "sampling_dflash", "processors_dflash", "cache_dflash", "configuration_dflash",
      "custom_generate_dflash", "prompts", "smollm2"},
-    {"kernels_dflash", "tree_dflash"},
+    {"kernels_dflash", "tree_dflash", "checkpoint_dflash"},
     {"draft_backends_dflash"},
     {"proposer_dflash", "target_dflash"},
-    {"recurrent_dflash"},
+    {"mixers_dflash"},
+    {"recurrent_dflash", "tokens_dflash", "validation_dflash"},
+    {"refusals_dflash"},
     {"settings_dflash", "static_dflash"},
+    {"static_recurrent_dflash"},
     {"backends_dflash"},
     {"steps_dflash"},
     {"generation_dflash"},
@@ -129,7 +133,7 @@ LAYER_OF = {f"dflash_hf.{name}": depth for depth, names in enumerate(LAYERS) for
 
 
 def test_every_module_has_a_layer():
-    assert set(MODULES) == set(LAYER_OF), "place new modules in LAYERS (and in README's table)"
+    assert set(MODULES) == set(LAYER_OF), "place new modules in LAYERS (and in docs/architecture.md's table)"
 
 
 @pytest.mark.parametrize("module", sorted(LAYER_OF))

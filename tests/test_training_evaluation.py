@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import make_draft, make_target
 
-from dflash_hf.settings_dflash import GenerationTokens
+from dflash_hf.tokens_dflash import GenerationTokens
 from dflash_hf.training.command import held_out_evaluation
 from dflash_hf.training.trainer import CHECKPOINT_DIR, STATE_FILE, TrainingSettings, train_draft
 

@@ -19,8 +19,9 @@ from ..loading import DTYPES, SHIPPED_DRAFT, SMOLLM2, SMOLLM2_HUB_ID, device_des
 from ..model_card import card_info_for_config, write_model_card
 from ..modeling_dflash import DFlashDraftModel
 from ..prompts import default_data_dir, user_prompt_ids
-from ..settings_dflash import GenerationTokens, check_draft_target, generation_tokens
 from ..smollm2 import SMOLLM2_MASK_TOKEN
+from ..tokens_dflash import GenerationTokens, generation_tokens
+from ..validation_dflash import check_draft_target
 from .data import conversation_row, generate_responses, read_chat_rows, read_prompts
 from .processes import check_fsdp_applies, process_state
 from .recipe import (

@@ -19,7 +19,7 @@ from ..cache_dflash import left_pad
 from ..devices_dflash import target_device
 from ..prompts import read_conversations, user_prompt_ids
 from ..sampling_dflash import cut_after_stop
-from ..settings_dflash import generation_tokens
+from ..tokens_dflash import generation_tokens
 from .processes import gather_json, num_rounds, process_state, round_share
 
 

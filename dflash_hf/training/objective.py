@@ -8,13 +8,13 @@ before its anchor plus its own block.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..modeling_dflash import DFlashDraftModel, TiledBlockMask
+from ..modeling_dflash import DFlashDraftModel, layer_attention_mask
 from ..target_dflash import FeatureCapture, plain_head_parts
 
 DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's gamma per block size
@@ -116,6 +116,53 @@ def pack_blocks(batches: list[BlockBatch]) -> BlockBatch:
         sum(batch.context_length for batch in batches),
         torch.cat([batch.sequence_index + index for index, batch in enumerate(batches)]),
     )
+
+
+@dataclass
+class TiledBlockMask:
+    """Training's block-sparse attention mask: the query rows in tiles, each seeing one context range and its own rows.
+
+    A tile (row start, row end, context start, context end, mask [N, 1, rows, context columns + rows], bool) attends
+    to the context keys [context start, context end) and to the keys of its own rows; every other key is hidden from
+    all its rows, so it is never computed. Exactly the dense mask's attention wherever the tiles' masks agree with it
+    (docs/training.md, "Blocks and the mask"). Keys are [context ; block], context_length C columns of context first.
+    The draft's forward takes it as its attention mask (a `modeling_dflash.TiledMask`).
+    """
+
+    context_length: int
+    tiles: list[tuple[int, int, int, int, torch.Tensor]]
+
+    def restricted(self, query_positions: torch.Tensor, key_positions: torch.Tensor, causal: bool,
+                   window: int | None) -> TiledBlockMask:
+        """The same tiles with one layer kind's causal / sliding restriction (`modeling_dflash.layer_attention_mask`)
+        added, over query positions [N, T] and key positions [N, C + T]."""
+        if not causal and window is None:
+            return self
+        tiles = []
+        for rows_start, rows_end, context_start, context_end, mask in self.tiles:
+            keys = torch.cat((key_positions[:, context_start:context_end],
+                              key_positions[:, self.context_length + rows_start:self.context_length + rows_end]), 1)
+            tiles.append((rows_start, rows_end, context_start, context_end,
+                          layer_attention_mask(mask, query_positions[:, rows_start:rows_end], keys, causal, window)))
+        return replace(self, tiles=tiles)
+
+    def attend(self, attention: Callable[..., tuple[torch.Tensor, Any]], module: torch.nn.Module,
+               query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """`attention` tile by tile over query [N, heads, T, D] and key, value [N, kv_heads, C + T, D]; the output
+        [N, T, heads, D] in row order."""
+        # split once (a split's backward is one concatenation; a slice's would fill a zero tensor of the whole input)
+        rows = [rows_end - rows_start for rows_start, rows_end, *_ in self.tiles]
+        block_length = query.shape[2]
+        context_key, block_key = key.split((self.context_length, block_length), dim=2)
+        context_value, block_value = value.split((self.context_length, block_length), dim=2)
+        outputs = []
+        for (*_, context_start, context_end, mask), tile_query, own_key, own_value in zip(
+                self.tiles, query.split(rows, dim=2), block_key.split(rows, dim=2), block_value.split(rows, dim=2)):
+            tile_key = torch.cat((context_key[:, :, context_start:context_end], own_key), dim=2)
+            tile_value = torch.cat((context_value[:, :, context_start:context_end], own_value), dim=2)
+            output, _ = attention(module, tile_query, tile_key, tile_value, mask, **kwargs)
+            outputs.append(output)
+        return torch.cat(outputs, dim=1)
 
 
 def tiled_block_mask(blocks: BlockBatch, tile_rows: int = TILE_ROWS) -> TiledBlockMask:

@@ -1,0 +1,1 @@
+../../refusals_dflash.py
