@@ -187,8 +187,8 @@ def add_train_scale_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_train_job_arguments(parser: argparse.ArgumentParser) -> None:
-    """`train`'s sequence length, checkpoint and process-group flags (docs/training.md, "Optimiser" and "Several
-    processes")."""
+    """`train`'s sequence length, checkpoint, tracker and process-group flags (docs/training.md, "Optimiser", "Logs"
+    and "Several processes")."""
     parser.add_argument("--max-length", type=int, default=TrainingSettings.max_length,
                         help="tokens of a training sequence at most (prompt and response; longer ones are cut)")
     parser.add_argument("--checkpoint-every", type=int, default=TrainingSettings.checkpoint_every, metavar="STEPS",
@@ -196,6 +196,10 @@ def add_train_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-checkpoints", type=int, default=TrainingSettings.keep_checkpoints, metavar="K",
                         help="checkpoints kept on disk: the latest in OUTPUT/checkpoint, the K - 1 before it in "
                              "OUTPUT/checkpoint-<step>")
+    parser.add_argument("--report-to", nargs="+", default=[], metavar="TRACKER",
+                        help="report every step's loss, learning rate, gradient norm, tokens/s and accuracy per "
+                             "block position (and the held-out evaluations) to Accelerate's trackers: tensorboard "
+                             "(files in OUTPUT/logs), wandb, trackio, mlflow, ... (each needs its package)")
     parser.add_argument("--process-group-timeout", type=float, default=None, metavar="MINUTES",
                         help="how long a process waits in a collective (generation rounds, evaluation, checkpoints) "
                              "before the job stops (default: the backend's, NCCL 10, gloo 30 minutes)")

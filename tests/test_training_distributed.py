@@ -109,7 +109,7 @@ def cli_run(tmp_path_factory) -> tuple[Path, list[dict], Path]:
         "--prompts", str(prompts), "--num-prompts", "5", "--gen-batch-size", "2", "--gen-max-new-tokens", "8",
         "--draft-block-size", "4", "--draft-layers", "1", "--mask-token", "w127", "--epochs", "1",
         "--num-anchors", "6", "--eval-prompts", str(prompts), "--num-eval", "2", "--eval-max-new-tokens", "6",
-        "--eval-dtype", "float32", "--process-group-timeout", "45")
+        "--eval-dtype", "float32", "--process-group-timeout", "45", "--report-to", "tensorboard")
     return output, records, folder / "target"
 
 
@@ -349,6 +349,20 @@ def test_the_process_group_starts_with_the_timeout_flag(cli_run, train_run):
     _, records, _ = cli_run
     assert [record["process_group_timeouts"] for record in records] == [[45 * 60.0]] * 2
     assert [record["process_group_timeouts"] for record in train_run[1]] == [[None]] * 2  # none: the default
+
+
+def test_the_main_process_alone_reports_to_tensorboard_the_global_values(cli_run):
+    from test_training_trackers import scalars
+
+    from dflash_hf.training.trainer import TRACKER_DIR, TRACKER_RUN
+
+    output, records, _ = cli_run
+    log, found = training_log(output), scalars(output / TRACKER_DIR / TRACKER_RUN)
+    assert [value for _, value in found["train/loss"]] == pytest.approx(log["losses"], rel=1e-6)  # the mean
+    assert [value for _, value in found["train/grad_norm"]] == pytest.approx(log["grad_norms"], rel=1e-6)
+    assert len(log["grad_norms"]) == log["steps"] and all(norm > 0 for norm in log["grad_norms"])
+    assert TRACKER_DIR in {path.split(os.sep)[0] for _, path in records[0]["writes"]}
+    assert records[1]["writes"] == []
 
 
 def test_an_epoch_order_is_distributed_samplers_and_wraps_round_to_whole_steps():

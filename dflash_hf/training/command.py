@@ -31,7 +31,7 @@ from .recipe import (
     frequent_token_ids,
     initialize_from_target,
 )
-from .trainer import TrainingLog, TrainingSettings, row_tokens, train_draft
+from .trainer import TrainingLog, TrainingSettings, check_trackers, row_tokens, train_draft
 
 # --gen-dtype, --target-dtype and --eval-dtype auto: bfloat16 on CUDA (the frozen target only gives features and
 # teacher logits while training); on CPU, float32 (few-row bfloat16 matmuls are slow without native bf16).
@@ -69,7 +69,7 @@ def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> 
     if missing:
         raise SystemExit(f"--responses {missing[0]}: no such file")
     try:
-        training_settings(args)
+        check_trackers(training_settings(args).report_to)
     except ValueError as error:
         raise SystemExit(f"dflash-hf train: {error}") from error
 
@@ -97,7 +97,7 @@ def training_settings(args: argparse.Namespace) -> TrainingSettings:
         batch_size=args.train_batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
         cache_target=args.cache_target_features, cache_limit_gib=args.cache_limit_gib,
         checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
-        process_group_timeout_minutes=args.process_group_timeout)
+        process_group_timeout_minutes=args.process_group_timeout, report_to=args.report_to)
 
 
 def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:

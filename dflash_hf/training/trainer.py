@@ -43,6 +43,8 @@ OPTIMIZER_TENSORS_FILE = "optimizer.safetensors"  # the optimiser's per-paramete
 OPTIMIZER_SCHEDULER_FILE = "optimizer_scheduler.json"  # the rest of both state dicts: plain numbers and lists
 STATE_FILE = "state.json"  # the TrainingLog and the format version; written last
 LEGACY_CHECKPOINT_FILE = "checkpoint.pt"  # the pickled checkpoint of earlier versions, refused
+TRACKER_DIR = "logs"  # OUTPUT/logs/: the trackers' files (--report-to); TensorBoard's in OUTPUT/logs/<TRACKER_RUN>/
+TRACKER_RUN = "dflash-hf"
 MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16}  # --mixed-precision: the autocast dtype of the forward
 AUTO_MIXED_PRECISION = {"cuda": "bf16"}  # --mixed-precision auto: bf16 on a GPU, float32 ("no") elsewhere
 
@@ -72,6 +74,7 @@ class TrainingSettings:
     checkpoint_every: int = 200  # optimiser steps between resumable checkpoints
     keep_checkpoints: int = 1  # checkpoints kept on disk, the latest (OUTPUT/checkpoint) included
     process_group_timeout_minutes: float | None = None  # the process group's timeout (None: the backend's default)
+    report_to: list[str] = field(default_factory=list)  # Accelerate's trackers (`log_with`), e.g. ["tensorboard"]
 
     def __post_init__(self) -> None:
         """Refuse a mixed precision the trainer does not know, counts below one, a length below two and a timeout
@@ -98,6 +101,41 @@ class TrainingSettings:
         return self.batch_size * self.gradient_accumulation_steps
 
 
+def check_trackers(names: list[str]) -> None:
+    """Refuse a tracker Accelerate does not know, or one whose package is missing (Accelerate would leave it out
+    without a word)."""
+    if not names:
+        return
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    known = [name for name in LoggerType.list() if name != "all"]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"--report-to {unknown[0]}: not one of Accelerate's trackers ({', '.join(known)})")
+    available = {str(tracker) for tracker in get_available_trackers()}
+    missing = [name for name in names if name not in available]
+    if missing:
+        raise ValueError(f"--report-to {missing[0]}: its package is not installed here (pip install {missing[0]}), "
+                         "or leave it out")
+
+
+def tracker_config(settings: TrainingSettings) -> dict[str, Any]:
+    """The settings as the trackers' run configuration (TensorBoard's hyper-parameters take numbers, strings, booleans
+    and None: a list becomes its text)."""
+    return {name: value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+            for name, value in asdict(settings).items()}
+
+
+def step_metrics(log: TrainingLog, tokens_per_second: float) -> dict[str, float]:
+    """What the trackers get for the step `log` just recorded: loss, learning rate, gradient norm, tokens per second,
+    the epoch's block tau and accuracy per block position so far."""
+    return {"train/loss": log.losses[-1], "train/learning_rate": log.learning_rates[-1],
+            "train/grad_norm": log.grad_norms[-1], "train/tokens_per_second": tokens_per_second,
+            "train/block_tau": log.block_tau,
+            **{f"train/accuracy_position_{k}": accuracy for k, accuracy in enumerate(log.position_accuracy, 1)}}
+
+
 def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
     """The autocast dtype of the draft's forward and loss (None: float32): `mixed_precision`, where "auto" is bf16 on
     a GPU and float32 on the CPU (few-row bf16 matmuls are slow there without native bf16)."""
@@ -107,13 +145,15 @@ def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | 
 
 @dataclass
 class TrainingLog:
-    """What a run did: per-step loss and learning rate, per-position accuracy of the last epoch, steps and seconds.
+    """What a run did: per-step loss, learning rate and gradient norm, per-position accuracy of the last epoch, steps
+    and seconds.
 
     Global over the processes of a data-parallel run: one entry per optimiser step, the loss averaged over the
     processes, the accuracy counted over all of them."""
 
     losses: list[float] = field(default_factory=list)
     learning_rates: list[float] = field(default_factory=list)  # the rate each optimiser step applied
+    grad_norms: list[float] = field(default_factory=list)  # each step's gradient norm, before clipping
     position_accuracy: list[float] = field(default_factory=list)
     block_tau: float = 0.0  # last epoch: 1 + mean correct predictions before the first miss (greedy tau estimate)
     steps: int = 0
@@ -337,11 +377,11 @@ def load_checkpoint(folder: str | Path, draft: torch.nn.Module, optimizer: torch
 
 
 # Settings a resumed run may change: they do not change what is trained (how often it is saved and how many
-# checkpoints stay, how long a process waits in a collective, where the target's signals are kept and how much host
-# memory their cache may take). Any other difference (the batch size and the
+# checkpoints stay, how long a process waits in a collective, where the metrics are reported, where the target's
+# signals are kept and how much host memory their cache may take). Any other difference (the batch size and the
 # accumulation steps among them) changes the data, the schedule or the loss.
-CHANGEABLE_ON_RESUME = ("checkpoint_every", "keep_checkpoints", "process_group_timeout_minutes", "cache_target",
-                        "cache_limit_gib")
+CHANGEABLE_ON_RESUME = ("checkpoint_every", "keep_checkpoints", "process_group_timeout_minutes", "report_to",
+                        "cache_target", "cache_limit_gib")
 
 
 def resume_facts(settings: TrainingSettings, num_sequences: int) -> dict[str, Any]:
@@ -491,6 +531,50 @@ def step_totals(accelerator: Accelerator, result: StepResult) -> StepTotals:
                       total[1 + positions : 1 + 2 * positions], float(total[-2]), int(total[-1]))
 
 
+@dataclass
+class StepUpdate:
+    """What an optimiser step applied: its learning rate and the norm of the (averaged) gradients before clipping."""
+
+    learning_rate: float
+    grad_norm: float
+
+
+class _Progress:
+    """What a run shows as it goes: the main process's progress bar, and the trackers (`settings.report_to`, main
+    process only) that get every step's metrics and every held-out evaluation."""
+
+    def __init__(self, accelerator: Accelerator, settings: TrainingSettings, log: TrainingLog, total_steps: int,
+                 shown: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self.accelerator, self.reporting = accelerator, bool(settings.report_to)
+        if self.reporting:
+            accelerator.init_trackers(TRACKER_RUN, config=tracker_config(settings))
+        self.bar = tqdm(total=total_steps, initial=log.steps, disable=not shown, desc="training", unit="step")
+        self.started, self.tokens = time.perf_counter(), log.tokens  # tok/s: of the steps this call runs
+
+    def step(self, log: TrainingLog, text: str) -> None:
+        """Show the step `log` just recorded (`text`: its loss and accuracy)."""
+        tokens_per_second = (log.tokens - self.tokens) / (time.perf_counter() - self.started)
+        self.bar.set_postfix_str(f"{text}, {tokens_per_second:,.0f} tok/s")
+        self.bar.update(1)
+        if self.reporting:
+            self.accelerator.log(step_metrics(log, tokens_per_second), step=log.steps)
+
+    def evaluation(self, log: TrainingLog) -> None:
+        """Report the evaluation `log` just recorded: its numbers, as held_out/<name>."""
+        if self.reporting:
+            results = {f"held_out/{name}": value for name, value in log.evaluations[-1].items()
+                       if name != "step" and isinstance(value, (int, float))}
+            self.accelerator.log(results, step=log.steps)
+
+    def close(self) -> None:
+        """Close the bar, and the trackers' files (not through `end_training`, which would end the process group)."""
+        self.bar.close()
+        for tracker in self.accelerator.trackers:
+            tracker.finish()
+
+
 class _EpochAccuracy:
     """Per-position accuracy and block tau of the current epoch, accumulated step by step."""
 
@@ -499,12 +583,13 @@ class _EpochAccuracy:
         self.counted = torch.zeros(block_size - 1)  # [B-1]: labels per block position
         self.leading_correct, self.blocks = 0.0, 0
 
-    def record(self, totals: StepTotals, learning_rate: float, log: TrainingLog) -> str:
-        """Log one finished step (count, loss, learning rate, the epoch's accuracy so far) and return the
-        progress-bar text."""
+    def record(self, totals: StepTotals, update: StepUpdate, log: TrainingLog) -> str:
+        """Log one finished step (count, loss, learning rate, gradient norm, the epoch's accuracy so far) and return
+        the progress-bar text."""
         log.steps += 1
         log.losses.append(totals.loss)
-        log.learning_rates.append(learning_rate)
+        log.learning_rates.append(update.learning_rate)
+        log.grad_norms.append(update.grad_norm)
         self.correct += totals.correct
         self.counted += totals.counted
         self.leading_correct += totals.leading_correct
@@ -512,16 +597,17 @@ class _EpochAccuracy:
         log.position_accuracy = (self.correct / self.counted.clamp(min=1)).tolist()
         log.block_tau = 1.0 + self.leading_correct / max(self.blocks, 1)
         accuracy = " ".join(f"{a:.2f}" for a in log.position_accuracy[:4])
-        return f"loss {log.losses[-1]:.3f} acc@1..4 {accuracy} block tau {log.block_tau:.2f}"
+        return (f"loss {log.losses[-1]:.3f} grad norm {update.grad_norm:.2f} acc@1..4 {accuracy} "
+                f"block tau {log.block_tau:.2f}")
 
 
 def _micro_batch_step(accelerator: Any, draft: torch.nn.Module, target: torch.nn.Module,
                       batch: list[tuple[torch.Tensor, torch.Tensor, TargetSignals]], optimization: tuple[Any, Any],
-                      settings: TrainingSettings, micro_step: int) -> tuple[StepResult, float | None]:
+                      settings: TrainingSettings, micro_step: int) -> tuple[StepResult, StepUpdate | None]:
     """The loss on one micro-batch (input ids, loss mask, target signals per sequence, packed into one row) under the
     settings' autocast and its backward, inside Accelerate's accumulation; on the micro-batch that completes an
-    optimiser step, the clipped step of the optimiser and the schedule. The loss's result and the learning rate the
-    step applied (None while accumulating)."""
+    optimiser step, the clipped step of the optimiser and the schedule. The loss's result and the step's update
+    (None while accumulating)."""
     optimizer, scheduler = optimization
     dtype = autocast_dtype(settings.mixed_precision, accelerator.device)
     with accelerator.accumulate(draft):
@@ -534,11 +620,11 @@ def _micro_batch_step(accelerator: Any, draft: torch.nn.Module, target: torch.nn
         if not accelerator.sync_gradients:
             return result, None
         learning_rate = scheduler.get_last_lr()[0]
-        accelerator.clip_grad_norm_(draft.parameters(), settings.max_grad_norm)
+        grad_norm = accelerator.clip_grad_norm_(draft.parameters(), settings.max_grad_norm)  # the averaged gradients'
         optimizer.step()
         scheduler.step()  # once per optimiser step, whatever the number of processes (not handed to Accelerate)
         optimizer.zero_grad()
-    return result, learning_rate
+    return result, StepUpdate(learning_rate, float(grad_norm))
 
 
 def _micro_batches(sequences: list[tuple[torch.Tensor, torch.Tensor]], indices: list[int], batch_size: int,
@@ -559,15 +645,15 @@ def _micro_batches(sequences: list[tuple[torch.Tensor, torch.Tensor]], indices: 
 def _accumulated_step(accelerator: Any, draft: torch.nn.Module, target: torch.nn.Module,
                       micro_batches: Iterator[list[tuple[torch.Tensor, torch.Tensor, TargetSignals]]],
                       optimization: tuple[Any, Any], settings: TrainingSettings, step: int
-                      ) -> tuple[StepTotals, float]:
+                      ) -> tuple[StepTotals, StepUpdate]:
     """Optimiser step `step` over its micro-batches (`_micro_batch_step`; the last one steps): its totals over all
-    processes and the learning rate it applied."""
-    parts, learning_rate = [], None
+    processes and its update."""
+    parts, update = [], None
     for micro, batch in enumerate(micro_batches):
-        result, learning_rate = _micro_batch_step(accelerator, draft, target, batch, optimization, settings,
-                                                  step * settings.gradient_accumulation_steps + micro)
+        result, update = _micro_batch_step(accelerator, draft, target, batch, optimization, settings,
+                                           step * settings.gradient_accumulation_steps + micro)
         parts.append(step_totals(accelerator, result))
-    return StepTotals.combined(parts), learning_rate
+    return StepTotals.combined(parts), update
 
 
 def train_draft(
@@ -594,13 +680,15 @@ def train_draft(
     results go to every process's `log.evaluations`."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
-    from tqdm.auto import tqdm
 
+    check_trackers(settings.report_to)
+    output_dir = Path(output_dir)
     accelerator = Accelerator(cpu=not torch.cuda.is_available(),
                               gradient_accumulation_steps=settings.gradient_accumulation_steps,
-                              kwargs_handlers=process_group_kwargs(settings.process_group_timeout_minutes))
+                              kwargs_handlers=process_group_kwargs(settings.process_group_timeout_minutes),
+                              log_with=settings.report_to or None,
+                              project_dir=output_dir / TRACKER_DIR if settings.report_to else None)
     check_fsdp_applies(accelerator.state)
-    output_dir = Path(output_dir)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
     target.requires_grad_(False).to(accelerator.device)
@@ -627,15 +715,15 @@ def train_draft(
     def held_out() -> None:
         if evaluate is not None:
             record_evaluation(accelerator, model if sharded else None, draft, evaluate, log)
+            shows.evaluation(log)
 
     shown = progress and accelerator.is_main_process  # one progress bar, the main process's
     cached = (host_feature_cache(target, sequences, plan.process_items(log.steps, last, rank),
                                  len(draft.target_layer_ids), settings, signals_of, shown)
               if settings.cache_target and log.steps < last else None)
+    shows = _Progress(accelerator, settings, log, total_steps, shown)
     if log.steps == 0 and last > 0:
         held_out()  # the draft before training: the baseline of the curve
-    bar = tqdm(total=total_steps, initial=log.steps, disable=not shown, desc="training", unit="step")
-    loop_started, loop_tokens = time.perf_counter(), log.tokens  # tok/s: of the steps this call runs
     accuracy_epoch, accuracy = -1, _EpochAccuracy(draft.block_size)
     while log.steps < last:
         if log.steps // plan.steps_per_epoch != accuracy_epoch:  # a new (or resumed) epoch: fresh accuracy counts
@@ -643,20 +731,18 @@ def train_draft(
         step_items = plan.step_items(log.steps)  # every process's sequences of the step
         micro_batches = _micro_batches(sequences, step_items[rank::processes], settings.batch_size,
                                        accelerator.device, cached, signals_of)
-        totals, learning_rate = _accumulated_step(accelerator, model, target, micro_batches,
-                                                  (prepared_optimizer, scheduler), settings, log.steps)
-        text = accuracy.record(totals, learning_rate, log)
+        totals, update = _accumulated_step(accelerator, model, target, micro_batches,
+                                           (prepared_optimizer, scheduler), settings, log.steps)
+        text = accuracy.record(totals, update, log)
         log.tokens += sum(len(sequences[i][0]) for i in step_items)
-        tokens_per_second = (log.tokens - loop_tokens) / (time.perf_counter() - loop_started)
-        bar.set_postfix_str(f"{text}, {tokens_per_second:,.0f} tok/s")
-        bar.update(1)
+        shows.step(log, text)
         if eval_every and (log.steps % eval_every == 0 or log.steps == last):
             held_out()
         if log.steps % settings.checkpoint_every == 0 or log.steps == last:
             log.seconds = time.perf_counter() - started
             save_checkpoint(checkpoint_dir, unwrapped, optimizer, scheduler, log, facts, accelerator.is_main_process,
                             settings.keep_checkpoints)
-    bar.close()
+    shows.close()
     log.seconds = time.perf_counter() - started
     if sharded:  # every process's `draft` gets the trained weights, gathered from the shards
         draft.load_state_dict(whole_weights(model, every_process=True))
