@@ -97,6 +97,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gen-max-new-tokens", type=int, default=None,
                         help="new tokens of each regenerated response at most (default: what --max-length leaves "
                              "after its prompt, so that no answer is cut before training would cut it)")
+    parser.add_argument("--gen-order", choices=["length", "file"], default="length",
+                        help="length: the prompts go in batches by length, longest first (less padding, and a batch "
+                             "that does not fit fails first); file: in file order. Greedy rows are the same")
     parser.add_argument("--gen-temperature", type=float, default=0.0,
                         help='temperature of the regenerated responses (0: greedy)')
     parser.add_argument("--gen-dtype", choices=["auto", *DTYPES], default="auto",
@@ -160,6 +163,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                              "step, every N steps and after the last, on the main process, logged in "
                              "training_log.json next to the loss (0: only after training)")
     parser.add_argument("--eval-max-new-tokens", type=int, default=256, help='new tokens per held-out prompt')
+    parser.add_argument("--held-out-rows", type=int, default=0, metavar="K",
+                        help="keep the last K training rows out of training, and measure the draft's training loss, "
+                             "block tau and accuracy per position on them (every process its share) before the first "
+                             "step, every --held-out-every steps and after the last")
+    parser.add_argument("--held-out-every", type=int, default=0, metavar="N",
+                        help="optimiser steps between two measurements on the --held-out-rows")
     parser.add_argument("--eval-dtype", choices=["auto", *DTYPES], default="auto",
                         help="dtype of the held-out measurement (the saved draft stays float32); auto: bfloat16 on "
                              "CUDA, float32 on CPU")

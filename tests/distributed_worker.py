@@ -68,6 +68,9 @@ def record_calls() -> None:
         sharded = isinstance(draft, FSDPModule) and all(isinstance(p, DTensor) for p in draft.parameters())
         result = loss(draft, *args, **kwargs)
         rows = [ROW_INDEX.get(tuple(input_ids.tolist())) for input_ids, _ in args[1]]  # this micro-batch's rows
+        if not torch.is_grad_enabled():  # a held-out measurement, not a training step
+            RECORD.setdefault("held_out_rows", []).append(rows)
+            return result
         RECORD["rows"].setdefault(RECORD["phase"], []).append(rows)
         RECORD.setdefault("anchor_seeds", {}).setdefault(RECORD["phase"], []).append(args[3].initial_seed())
         if RECORD["recording"]:
@@ -105,7 +108,7 @@ def train_rows(count: int) -> list[dict]:
             for _ in range(count)]
 
 
-ROW_INDEX = {tuple(row["prompt_ids"] + row["response_ids"]): index for index, row in enumerate(train_rows(5))}
+ROW_INDEX = {tuple(row["prompt_ids"] + row["response_ids"]): index for index, row in enumerate(train_rows(8))}
 
 
 def weights_sum(draft: torch.nn.Module) -> float:
@@ -148,23 +151,30 @@ def run_batched(output: Path, sharded: bool) -> None:
     """`train_draft` on 5 rows, 2 epochs, two sequences per process per optimiser step: one packed micro-batch of two
     data-parallel, or (`sharded`, under FSDP) two accumulated micro-batches of one. Anchors cover every label, so the
     split cannot change them. Then the same run interrupted after 1 step and resumed (in OUTPUT's sibling
-    `resumed`)."""
+    `resumed`). Rows 5, 6 and 7 are held out: their loss is measured at every step."""
     from helpers import make_draft, make_target
 
     split = {"batch_size": 1, "gradient_accumulation_steps": 2} if sharded else {"batch_size": 2}
     settings = trainer.TrainingSettings(epochs=2, learning_rate=2e-3, num_anchors=64, warmup_ratio=0.25,
                                         checkpoint_every=1, **split)
-    target, rows = make_target("qwen3", seed=4), train_rows(5)
+    target, rows, held_out = make_target("qwen3", seed=4), train_rows(5), train_rows(8)[5:]
+
+    def train(draft: torch.nn.Module, folder: Path, max_steps: int | None = None) -> trainer.TrainingLog:
+        return trainer.train_draft(draft, target, rows, settings, folder, progress=False, max_steps=max_steps,
+                                   held_out_rows=held_out, held_out_every=1)
+
     draft = make_draft(5, block_size=4)
-    log = trainer.train_draft(draft, target, rows, settings, output, progress=False)
-    RECORD["log_steps"], RECORD["weights_sum"] = log.steps, weights_sum(draft)
+    log = train(draft, output)
+    RECORD["log_steps"], RECORD["weights_sum"], RECORD["held_out_losses"] = (log.steps, weights_sum(draft),
+                                                                             log.held_out_losses)
     RECORD["recording"], RECORD["phase"] = False, "interrupted"
     resumed = output.parent / "resumed"
-    trainer.train_draft(make_draft(5, block_size=4), target, rows, settings, resumed, progress=False, max_steps=1)
+    train(make_draft(5, block_size=4), resumed, max_steps=1)
     RECORD["phase"] = "resumed"
     draft = make_draft(6, block_size=4)  # other initial weights: the checkpoint's replace them
-    log = trainer.train_draft(draft, target, rows, settings, resumed, progress=False)
-    RECORD["resumed"] = {"losses": log.losses, "tokens": log.tokens, "weights_sum": weights_sum(draft)}
+    log = train(draft, resumed)
+    RECORD["resumed"] = {"losses": log.losses, "tokens": log.tokens, "weights_sum": weights_sum(draft),
+                         "held_out_losses": log.held_out_losses}
 
 
 def force_fsdp() -> None:

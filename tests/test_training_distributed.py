@@ -351,6 +351,27 @@ def test_the_process_group_starts_with_the_timeout_flag(cli_run, train_run):
     assert [record["process_group_timeouts"] for record in train_run[1]] == [[None]] * 2  # none: the default
 
 
+def test_every_process_measures_its_share_of_the_held_out_loss(batched_runs):
+    from test_training_evaluation import held_out_reference
+
+    for mode, (output, records) in batched_runs.items():  # 3 held-out rows, measured before each step and after
+        log = training_log(output)
+        assert [entry["step"] for entry in log["held_out_losses"]] == list(range(log["steps"] + 1)), mode
+        measurements = (log["steps"] + 1) + 2 + (log["steps"] - 1)  # the run; the interrupted one (0, 1); the rest
+        # equal shares: process 0 rows 5 and 7, process 1 row 6 and (wrapped, weighted 0) row 5
+        assert [record["held_out_rows"] for record in records] == [[[5], [7]] * measurements,
+                                                                   [[6], [5]] * measurements], mode
+        for record in records:
+            assert record["held_out_losses"] == log["held_out_losses"], mode  # one value, every process's
+            resumed = record["resumed"]["held_out_losses"]  # the interrupted run's entries, then its own
+            assert [entry["step"] for entry in resumed] == [entry["step"] for entry in log["held_out_losses"]]
+            assert [entry["loss"] for entry in resumed] == pytest.approx(
+                [entry["loss"] for entry in log["held_out_losses"]], rel=1e-5), mode
+        reference = held_out_reference(make_draft(5, block_size=4), make_target("qwen3", seed=4),
+                                       train_rows(8)[5:], TrainingSettings(num_anchors=64))
+        assert log["held_out_losses"][0]["loss"] == pytest.approx(reference, rel=1e-5), mode  # before training
+
+
 def test_the_main_process_alone_reports_to_tensorboard_the_global_values(cli_run):
     from test_training_trackers import scalars
 

@@ -121,6 +121,8 @@ def test_train_defaults_are_the_real_job_and_every_flag_reaches_the_settings():
     (["--max-length", "1"], "max_length 1 \\(--max-length\\)"),
     (["--gen-max-new-tokens", "0"], "--gen-max-new-tokens 0: expected >= 1"),
     (["--process-group-timeout", "-5"], "--process-group-timeout"),
+    (["--held-out-rows", "2"], "--held-out-rows 2 and --held-out-every 0: pass both >= 1"),
+    (["--held-out-every", "5"], "--held-out-rows 0 and --held-out-every 5: pass both >= 1"),
 ])
 def test_train_refuses_job_flags_before_anything_loads(tmp_path, monkeypatch, flags, message):
     import dflash_hf.training.command as command
@@ -133,16 +135,18 @@ def test_train_refuses_job_flags_before_anything_loads(tmp_path, monkeypatch, fl
     assert not (tmp_path / "run").exists()
 
 
-def test_every_prompt_is_answered_by_default_and_a_bf16_evaluation_saves_the_float32_draft(tmp_path):
+def test_every_prompt_is_answered_by_default_the_last_row_held_out_and_a_bf16_evaluation_saves_float32(tmp_path):
     prompts = save_tiny_target_and_prompts(tmp_path, 3)
     run = tmp_path / "run"
     main(["train", "--target", str(tmp_path / "target"), "--output", str(run), "--prompts", str(prompts),
           "--max-length", "14", "--draft-block-size", "4", "--draft-layers", "1", "--mask-token", "w127",
           "--epochs", "1", "--num-anchors", "4", "--eval-prompts", str(prompts), "--num-eval", "1",
-          "--eval-max-new-tokens", "4", "--eval-dtype", "bfloat16"])
+          "--eval-max-new-tokens", "4", "--eval-dtype", "bfloat16", "--held-out-rows", "1", "--held-out-every", "1"])
     responses = [json.loads(line) for line in (run / "responses.jsonl").read_text().splitlines()]
     assert sorted(row["index"] for row in responses) == [0, 1, 2]  # no --num-prompts: all 3
     assert all(len(row["prompt_ids"]) + len(row["response_ids"]) == 14 for row in responses)  # up to --max-length
+    log = json.loads((run / "training_log.json").read_text())
+    assert log["steps"] == 2 and [entry["step"] for entry in log["held_out_losses"]] == [0, 1, 2]  # 2 rows trained
     trained = load_file(run / CHECKPOINT_DIR / DRAFT_WEIGHTS_FILE)
     saved = load_file(run / "draft" / "model.safetensors")
     for name, tensor in trained.items():  # measured in bfloat16 on a copy; saved as trained

@@ -40,7 +40,8 @@ def scalars(folder) -> dict[str, list[tuple[int, float]]]:
 def test_tensorboard_gets_loss_learning_rate_gradient_norm_accuracy_tokens_per_second_and_held_out(tmp_path):
     pytest.importorskip("tensorboard")
     log = train_draft(make_draft(5, block_size=4), make_target("qwen3", seed=4), rows(), SETTINGS, tmp_path,
-                      progress=False, evaluate=lambda draft: {"tau": 1.5, "lossless": True}, eval_every=3)
+                      progress=False, evaluate=lambda draft: {"tau": 1.5, "lossless": True}, eval_every=3,
+                      held_out_rows=rows(5)[3:], held_out_every=3)
     found = scalars(tmp_path / TRACKER_DIR / TRACKER_RUN)
     steps = list(range(1, log.steps + 1))
     for tag, values in [("train/loss", log.losses), ("train/learning_rate", log.learning_rates),
@@ -54,6 +55,11 @@ def test_tensorboard_gets_loss_learning_rate_gradient_norm_accuracy_tokens_per_s
     assert found["train/block_tau"][-1][1] == pytest.approx(log.block_tau, rel=1e-6)
     assert found["held_out/tau"] == [(0, 1.5), (3, 1.5), (6, 1.5)]  # before training, every 3 steps, the last
     assert [value for _, value in found["held_out/lossless"]] == [1.0, 1.0, 1.0]
+    for name in ("loss", "block_tau", "position_accuracy_1"):  # the held-out loss every process computes
+        expected = [(entry["step"], entry[name] if name in entry else entry["position_accuracy"][0])
+                    for entry in log.held_out_losses]
+        assert [step for step, _ in found[f"held_out/{name}"]] == [step for step, _ in expected] == [0, 3, 6]
+        assert [value for _, value in found[f"held_out/{name}"]] == pytest.approx([v for _, v in expected], rel=1e-6)
 
 
 def test_the_logged_gradient_norm_is_the_first_steps_norm_before_clipping(tmp_path):

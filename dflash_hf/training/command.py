@@ -57,6 +57,9 @@ def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> 
     if any(count < 1 for count in args.num_prompts or ()) or args.num_eval < 0:
         raise SystemExit(f"--num-prompts must be >= 1 and --num-eval >= 0 (0: no evaluation), got "
                          f"{' '.join(map(str, args.num_prompts))} and {args.num_eval}")
+    if args.held_out_rows < 0 or (args.held_out_rows > 0) != (args.held_out_every > 0) or args.held_out_every < 0:
+        raise SystemExit(f"--held-out-rows {args.held_out_rows} and --held-out-every {args.held_out_every}: pass "
+                         "both >= 1 (measure the loss on K held-out rows every N steps), or neither")
     if args.gen_max_new_tokens is not None and args.gen_max_new_tokens < 1:
         raise SystemExit(f"--gen-max-new-tokens {args.gen_max_new_tokens}: expected >= 1 (or leave it out: what "
                          "--max-length leaves after each prompt)")
@@ -120,6 +123,7 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     rows = generate_responses(target, tokenizer, prompts, output / "responses.jsonl",
                               batch_size=args.gen_batch_size, max_new_tokens=args.gen_max_new_tokens,
                               max_length=args.max_length, temperature=args.gen_temperature, seed=args.seed,
+                              by_length=args.gen_order == "length",
                               draft=generation_draft(args.gen_draft, target), seed_paths=args.responses)
     if args.generate_only:
         if state.is_main_process:
@@ -127,6 +131,7 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         return {"num_rows": len(rows)}
     training_rows = rows[args.first_prompt:]  # the draft vocabulary below still counts every row
     training_rows += conversation_rows(conversations, target, tokenizer)
+    training_rows, held_out_rows = held_out_split(training_rows, args.held_out_rows)
     target = target.to(training_target_dtype(args.target_dtype, device))
     torch.manual_seed(args.seed)
     draft, mask_token = build_draft(args, target, tokenizer)
@@ -140,7 +145,8 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         return held_out_evaluation(trained, target, eval_prompts, args.eval_max_new_tokens, tokens)
 
     log = train_draft(draft, target, training_rows, settings, output, max_steps=args.max_steps,
-                      evaluate=evaluate if args.eval_every else None, eval_every=args.eval_every)
+                      evaluate=evaluate if args.eval_every else None, eval_every=args.eval_every,
+                      held_out_rows=held_out_rows, held_out_every=args.held_out_every)
     if not state.is_main_process:  # evaluating and saving are the main process's (a barrier would time out on a
         return {}                  # long evaluation): train_draft returned once the log and checkpoint were written
     if args.draft_vocab_size:  # the draft proposes from the target's most frequent tokens in its own responses
@@ -163,6 +169,14 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     (output / "evaluation.json").write_text(json.dumps(evaluation, indent=2))
     print(json.dumps(evaluation, indent=2))
     return evaluation
+
+
+def held_out_split(rows: list[dict], count: int) -> tuple[list[dict], list[dict]]:
+    """(the rows to train on, the last `count` rows held out of training: `--held-out-rows`); exits when no row
+    would be left to train on."""
+    if count >= len(rows):
+        raise SystemExit(f"--held-out-rows {count}: there are only {len(rows)} training rows; hold out fewer")
+    return rows[:len(rows) - count], rows[len(rows) - count:]
 
 
 def held_out_evaluation(draft: DFlashDraftModel, target: torch.nn.Module, prompts: list[list[int]],

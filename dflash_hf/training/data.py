@@ -136,18 +136,20 @@ def generate_responses(
     progress: bool = True,
     draft: torch.nn.Module | None = None,
     seed_paths: Sequence[str | Path] = (),
+    by_length: bool = True,
 ) -> list[dict]:
     """Regenerate a response for every prompt with the target; returns all rows, in prompt order.
 
     Each row is {"index", "prompt_ids", "response_ids"}; rows already in `output_path` are kept. An answer takes
     `max_new_tokens` tokens at most or, with `max_new_tokens` None, what `max_length` leaves after its prompt
-    (`answer_cap`). Rows of the
-    `seed_paths` files (`.jsonl` or `.jsonl.gz`) answer the prompts whose rendered ids they hold, wherever those
-    prompts sit in `prompts` (copied in, re-indexed). With a `draft`, the batches run through `spec_generate`
-    (lossless, so the rows are the target's own output), otherwise `generate`. Under `accelerate launch` /
-    `torchrun` every process calls this with the same prompts: the prompts still to answer are shared out in rounds
-    of one batch per process, each round's rows gathered, and only the main process writes `output_path`; every
-    process returns all rows.
+    (`answer_cap`). With `by_length`, the prompts still to answer go in batches by length, longest first: a batch
+    pads its prompts less, and one that does not fit in memory fails first (greedy rows are the same either way).
+    Rows of the `seed_paths` files (`.jsonl` or `.jsonl.gz`) answer the prompts whose rendered ids they hold,
+    wherever those prompts sit in `prompts` (copied in, re-indexed). With a `draft`, the batches run through
+    `spec_generate` (lossless, so the rows are the target's own output), otherwise `generate`. Under `accelerate
+    launch` / `torchrun` every process calls this with the same prompts: the prompts still to answer are shared out
+    in rounds of one batch per process, each round's rows gathered, and only the main process writes `output_path`;
+    every process returns all rows.
     """
     state = process_state()
     prompt_ids = [user_prompt_ids(tokenizer, prompt) for prompt in prompts]  # rendered once, used below three times
@@ -157,6 +159,8 @@ def generate_responses(
     if not state.is_main_process:
         rows = _stored_rows(output_path, prompt_ids, seed_paths, writer=False)
     todo = [i for i in range(len(prompts)) if i not in rows]  # the same list on every process
+    if by_length:
+        todo.sort(key=lambda i: -len(prompt_ids[i]))  # stable: prompts of one length stay in file order
     device = target_device(target)
     tokens = generation_tokens(target, tokenizer)  # stop on every EOS id, as bench and the evaluation do
     if temperature > 0:

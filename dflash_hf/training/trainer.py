@@ -127,6 +127,40 @@ def tracker_config(settings: TrainingSettings) -> dict[str, Any]:
             for name, value in asdict(settings).items()}
 
 
+def held_out_loss(accelerator: Accelerator, model: torch.nn.Module, target: torch.nn.Module,
+                  sequences: list[tuple[torch.Tensor, torch.Tensor]], settings: TrainingSettings,
+                  signals_of: Callable[[torch.Tensor, torch.Tensor], TargetSignals]) -> dict[str, Any]:
+    """The training loss, block tau and accuracy per block position of the draft on held-out `sequences`, every
+    process computing its share (entries p, p + N, ...; wrapped round to equal shares, the repeats weighted 0, so
+    that every process runs as many forwards: FSDP gathers in each, and its shards are restored after) and one
+    all-reduce. Each sequence draws the same
+    anchors every time (`anchor_seed` of process -1 and its index), so the values compare across steps."""
+    from torch.distributed.fsdp import FSDPModule
+
+    processes, device = accelerator.num_processes, accelerator.device
+    dtype = autocast_dtype(settings.mixed_precision, device)
+    parts = []
+    with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        for position in range(accelerator.process_index, math.ceil(len(sequences) / processes) * processes,
+                              processes):
+            index = position % len(sequences)
+            input_ids, loss_mask = (t.to(device) for t in sequences[index])
+            result = packed_dflash_loss(model, target, [(input_ids, loss_mask)], settings.num_anchors,
+                                        torch.Generator().manual_seed(anchor_seed(settings.seed, -1, index)),
+                                        [signals_of(input_ids, loss_mask)])
+            counts = torch.stack([result.loss.detach().float(), torch.ones((), device=device),
+                                  result.leading_correct.float().sum(),
+                                  torch.tensor(float(len(result.leading_correct)), device=device)])
+            weight = float(position < len(sequences))  # a wrapped repeat counts for nothing
+            parts.append(weight * torch.cat([counts, result.correct.float(), result.counted.float()]))
+    if isinstance(model, FSDPModule):  # FSDP keeps the root unit gathered after a forward with no backward
+        model.reshard()
+    total = accelerator.reduce(torch.stack(parts).sum(0), reduction="sum").cpu()  # [4 + 2 (B-1)]
+    correct, counted = total[4:].chunk(2)
+    return {"loss": float(total[0] / total[1]), "block_tau": float(1 + total[2] / total[3].clamp(min=1)),
+            "position_accuracy": (correct / counted.clamp(min=1)).tolist()}
+
+
 def step_metrics(log: TrainingLog, tokens_per_second: float) -> dict[str, float]:
     """What the trackers get for the step `log` just recorded: loss, learning rate, gradient norm, tokens per second,
     the epoch's block tau and accuracy per block position so far."""
@@ -161,6 +195,7 @@ class TrainingLog:
     processes: int = 1  # data-parallel processes of the run (a checkpoint resumes on as many)
     tokens: int = 0  # tokens of the trained sequences, every process's
     evaluations: list[dict] = field(default_factory=list)  # held-out results: {"step", "tau", "lossless", ...}
+    held_out_losses: list[dict] = field(default_factory=list)  # {"step", "loss", "block_tau", "position_accuracy"}
 
 
 def row_tokens(row: dict) -> tuple[list[int], list[int]]:
@@ -561,12 +596,16 @@ class _Progress:
         if self.reporting:
             self.accelerator.log(step_metrics(log, tokens_per_second), step=log.steps)
 
-    def evaluation(self, log: TrainingLog) -> None:
-        """Report the evaluation `log` just recorded: its numbers, as held_out/<name>."""
+    def evaluation(self, results: dict[str, Any], step: int) -> None:
+        """Report an evaluation's `results` at `step`: its numbers as held_out/<name>, a list's items as
+        held_out/<name>_<k> (k from 1)."""
         if self.reporting:
-            results = {f"held_out/{name}": value for name, value in log.evaluations[-1].items()
+            numbers = {f"held_out/{name}": value for name, value in results.items()
                        if name != "step" and isinstance(value, (int, float))}
-            self.accelerator.log(results, step=log.steps)
+            for name, values in results.items():
+                if isinstance(values, list):
+                    numbers.update((f"held_out/{name}_{k}", value) for k, value in enumerate(values, 1))
+            self.accelerator.log(numbers, step=step)
 
     def close(self) -> None:
         """Close the bar, and the trackers' files (not through `end_training`, which would end the process group)."""
@@ -666,6 +705,8 @@ def train_draft(
     max_steps: int | None = None,
     evaluate: Callable[[DFlashDraftModel], dict[str, Any]] | None = None,
     eval_every: int = 0,
+    held_out_rows: list[dict] | None = None,
+    held_out_every: int = 0,
 ) -> TrainingLog:
     """Train `draft` on the target's regenerated rows; resumes from `output_dir/checkpoint/` if present.
 
@@ -677,11 +718,14 @@ def train_draft(
     is written. Under Accelerate's FSDP a copy of the draft is sharded over the processes and the trained weights
     are gathered back into `draft` at the end. `evaluate(draft)` (held-out tau and losslessness; JSON-ready values)
     runs on the main process before the first step, every `eval_every` optimiser steps and after the last; its
-    results go to every process's `log.evaluations`."""
+    results go to every process's `log.evaluations`. `held_out_rows` (never trained on): every process computes its
+    share of their training loss (`held_out_loss`) at the same steps, every `held_out_every` steps, into
+    `log.held_out_losses`."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 
     check_trackers(settings.report_to)
+    check_held_out(held_out_rows, held_out_every)
     output_dir = Path(output_dir)
     accelerator = Accelerator(cpu=not torch.cuda.is_available(),
                               gradient_accumulation_steps=settings.gradient_accumulation_steps,
@@ -693,6 +737,7 @@ def train_draft(
         output_dir.mkdir(parents=True, exist_ok=True)
     target.requires_grad_(False).to(accelerator.device)
     sequences = training_sequences(rows, settings.max_length)
+    held_out_sequences = training_sequences(held_out_rows or [], settings.max_length)
     rank, processes = accelerator.process_index, accelerator.num_processes
     plan = EpochPlan(len(sequences), processes, settings.sequences_per_step, settings.seed)
     total_steps = plan.steps_per_epoch * settings.epochs
@@ -712,10 +757,14 @@ def train_draft(
         return target_signals(target, input_ids.to(accelerator.device), draft.target_layer_ids,
                               settings.teacher_top_k if settings.distill else None, teacher_rows(loss_mask))
 
-    def held_out() -> None:
-        if evaluate is not None:
+    def held_out(first: bool = False) -> None:  # the held-out measurements due now (`first`: before training)
+        if evaluate is not None and (first or _due(log.steps, eval_every, last)):
             record_evaluation(accelerator, model if sharded else None, draft, evaluate, log)
-            shows.evaluation(log)
+            shows.evaluation(log.evaluations[-1], log.steps)
+        if held_out_sequences and (first or _due(log.steps, held_out_every, last)):  # every process: its share
+            log.held_out_losses.append({"step": log.steps, **held_out_loss(
+                accelerator, model, target, held_out_sequences, settings, signals_of)})
+            shows.evaluation(log.held_out_losses[-1], log.steps)
 
     shown = progress and accelerator.is_main_process  # one progress bar, the main process's
     cached = (host_feature_cache(target, sequences, plan.process_items(log.steps, last, rank),
@@ -723,7 +772,7 @@ def train_draft(
               if settings.cache_target and log.steps < last else None)
     shows = _Progress(accelerator, settings, log, total_steps, shown)
     if log.steps == 0 and last > 0:
-        held_out()  # the draft before training: the baseline of the curve
+        held_out(first=True)  # the draft before training: the baseline of the curve
     accuracy_epoch, accuracy = -1, _EpochAccuracy(draft.block_size)
     while log.steps < last:
         if log.steps // plan.steps_per_epoch != accuracy_epoch:  # a new (or resumed) epoch: fresh accuracy counts
@@ -736,8 +785,7 @@ def train_draft(
         text = accuracy.record(totals, update, log)
         log.tokens += sum(len(sequences[i][0]) for i in step_items)
         shows.step(log, text)
-        if eval_every and (log.steps % eval_every == 0 or log.steps == last):
-            held_out()
+        held_out()
         if log.steps % settings.checkpoint_every == 0 or log.steps == last:
             log.seconds = time.perf_counter() - started
             save_checkpoint(checkpoint_dir, unwrapped, optimizer, scheduler, log, facts, accelerator.is_main_process,
@@ -752,6 +800,17 @@ def train_draft(
         (output_dir / "training_log.json").write_text(json.dumps({"settings": asdict(settings), **asdict(log)}))
     accelerator.wait_for_everyone()  # no process leaves before the log and the last checkpoint are written
     return log
+
+
+def check_held_out(rows: list[dict] | None, every: int) -> None:
+    """Refuse held-out rows without a number of steps between their measurements."""
+    if rows and every < 1:
+        raise ValueError(f"held_out_every {every}: held-out rows are measured every N >= 1 optimiser steps")
+
+
+def _due(step: int, every: int, last: int) -> bool:
+    """Whether a measurement taken every `every` optimiser steps (0: never) and after the last is due at `step`."""
+    return every > 0 and (step % every == 0 or step == last)
 
 
 def whole_weights(model: torch.nn.Module, every_process: bool) -> dict[str, torch.Tensor]:
