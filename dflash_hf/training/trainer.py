@@ -133,8 +133,8 @@ def held_out_loss(accelerator: Accelerator, model: torch.nn.Module, target: torc
     """The training loss, block tau and accuracy per block position of the draft on held-out `sequences`, every
     process computing its share (entries p, p + N, ...; wrapped round to equal shares, the repeats weighted 0, so
     that every process runs as many forwards: FSDP gathers in each, and its shards are restored after) and one
-    all-reduce. Each sequence draws the same
-    anchors every time (`anchor_seed` of process -1 and its index), so the values compare across steps."""
+    all-reduce. Each sequence draws the same anchors every time (`anchor_seed` of process -1 and its index), so the
+    values compare across steps."""
     from torch.distributed.fsdp import FSDPModule
 
     processes, device = accelerator.num_processes, accelerator.device
