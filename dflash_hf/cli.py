@@ -49,7 +49,8 @@ SHARED_OPTIONS: dict[str, dict] = {
                                           "prompt sets shipped in dflash_hf/data)"),
     "--num-prompts": dict(type=int, nargs="+", metavar="N",
                           help="the first N prompts of each prompt file (or dataset), or one count per file, e.g. "
-                               "--prompts gsm8k_train.jsonl mbpp_train.jsonl --num-prompts 5280 459"),
+                               "--prompts gsm8k_train.jsonl mbpp_train.jsonl --num-prompts 5280 459 (none: all of "
+                               "them)"),
     "--max-new-tokens": dict(type=int, default=256, help="new tokens per prompt (and per turn of a multi-turn one)"),
     "--dtype": dict(choices=["auto", *DTYPES], default="auto",
                     help="dtype of target and draft; auto: float32 on CPU (few-row bfloat16 matmuls are slow "
@@ -87,17 +88,22 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help="run folder: responses, checkpoint, draft/")
     add_shared_argument(parser, "--prompts")
     add_shared_argument(parser, "--data-dir")
-    add_shared_argument(parser, "--num-prompts", default=[480])
+    add_shared_argument(parser, "--num-prompts", default=None)
     parser.add_argument("--first-prompt", type=int, default=0, metavar="I",
                         help="train on prompts I.. only (all are still generated or read; counted over the prompt "
                              "files in order), e.g. a later --init-from stage on rows the draft has not seen")
     parser.add_argument("--gen-batch-size", type=int, default=16,
                         help='prompts per batched generate call while regenerating responses')
-    parser.add_argument("--gen-max-new-tokens", type=int, default=256, help='length of each regenerated response')
+    parser.add_argument("--gen-max-new-tokens", type=int, default=None,
+                        help="new tokens of each regenerated response at most (default: what --max-length leaves "
+                             "after its prompt, so that no answer is cut before training would cut it)")
+    parser.add_argument("--gen-order", choices=["length", "file"], default="length",
+                        help="length: the prompts go in batches by length, longest first (less padding, and a batch "
+                             "that does not fit fails first); file: in file order. Greedy rows are the same")
     parser.add_argument("--gen-temperature", type=float, default=0.0,
                         help='temperature of the regenerated responses (0: greedy)')
-    parser.add_argument("--gen-dtype", choices=DTYPES, default="float32",
-                        help="the target's dtype while regenerating responses")
+    parser.add_argument("--gen-dtype", choices=["auto", *DTYPES], default="auto",
+                        help="the target's dtype while regenerating responses; auto: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--gen-draft", default=None, metavar="DRAFT",
                         help="generate the responses with spec_generate and this draft (folder or Hub id; 'shipped' "
                              "for the SmolLM2 demo draft): greedy in float32, the same rows as generate; faster "
@@ -147,6 +153,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start from a trained draft (folder or Hub id): its architecture, new schedule, "
                              "your data")
     add_train_scale_arguments(parser)
+    add_train_job_arguments(parser)
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resumable)")
     add_shared_argument(parser, "--seed")
     parser.add_argument("--eval-prompts", default=None, help="default: gsm8k_test.jsonl in the data folder")
@@ -156,7 +163,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                              "step, every N steps and after the last, on the main process, logged in "
                              "training_log.json next to the loss (0: only after training)")
     parser.add_argument("--eval-max-new-tokens", type=int, default=256, help='new tokens per held-out prompt')
-    parser.add_argument("--eval-dtype", choices=DTYPES, default="float32", help='dtype of the held-out measurement')
+    parser.add_argument("--held-out-rows", type=int, default=0, metavar="K",
+                        help="keep the last K training rows out of training, and measure the draft's training loss, "
+                             "block tau and accuracy per position on them (every process its share) before the first "
+                             "step, every --held-out-every steps and after the last")
+    parser.add_argument("--held-out-every", type=int, default=0, metavar="N",
+                        help="optimiser steps between two measurements on the --held-out-rows")
+    parser.add_argument("--eval-dtype", choices=["auto", *DTYPES], default="auto",
+                        help="dtype of the held-out measurement (the saved draft stays float32); auto: bfloat16 on "
+                             "CUDA, float32 on CPU")
 
 
 def add_train_scale_arguments(parser: argparse.ArgumentParser) -> None:
@@ -178,6 +193,25 @@ def add_train_scale_arguments(parser: argparse.ArgumentParser) -> None:
                              "(refused when they would not fit); default: the target runs per batch")
     parser.add_argument("--cache-limit-gib", type=float, default=None,
                         help="the feature cache's limit per process (default: the host's available memory)")
+
+
+def add_train_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """`train`'s sequence length, checkpoint, tracker and process-group flags (docs/training.md, "Optimiser", "Logs"
+    and "Several processes")."""
+    parser.add_argument("--max-length", type=int, default=TrainingSettings.max_length,
+                        help="tokens of a training sequence at most (prompt and response; longer ones are cut)")
+    parser.add_argument("--checkpoint-every", type=int, default=TrainingSettings.checkpoint_every, metavar="STEPS",
+                        help="optimiser steps between resumable checkpoints (OUTPUT/checkpoint)")
+    parser.add_argument("--keep-checkpoints", type=int, default=TrainingSettings.keep_checkpoints, metavar="K",
+                        help="checkpoints kept on disk: the latest in OUTPUT/checkpoint, the K - 1 before it in "
+                             "OUTPUT/checkpoint-<step>")
+    parser.add_argument("--report-to", nargs="+", default=[], metavar="TRACKER",
+                        help="report every step's loss, learning rate, gradient norm, tokens/s and accuracy per "
+                             "block position (and the held-out evaluations) to Accelerate's trackers: tensorboard "
+                             "(files in OUTPUT/logs), wandb, trackio, mlflow, ... (each needs its package)")
+    parser.add_argument("--process-group-timeout", type=float, default=None, metavar="MINUTES",
+                        help="how long a process waits in a collective (generation rounds, evaluation, checkpoints) "
+                             "before the job stops (default: the backend's, NCCL 10, gloo 30 minutes)")
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:

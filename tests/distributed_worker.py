@@ -1,11 +1,13 @@
 """One process of a two-process training run (tests/test_training_distributed.py starts two with torchrun).
 
 `python distributed_worker.py MODE OUTPUT RECORDS [CLI ARGS...]`. MODE `train` runs `train_draft` on tiny seeded
-models built here; MODE `fsdp` the same under Accelerate's FSDP (started by `accelerate launch --config_file
-examples/accelerate_fsdp.yaml`); MODEs `train-batched` and `fsdp-batched` train two sequences per process per
-optimiser step (`run_batched`); MODE `cli` runs `dflash-hf train` with the CLI ARGS. Every process records what it
-did in RECORDS/rank<i>.json (outside OUTPUT): the files it wrote under OUTPUT (seen by an audit hook), the loss of
-each of its own sequences, the prompts it generated and the evaluations it ran.
+models built here (two checkpoints kept); MODE `fsdp` the same under Accelerate's FSDP (started by `accelerate
+launch --config_file examples/accelerate_fsdp.yaml`); MODEs `train-batched` and `fsdp-batched` train two sequences
+per process per optimiser step (`run_batched`); MODE `cli` runs `dflash-hf train` with the CLI ARGS. Every process
+records what it did in RECORDS/rank<i>.json (outside OUTPUT): the files it wrote under OUTPUT (seen by an audit
+hook), the loss of each of its own sequences, the rows and anchor seed of each of its micro-batches (by phase: the
+run, the interrupted and the resumed one), the prompts it generated, the evaluations it ran and its process group's
+timeout.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 RANK = int(os.environ.get("RANK", 0))  # set by torchrun
 RECORD: dict[str, Any] = {"rank": RANK, "writes": [], "local_losses": [], "generated": [], "evaluations": 0,
-                          "recording": True}
+                          "recording": True, "phase": "run", "rows": {}, "process_group_timeouts": []}
 
 
 def watch_writes(output: Path) -> None:
@@ -65,6 +67,12 @@ def record_calls() -> None:
 
         sharded = isinstance(draft, FSDPModule) and all(isinstance(p, DTensor) for p in draft.parameters())
         result = loss(draft, *args, **kwargs)
+        rows = [ROW_INDEX.get(tuple(input_ids.tolist())) for input_ids, _ in args[1]]  # this micro-batch's rows
+        if not torch.is_grad_enabled():  # a held-out measurement, not a training step
+            RECORD.setdefault("held_out_rows", []).append(rows)
+            return result
+        RECORD["rows"].setdefault(RECORD["phase"], []).append(rows)
+        RECORD.setdefault("anchor_seeds", {}).setdefault(RECORD["phase"], []).append(args[3].initial_seed())
         if RECORD["recording"]:
             RECORD["local_losses"].append(float(result.loss.detach()))
             RECORD["sharded_steps"] = RECORD.get("sharded_steps", 0) + sharded  # this step's draft held shards
@@ -78,6 +86,13 @@ def record_calls() -> None:
         RECORD["evaluations"] += 1
         return evaluate(*args, **kwargs)
 
+    def counted_init(*args, **kwargs):  # the timeout the process group starts with (None: the backend's default)
+        timeout = kwargs.get("timeout")
+        RECORD["process_group_timeouts"].append(None if timeout is None else timeout.total_seconds())
+        return init_process_group(*args, **kwargs)
+
+    init_process_group = torch.distributed.init_process_group
+    torch.distributed.init_process_group = counted_init
     trainer.packed_dflash_loss = counted_loss
     dflash_hf.training.data._respond = counted_respond
     dflash_hf.training.command.evaluate_draft = counted_evaluate
@@ -93,6 +108,9 @@ def train_rows(count: int) -> list[dict]:
             for _ in range(count)]
 
 
+ROW_INDEX = {tuple(row["prompt_ids"] + row["response_ids"]): index for index, row in enumerate(train_rows(8))}
+
+
 def weights_sum(draft: torch.nn.Module) -> float:
     """The sum of all the draft's weights (equal on every process when they train one draft)."""
     return float(sum(p.detach().double().sum() for p in draft.parameters()))
@@ -105,7 +123,7 @@ def run_train(output: Path) -> None:
     from helpers import make_draft, make_target
 
     settings = trainer.TrainingSettings(epochs=2, learning_rate=2e-3, num_anchors=8, warmup_ratio=0.25,
-                                        checkpoint_every=2)
+                                        checkpoint_every=2, keep_checkpoints=2)
     target, rows = make_target("qwen3", seed=4), train_rows(5)
 
     def evaluate(draft: torch.nn.Module) -> dict:  # what the held-out evaluation sees: the whole draft's weights
@@ -119,9 +137,10 @@ def run_train(output: Path) -> None:
     draft = make_draft(5, block_size=4)
     log = train(draft, output)
     RECORD["log_steps"], RECORD["weights_sum"], RECORD["held_out"] = log.steps, weights_sum(draft), log.evaluations
-    RECORD["recording"] = False
+    RECORD["recording"], RECORD["phase"] = False, "interrupted"
     resumed = output.parent / "resumed"
     train(make_draft(5, block_size=4), resumed, max_steps=3)
+    RECORD["phase"] = "resumed"
     draft = make_draft(6, block_size=4)  # other initial weights: the checkpoint's replace them
     log = train(draft, resumed)
     RECORD["resumed"] = {"losses": log.losses, "learning_rates": log.learning_rates, "weights_sum": weights_sum(draft),
@@ -132,22 +151,30 @@ def run_batched(output: Path, sharded: bool) -> None:
     """`train_draft` on 5 rows, 2 epochs, two sequences per process per optimiser step: one packed micro-batch of two
     data-parallel, or (`sharded`, under FSDP) two accumulated micro-batches of one. Anchors cover every label, so the
     split cannot change them. Then the same run interrupted after 1 step and resumed (in OUTPUT's sibling
-    `resumed`)."""
+    `resumed`). Rows 5, 6 and 7 are held out: their loss is measured at every step."""
     from helpers import make_draft, make_target
 
     split = {"batch_size": 1, "gradient_accumulation_steps": 2} if sharded else {"batch_size": 2}
     settings = trainer.TrainingSettings(epochs=2, learning_rate=2e-3, num_anchors=64, warmup_ratio=0.25,
                                         checkpoint_every=1, **split)
-    target, rows = make_target("qwen3", seed=4), train_rows(5)
+    target, rows, held_out = make_target("qwen3", seed=4), train_rows(5), train_rows(8)[5:]
+
+    def train(draft: torch.nn.Module, folder: Path, max_steps: int | None = None) -> trainer.TrainingLog:
+        return trainer.train_draft(draft, target, rows, settings, folder, progress=False, max_steps=max_steps,
+                                   held_out_rows=held_out, held_out_every=1)
+
     draft = make_draft(5, block_size=4)
-    log = trainer.train_draft(draft, target, rows, settings, output, progress=False)
-    RECORD["log_steps"], RECORD["weights_sum"] = log.steps, weights_sum(draft)
-    RECORD["recording"] = False
+    log = train(draft, output)
+    RECORD["log_steps"], RECORD["weights_sum"], RECORD["held_out_losses"] = (log.steps, weights_sum(draft),
+                                                                             log.held_out_losses)
+    RECORD["recording"], RECORD["phase"] = False, "interrupted"
     resumed = output.parent / "resumed"
-    trainer.train_draft(make_draft(5, block_size=4), target, rows, settings, resumed, progress=False, max_steps=1)
+    train(make_draft(5, block_size=4), resumed, max_steps=1)
+    RECORD["phase"] = "resumed"
     draft = make_draft(6, block_size=4)  # other initial weights: the checkpoint's replace them
-    log = trainer.train_draft(draft, target, rows, settings, resumed, progress=False)
-    RECORD["resumed"] = {"losses": log.losses, "tokens": log.tokens, "weights_sum": weights_sum(draft)}
+    log = train(draft, resumed)
+    RECORD["resumed"] = {"losses": log.losses, "tokens": log.tokens, "weights_sum": weights_sum(draft),
+                         "held_out_losses": log.held_out_losses}
 
 
 def force_fsdp() -> None:

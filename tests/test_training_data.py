@@ -112,3 +112,35 @@ def test_seed_rows_answer_their_prompts_wherever_they_sit(tmp_path):
     assert sorted(row["index"] for row in read_rows(output)) == [0, 1, 2, 3]  # each stored once, with its new index
     assert generate_responses(target, tokenizer, prompts, output, max_new_tokens=4, progress=False,
                               seed_paths=[first, second]) == rows  # a resumed run keeps its rows
+
+
+def test_prompts_batched_by_length_give_generates_greedy_rows_with_less_padding(tmp_path, monkeypatch):
+    import dflash_hf.training.data as data
+
+    target, tokenizer = make_target("llama", seed=2), make_tokenizer()
+    prompts = ["w5 w6", "w40 w41 w42 w43 w44", "w33 w34 w35", "w50 w51 w52 w53 w54", "w60 w61", "w70 w71 w72 w73"]
+    lengths = [len(chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])) for prompt in prompts]
+    padding, respond = {}, data._respond
+
+    def counted_respond(target, draft, input_ids, attention_mask, *args):  # the padding of each batch
+        padding.setdefault(order, []).append(int((attention_mask == 0).sum()))
+        return respond(target, draft, input_ids, attention_mask, *args)
+
+    monkeypatch.setattr(data, "_respond", counted_respond)
+    rows = {}
+    for order in ("file", "length"):
+        rows[order] = generate_responses(target, tokenizer, prompts, tmp_path / f"{order}.jsonl", batch_size=2,
+                                         max_new_tokens=6, progress=False, by_length=order == "length")
+    assert rows["length"] == rows["file"]  # in prompt order, the same greedy rows
+    for row in rows["length"]:  # each the target's own greedy answer, generated alone
+        alone = plain_greedy(target, torch.tensor([row["prompt_ids"]]), 6, stop_token_ids=[1])
+        assert row["response_ids"] == alone[0, len(row["prompt_ids"]):].tolist()
+    longest_first = sorted(range(len(prompts)), key=lambda i: -lengths[i])
+    stored = [json.loads(line)["index"] for line in (tmp_path / "length.jsonl").read_text().splitlines()]
+    assert stored == longest_first == [1, 3, 5, 2, 0, 4]  # a resumed run reads them back by index
+
+    def pads(batches: list[list[int]]) -> list[int]:
+        return [sum(max(lengths[i] for i in batch) - lengths[i] for i in batch) for batch in batches]
+
+    assert padding["file"] == pads([[0, 1], [2, 3], [4, 5]]) == [3, 2, 2]
+    assert padding["length"] == pads([longest_first[k:k + 2] for k in (0, 2, 4)]) == [0, 1, 0]

@@ -26,8 +26,17 @@ from helpers import make_draft, make_target, save_tiny_target_and_prompts
 from safetensors.torch import load_file
 from transformers import get_cosine_schedule_with_warmup
 
-from dflash_hf.training.processes import gather_json, padded_shard, round_share
-from dflash_hf.training.trainer import CHECKPOINT_DIR, DRAFT_WEIGHTS_FILE, TrainingLog, TrainingSettings, train_draft
+from dflash_hf.training.processes import epoch_order, gather_json, round_share
+from dflash_hf.training.trainer import (
+    CHECKPOINT_DIR,
+    DRAFT_WEIGHTS_FILE,
+    STATE_FILE,
+    EpochPlan,
+    TrainingLog,
+    TrainingSettings,
+    anchor_seed,
+    train_draft,
+)
 
 TESTS = Path(__file__).resolve().parent
 NUM_SEQUENCES, EPOCHS, WARMUP_RATIO, LEARNING_RATE = 5, 2, 0.25, 2e-3  # as distributed_worker.run_train
@@ -100,7 +109,7 @@ def cli_run(tmp_path_factory) -> tuple[Path, list[dict], Path]:
         "--prompts", str(prompts), "--num-prompts", "5", "--gen-batch-size", "2", "--gen-max-new-tokens", "8",
         "--draft-block-size", "4", "--draft-layers", "1", "--mask-token", "w127", "--epochs", "1",
         "--num-anchors", "6", "--eval-prompts", str(prompts), "--num-eval", "2", "--eval-max-new-tokens", "6",
-        "--eval-dtype", "float32")
+        "--eval-dtype", "float32", "--process-group-timeout", "45", "--report-to", "tensorboard")
     return output, records, folder / "target"
 
 
@@ -125,7 +134,7 @@ def test_the_learning_rate_follows_the_single_process_schedule(train_run):
 
 
 def test_uneven_shards_take_the_same_number_of_steps_on_every_process(train_run):
-    output, records = train_run  # 5 sequences: process 0 has 3, process 1 has 2 and repeats one to take 3
+    output, records = train_run  # 5 sequences, 3 per process: the epoch's shuffle wraps round to repeat one
     steps = math.ceil(NUM_SEQUENCES / 2) * EPOCHS
     assert [len(record["local_losses"]) for record in records] == [steps, steps]  # one sequence per step each
     assert [record["log_steps"] for record in records] == [steps, steps]
@@ -263,7 +272,7 @@ def test_an_fsdp_config_on_cpu_processes_is_refused_before_anything_loads(tmp_pa
     check_fsdp_applies(state("cuda", DistributedType.MULTI_GPU))  # GPUs: Accelerate shards (its state says so later)
     check_fsdp_applies(state("cpu", DistributedType.FSDP))
     cpu_processes = state("cpu", DistributedType.MULTI_CPU)
-    monkeypatch.setattr(dflash_hf.training.command, "process_state", lambda: cpu_processes)
+    monkeypatch.setattr(dflash_hf.training.command, "process_state", lambda *args: cpu_processes)
     with pytest.raises(ValueError, match="asks for FSDP, which Accelerate applies on GPUs only") as error:
         main(["train", "--target", str(tmp_path / "no-such-target"), "--output", str(tmp_path / "run"),
               "--prompts", str(save_tiny_target_and_prompts(tmp_path, 2))])
@@ -285,13 +294,117 @@ def test_the_readme_fsdp_command_uses_the_tested_config_and_parses():
     assert build_parser().parse_args(arguments).eval_every == 500  # every flag exists
 
 
-def test_shards_are_equal_and_cover_every_item():
-    for num_items, num_processes in [(5, 2), (8, 3), (1, 2), (6, 3), (0, 2)]:
-        shards = [padded_shard(num_items, rank, num_processes) for rank in range(num_processes)]
-        assert len({len(shard) for shard in shards}) == 1
-        assert {i for shard in shards for i in shard} == set(range(num_items))
-    assert [padded_shard(8, rank, 3) for rank in range(3)] == [[0, 3, 6], [1, 4, 7], [2, 5, 0]]
-    assert padded_shard(5, 0, 1) == [0, 1, 2, 3, 4]  # one process: every item once, in order
+def epoch_rows(record: dict, phase: str, epoch: int, steps_per_epoch: int) -> list[int]:
+    """The rows one process trained on in `epoch` of `phase` (its micro-batches' rows, in order)."""
+    batches = record["rows"][phase][epoch * steps_per_epoch:(epoch + 1) * steps_per_epoch]
+    return [row for batch in batches for row in batch]
+
+
+def test_each_epoch_is_one_global_shuffle_strided_over_the_processes_as_distributed_sampler(train_run):
+    from torch.utils.data import DistributedSampler
+
+    _, records = train_run  # 5 rows, 2 processes, one row per process per step: 3 steps an epoch
+    steps_per_epoch = math.ceil(NUM_SEQUENCES / 2)
+    for epoch in range(EPOCHS):
+        taken = [epoch_rows(record, "run", epoch, steps_per_epoch) for record in records]
+        for rank, rows in enumerate(taken):
+            sampler = DistributedSampler(range(NUM_SEQUENCES), num_replicas=2, rank=rank, shuffle=True, seed=0)
+            sampler.set_epoch(epoch)
+            assert rows == list(sampler)  # torch's own sampler gives this process these rows, in this order
+        everyone = [row for step in zip(*taken) for row in step]  # step by step, process 0's row first
+        assert sorted(set(everyone)) == list(range(NUM_SEQUENCES)) and len(everyone) == 6  # every row; one again
+        assert everyone[-1] == everyone[0]  # the wrap repeats the permutation's first row to even the shards
+    first, second = ([frozenset(step) for step in zip(*(epoch_rows(record, "run", epoch, steps_per_epoch)
+                                                        for record in records))] for epoch in range(EPOCHS))
+    assert set(first) != set(second)  # the second epoch groups the rows into other steps
+    assert epoch_rows(records[0], "run", 0, steps_per_epoch) != epoch_rows(records[0], "run", 1, steps_per_epoch)
+
+
+def test_every_process_draws_its_own_anchors(train_run):
+    _, records = train_run
+    seeds = [record["anchor_seeds"]["run"] for record in records]
+    assert seeds == [[anchor_seed(0, rank, step) for step in range(len(seeds[0]))] for rank in range(2)]
+    assert all(a != b for a, b in zip(*seeds)) and len(set(seeds[0])) == len(seeds[0])
+
+
+def test_a_run_resumed_mid_epoch_trains_the_same_rows_in_the_same_order(batched_runs):
+    for mode, (_, records) in batched_runs.items():  # 2 steps an epoch; stopped after 1, resumed to the end
+        for record in records:
+            assert record["rows"]["interrupted"] + record["rows"]["resumed"] == record["rows"]["run"], mode
+            assert (record["anchor_seeds"]["interrupted"] + record["anchor_seeds"]["resumed"]
+                    == record["anchor_seeds"]["run"]), mode
+
+
+def test_the_two_newest_checkpoints_are_kept(train_run):
+    output, records = train_run  # checkpoints every 2 of 6 steps, keep_checkpoints=2
+    for run, steps in [(output, 6), (output.parent / "resumed", 6)]:  # resumed: saved at 2, 3 (stop), 4 and 6
+        assert sorted(path.name for path in run.iterdir() if path.name.startswith(CHECKPOINT_DIR)) == [
+            CHECKPOINT_DIR, f"{CHECKPOINT_DIR}-4"]
+        assert json.loads((run / CHECKPOINT_DIR / STATE_FILE).read_text())["steps"] == steps
+        assert json.loads((run / f"{CHECKPOINT_DIR}-4" / STATE_FILE).read_text())["steps"] == 4
+    assert records[1]["writes"] == []  # the main process alone rotates
+
+
+def test_the_process_group_starts_with_the_timeout_flag(cli_run, train_run):
+    _, records, _ = cli_run
+    assert [record["process_group_timeouts"] for record in records] == [[45 * 60.0]] * 2
+    assert [record["process_group_timeouts"] for record in train_run[1]] == [[None]] * 2  # none: the default
+
+
+def test_every_process_measures_its_share_of_the_held_out_loss(batched_runs):
+    from test_training_evaluation import held_out_reference
+
+    for mode, (output, records) in batched_runs.items():  # 3 held-out rows, measured before each step and after
+        log = training_log(output)
+        assert [entry["step"] for entry in log["held_out_losses"]] == list(range(log["steps"] + 1)), mode
+        measurements = (log["steps"] + 1) + 2 + (log["steps"] - 1)  # the run; the interrupted one (0, 1); the rest
+        # equal shares: process 0 rows 5 and 7, process 1 row 6 and (wrapped, weighted 0) row 5
+        assert [record["held_out_rows"] for record in records] == [[[5], [7]] * measurements,
+                                                                   [[6], [5]] * measurements], mode
+        for record in records:
+            assert record["held_out_losses"] == log["held_out_losses"], mode  # one value, every process's
+            resumed = record["resumed"]["held_out_losses"]  # the interrupted run's entries, then its own
+            assert [entry["step"] for entry in resumed] == [entry["step"] for entry in log["held_out_losses"]]
+            assert [entry["loss"] for entry in resumed] == pytest.approx(
+                [entry["loss"] for entry in log["held_out_losses"]], rel=1e-5), mode
+        reference = held_out_reference(make_draft(5, block_size=4), make_target("qwen3", seed=4),
+                                       train_rows(8)[5:], TrainingSettings(num_anchors=64))
+        assert log["held_out_losses"][0]["loss"] == pytest.approx(reference, rel=1e-5), mode  # before training
+
+
+def test_the_main_process_alone_reports_to_tensorboard_the_global_values(cli_run):
+    from test_training_trackers import scalars
+
+    from dflash_hf.training.trainer import TRACKER_DIR, TRACKER_RUN
+
+    output, records, _ = cli_run
+    log, found = training_log(output), scalars(output / TRACKER_DIR / TRACKER_RUN)
+    assert [value for _, value in found["train/loss"]] == pytest.approx(log["losses"], rel=1e-6)  # the mean
+    assert [value for _, value in found["train/grad_norm"]] == pytest.approx(log["grad_norms"], rel=1e-6)
+    assert len(log["grad_norms"]) == log["steps"] and all(norm > 0 for norm in log["grad_norms"])
+    assert TRACKER_DIR in {path.split(os.sep)[0] for _, path in records[0]["writes"]}
+    assert records[1]["writes"] == []
+
+
+def test_an_epoch_order_is_distributed_samplers_and_wraps_round_to_whole_steps():
+    from torch.utils.data import DistributedSampler
+
+    for num_items, num_processes, epoch, seed in [(5, 2, 0, 0), (8, 3, 1, 4), (1, 2, 0, 0), (7, 1, 2, 1)]:
+        per_process = math.ceil(num_items / num_processes)
+        order = epoch_order(num_items, epoch, seed, num_processes, per_process)
+        for rank in range(num_processes):
+            sampler = DistributedSampler(range(num_items), num_replicas=num_processes, rank=rank, seed=seed)
+            sampler.set_epoch(epoch)
+            assert order[rank::num_processes] == list(sampler)
+        longer = epoch_order(num_items, epoch, seed, num_processes, per_process + 2)  # wrapped to whole steps
+        assert longer[:len(order)] == order and len(longer) == (per_process + 2) * num_processes
+    assert epoch_order(0, 0, 0, 2, 0) == []
+    plan = EpochPlan(num_sequences=6, num_processes=2, per_step=2, seed=0)  # 2 steps an epoch, 4 rows each
+    assert plan.steps_per_epoch == 2
+    assert plan.step_items(0) + plan.step_items(1) == epoch_order(6, 0, 0, 2, 4)
+    assert plan.step_items(2) + plan.step_items(3) == epoch_order(6, 1, 0, 2, 4)
+    assert plan.process_items(1, 3, 1) == sorted(set(plan.step_items(1)[1::2] + plan.step_items(2)[1::2]))
+    assert len({anchor_seed(seed, rank, step) for seed in range(3) for rank in range(4) for step in range(50)}) == 600
 
 
 def test_rounds_share_out_the_todo_list_in_order():

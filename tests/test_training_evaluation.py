@@ -1,5 +1,6 @@
-"""Held-out evidence while training (`train_draft(evaluate=..., eval_every=N)`, `dflash-hf train --eval-every N`) and
-the progress the trainer reports (tokens, tokens/s, time left)."""
+"""Held-out evidence while training (`train_draft(evaluate=..., eval_every=N)`, `dflash-hf train --eval-every N`), the
+held-out loss every process computes (`--held-out-rows K --held-out-every N`) and the progress the trainer reports
+(tokens, tokens/s, time left)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ from helpers import make_draft, make_target
 
 from dflash_hf.tokens_dflash import GenerationTokens
 from dflash_hf.training.command import held_out_evaluation
-from dflash_hf.training.trainer import CHECKPOINT_DIR, STATE_FILE, TrainingSettings, train_draft
+from dflash_hf.training.objective import packed_dflash_loss, target_signals, teacher_rows
+from dflash_hf.training.trainer import (
+    CHECKPOINT_DIR,
+    STATE_FILE,
+    TrainingSettings,
+    anchor_seed,
+    train_draft,
+    training_sequences,
+)
 
 
 def repeating_target() -> torch.nn.Module:
@@ -78,3 +87,39 @@ def test_eval_every_without_held_out_prompts_is_refused_before_anything_loads(tm
         with pytest.raises(SystemExit, match=re.escape(message)):
             main(["train", "--target", str(tmp_path / "no-such-target"), "--output", str(tmp_path / "run"), *flags])
     assert not (tmp_path / "run").exists()
+
+
+def held_out_reference(draft: torch.nn.Module, target: torch.nn.Module, rows: list[dict],
+                       settings: TrainingSettings) -> float:
+    """The mean training loss of `draft` on held-out `rows`, one at a time, each with the anchors the trainer draws
+    for it (process -1, its index)."""
+    losses = []
+    with torch.no_grad():
+        for index, (input_ids, loss_mask) in enumerate(training_sequences(rows, settings.max_length)):
+            signals = target_signals(target, input_ids, draft.target_layer_ids, settings.teacher_top_k,
+                                     teacher_rows(loss_mask))
+            generator = torch.Generator().manual_seed(anchor_seed(settings.seed, -1, index))
+            losses.append(float(packed_dflash_loss(draft, target, [(input_ids, loss_mask)], settings.num_anchors,
+                                                   generator, [signals]).loss))
+    return sum(losses) / len(losses)
+
+
+def test_the_held_out_loss_is_measured_on_rows_never_trained_on(tmp_path):
+    target = repeating_target()
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 120, (6,), generator=generator).tolist() for _ in range(7)]
+    rows = greedy_rows(target, prompts, 16)
+    settings = TrainingSettings(epochs=2, learning_rate=1e-2, num_anchors=16, warmup_ratio=0.1, report_to=[])
+    log = train_draft(make_draft(5, block_size=4), target, rows[:4], settings, tmp_path, progress=False,
+                      held_out_rows=rows[4:], held_out_every=3)
+    assert [entry["step"] for entry in log.held_out_losses] == [0, 3, 6, 8]  # before, every 3 steps, the last
+    assert log.tokens == 8 * (6 + 16)  # the 4 training rows twice: the held-out ones were not trained on
+    first, last = log.held_out_losses[0], log.held_out_losses[-1]
+    assert first["loss"] == pytest.approx(held_out_reference(make_draft(5, block_size=4), target, rows[4:], settings),
+                                          rel=1e-6)  # the untrained draft, the same anchors
+    assert len(first["position_accuracy"]) == 3 and first["block_tau"] >= 1.0
+    assert last["loss"] < 0.9 * first["loss"]  # it learns the repetition (measured: 6.55 before, 5.59 after 8 steps)
+    assert json.loads((tmp_path / "training_log.json").read_text())["held_out_losses"] == log.held_out_losses
+    with pytest.raises(ValueError, match="held_out_every 0: held-out rows are measured every N >= 1"):
+        train_draft(make_draft(5, block_size=4), target, rows[:4], settings, tmp_path / "other", progress=False,
+                    held_out_rows=rows[4:])

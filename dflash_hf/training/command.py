@@ -31,15 +31,16 @@ from .recipe import (
     frequent_token_ids,
     initialize_from_target,
 )
-from .trainer import TrainingLog, TrainingSettings, row_tokens, train_draft
+from .trainer import TrainingLog, TrainingSettings, check_trackers, row_tokens, train_draft
 
-# --target-dtype auto: the frozen target only gives features (and teacher logits), so it runs in bfloat16 on CUDA;
-# on CPU, float32 (few-row bfloat16 matmuls are slow without native bf16).
+# --gen-dtype, --target-dtype and --eval-dtype auto: bfloat16 on CUDA (the frozen target only gives features and
+# teacher logits while training); on CPU, float32 (few-row bfloat16 matmuls are slow without native bf16).
 AUTO_TARGET_DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float32}
 
 
 def training_target_dtype(choice: str, device: torch.device) -> torch.dtype:
-    """The target's dtype while training: `--target-dtype`, where `auto` is AUTO_TARGET_DTYPE of the device type."""
+    """The target's dtype in a phase of `train` (`--gen-dtype`, `--target-dtype`, `--eval-dtype`), where `auto` is
+    AUTO_TARGET_DTYPE of the device type."""
     return AUTO_TARGET_DTYPE.get(device.type, torch.float32) if choice == "auto" else DTYPES[choice]
 
 
@@ -48,14 +49,20 @@ def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> 
     if args.renamed_block_size is not None:
         raise SystemExit(f"train --block-size is now --draft-block-size {args.renamed_block_size} (the block the "
                          "draft is trained for); --block-size in bench and demo is the block verified per step")
-    if prompt_files:  # none with --conversations alone: nothing to generate
+    if prompt_files and args.num_prompts is not None:  # none with --conversations alone: nothing to generate
         check_prompt_counts(args, prompt_files)
     if args.eval_every < 0 or (args.eval_every and not args.num_eval):
         raise SystemExit(f"--eval-every {args.eval_every}: expected 0 (evaluate after training only) or N > 0 with "
                          f"held-out prompts to measure (--num-eval >= 1, got {args.num_eval})")
-    if any(count < 1 for count in args.num_prompts) or args.num_eval < 0:
+    if any(count < 1 for count in args.num_prompts or ()) or args.num_eval < 0:
         raise SystemExit(f"--num-prompts must be >= 1 and --num-eval >= 0 (0: no evaluation), got "
                          f"{' '.join(map(str, args.num_prompts))} and {args.num_eval}")
+    if args.held_out_rows < 0 or (args.held_out_rows > 0) != (args.held_out_every > 0) or args.held_out_every < 0:
+        raise SystemExit(f"--held-out-rows {args.held_out_rows} and --held-out-every {args.held_out_every}: pass "
+                         "both >= 1 (measure the loss on K held-out rows every N steps), or neither")
+    if args.gen_max_new_tokens is not None and args.gen_max_new_tokens < 1:
+        raise SystemExit(f"--gen-max-new-tokens {args.gen_max_new_tokens}: expected >= 1 (or leave it out: what "
+                         "--max-length leaves after each prompt)")
     if args.train_batch_size < 1 or args.gradient_accumulation_steps < 1:
         raise SystemExit(f"--train-batch-size {args.train_batch_size} and --gradient-accumulation-steps "
                          f"{args.gradient_accumulation_steps}: both must be >= 1")
@@ -64,23 +71,36 @@ def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> 
     missing = [path for path in args.responses if not Path(path).is_file()]
     if missing:
         raise SystemExit(f"--responses {missing[0]}: no such file")
+    try:
+        check_trackers(training_settings(args).report_to)
+    except ValueError as error:
+        raise SystemExit(f"dflash-hf train: {error}") from error
 
 
 def check_prompt_counts(args: argparse.Namespace, prompt_files: list[str]) -> None:
-    """Exit when `--num-prompts` or `--first-prompt` do not fit the prompt files."""
+    """Exit when the `--num-prompts` counts do not fit the prompt files."""
     if len(args.num_prompts) not in (1, len(prompt_files)):
         raise SystemExit(f"--num-prompts {' '.join(map(str, args.num_prompts))}: give one count for each prompt "
                          f"file or one per file ({len(prompt_files)})")
-    most = args.num_prompts[0] * len(prompt_files) if len(args.num_prompts) == 1 else sum(args.num_prompts)
-    if not 0 <= args.first_prompt < most:
-        raise SystemExit(f"--first-prompt {args.first_prompt}: expected 0 <= it < the {most} prompts of "
-                         f"--num-prompts")
 
 
-def batch_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The TrainingSettings fields of `train`'s batch, accumulation and feature-cache flags."""
-    return {"batch_size": args.train_batch_size, "gradient_accumulation_steps": args.gradient_accumulation_steps,
-            "cache_target": args.cache_target_features, "cache_limit_gib": args.cache_limit_gib}
+def check_first_prompt(args: argparse.Namespace, num_prompts: int) -> None:
+    """Exit when `--first-prompt` is not one of the `num_prompts` prompts read."""
+    if not 0 <= args.first_prompt < num_prompts:
+        source = "--num-prompts" if args.num_prompts else "the prompt files"
+        raise SystemExit(f"--first-prompt {args.first_prompt}: expected 0 <= it < the {num_prompts} prompts of "
+                         f"{source}")
+
+
+def training_settings(args: argparse.Namespace) -> TrainingSettings:
+    """The TrainingSettings of `train`'s flags (a ValueError names a value it refuses)."""
+    return TrainingSettings(
+        epochs=args.epochs, learning_rate=args.learning_rate, num_anchors=args.num_anchors, distill=args.distill,
+        seed=args.seed, mixed_precision=args.mixed_precision, max_length=args.max_length,
+        batch_size=args.train_batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        cache_target=args.cache_target_features, cache_limit_gib=args.cache_limit_gib,
+        checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
+        process_group_timeout_minutes=args.process_group_timeout, report_to=args.report_to)
 
 
 def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
@@ -92,34 +112,32 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     output = Path(args.output)
     prompt_files, prompts, eval_file, eval_texts = train_and_eval_prompts(args)
     conversations = training_conversations(args)
-    state = process_state()
+    state = process_state(args.process_group_timeout)  # the first call: it starts the process group
     check_fsdp_applies(state)  # before any model is loaded
     if state.is_main_process:
         output.mkdir(parents=True, exist_ok=True)
     state.wait_for_everyone()  # the folder exists before any process looks into it
     device = state.device
-    target, tokenizer = load_target(args.target, DTYPES[args.gen_dtype])
+    target, tokenizer = load_target(args.target, training_target_dtype(args.gen_dtype, device))
     target = target.to(device)  # generation runs where training will
     rows = generate_responses(target, tokenizer, prompts, output / "responses.jsonl",
                               batch_size=args.gen_batch_size, max_new_tokens=args.gen_max_new_tokens,
-                              temperature=args.gen_temperature, seed=args.seed,
+                              max_length=args.max_length, temperature=args.gen_temperature, seed=args.seed,
+                              by_length=args.gen_order == "length",
                               draft=generation_draft(args.gen_draft, target), seed_paths=args.responses)
     if args.generate_only:
         if state.is_main_process:
             print(f"{len(rows)} rows in {output / 'responses.jsonl'}")
         return {"num_rows": len(rows)}
     training_rows = rows[args.first_prompt:]  # the draft vocabulary below still counts every row
-    if prompts and not training_rows:
-        raise SystemExit(f"--first-prompt {args.first_prompt}: the prompt files hold only {len(rows)} prompts")
     training_rows += conversation_rows(conversations, target, tokenizer)
+    training_rows, held_out_rows = held_out_split(training_rows, args.held_out_rows)
     target = target.to(training_target_dtype(args.target_dtype, device))
     torch.manual_seed(args.seed)
     draft, mask_token = build_draft(args, target, tokenizer)
     if args.init_from_target:
         initialize_from_target(draft, target, torch.tensor(row_tokens(training_rows[0])[0]))
-    settings = TrainingSettings(epochs=args.epochs, learning_rate=args.learning_rate, num_anchors=args.num_anchors,
-                                distill=args.distill, seed=args.seed, mixed_precision=args.mixed_precision,
-                                **batch_settings(args))
+    settings = training_settings(args)
     tokens = generation_tokens(target, tokenizer)
     eval_prompts = [user_prompt_ids(tokenizer, prompt) for prompt in eval_texts]
 
@@ -127,7 +145,8 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         return held_out_evaluation(trained, target, eval_prompts, args.eval_max_new_tokens, tokens)
 
     log = train_draft(draft, target, training_rows, settings, output, max_steps=args.max_steps,
-                      evaluate=evaluate if args.eval_every else None, eval_every=args.eval_every)
+                      evaluate=evaluate if args.eval_every else None, eval_every=args.eval_every,
+                      held_out_rows=held_out_rows, held_out_every=args.held_out_every)
     if not state.is_main_process:  # evaluating and saving are the main process's (a barrier would time out on a
         return {}                  # long evaluation): train_draft returned once the log and checkpoint were written
     if args.draft_vocab_size:  # the draft proposes from the target's most frequent tokens in its own responses
@@ -135,11 +154,12 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             [row["response_ids"] for row in rows], args.draft_vocab_size,
             target.get_output_embeddings().weight.shape[0])
 
-    target = target.to(DTYPES[args.eval_dtype])
-    draft = draft.to(DTYPES[args.eval_dtype]).eval()
+    eval_dtype = training_target_dtype(args.eval_dtype, device)
+    target, draft = target.to(eval_dtype), draft.to(torch.float32).eval()  # the draft is saved in float32
     evaluation = None
-    if eval_texts:
-        evaluation = evaluate_draft(draft, target, eval_prompts, args.eval_max_new_tokens, tokens=tokens)
+    if eval_texts:  # a copy of the draft in the evaluation dtype, where it differs
+        measured = draft if eval_dtype == torch.float32 else copy.deepcopy(draft).to(eval_dtype)
+        evaluation = evaluate_draft(measured, target, eval_prompts, args.eval_max_new_tokens, tokens=tokens)
     training = training_facts(args, argv, prompt_files, len(training_rows) - len(conversations), mask_token,
                               draft.mask_token_id, settings, log, time.perf_counter() - started, len(conversations))
     save_trained_draft(args, draft, target, evaluation, eval_file, training, output / "draft")
@@ -149,6 +169,14 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     (output / "evaluation.json").write_text(json.dumps(evaluation, indent=2))
     print(json.dumps(evaluation, indent=2))
     return evaluation
+
+
+def held_out_split(rows: list[dict], count: int) -> tuple[list[dict], list[dict]]:
+    """(the rows to train on, the last `count` rows held out of training: `--held-out-rows`); exits when no row
+    would be left to train on."""
+    if count >= len(rows):
+        raise SystemExit(f"--held-out-rows {count}: there are only {len(rows)} training rows; hold out fewer")
+    return rows[:len(rows) - count], rows[len(rows) - count:]
 
 
 def held_out_evaluation(draft: DFlashDraftModel, target: torch.nn.Module, prompts: list[list[int]],
@@ -177,16 +205,19 @@ def train_and_eval_prompts(args: argparse.Namespace) -> tuple[list[str], list[st
         raise SystemExit(f"dflash-hf train: {error}") from error
     if not prompts and prompt_files:
         raise SystemExit(f"dflash-hf train: {', '.join(prompt_files)} hold no prompts")
+    if prompt_files:
+        check_first_prompt(args, len(prompts))
     if args.num_eval and not eval_texts:
         raise SystemExit(f"dflash-hf train: {eval_file} holds no prompts to evaluate on (or pass --num-eval 0)")
     return prompt_files, prompts, eval_file, eval_texts
 
 
-def training_prompts(prompt_files: list[str], counts: list[int]) -> list[str]:
-    """The prompts to train on, the files in order: the first `counts[0]` of each (or all it holds, if fewer), or
-    exactly the first `counts[i]` of file i."""
-    if len(counts) == 1:
-        return [prompt for path in prompt_files for prompt in read_prompts([path], counts[0])]
+def training_prompts(prompt_files: list[str], counts: list[int] | None) -> list[str]:
+    """The prompts to train on, the files in order: all of them (`counts` None), the first `counts[0]` of each (or
+    all it holds, if fewer), or exactly the first `counts[i]` of file i."""
+    if counts is None or len(counts) == 1:
+        limit = None if counts is None else counts[0]
+        return [prompt for path in prompt_files for prompt in read_prompts([path], limit)]
     prompts = []
     for path, count in zip(prompt_files, counts):
         records = read_prompts([path], count)
@@ -289,7 +320,7 @@ def training_facts(args: argparse.Namespace, argv: list[str], prompt_files: list
         **({"training data": f"{num_rows} prompts ({args.first_prompt}-{args.first_prompt + num_rows - 1}) of "
                              f"{prompt_files_text(prompt_files, args.num_prompts)}, "
                              f"responses regenerated by the target (greedy={args.gen_temperature == 0}, "
-                             f"<= {args.gen_max_new_tokens} tokens)"} if num_rows else {}),
+                             f"{answer_length_text(args)})"} if num_rows else {}),
         **({"conversations": f"{num_conversations} rows of {', '.join(map(str, args.conversations))}, trained as "
                              "given (the loss on the assistant turns)"} if num_conversations else {}),
         "mask token": f"{mask_token!r} (id {mask_token_id}), an existing token of the target vocabulary",
@@ -302,11 +333,18 @@ def training_facts(args: argparse.Namespace, argv: list[str], prompt_files: list
     }
 
 
-def prompt_files_text(prompt_files: list[str], counts: list[int]) -> str:
+def answer_length_text(args: argparse.Namespace) -> str:
+    """How long the regenerated answers could be, for the card."""
+    if args.gen_max_new_tokens is not None:
+        return f"<= {args.gen_max_new_tokens} tokens"
+    return f"up to {args.max_length} tokens with the prompt"
+
+
+def prompt_files_text(prompt_files: list[str], counts: list[int] | None) -> str:
     """The prompt files for the card, with the count taken from each when there is one per file."""
-    if len(counts) == 1:
+    if counts is None or len(counts) == 1:
         names = ", ".join(Path(path).name for path in prompt_files)
-        return names if len(prompt_files) == 1 else f"{names} (the first {counts[0]} of each)"
+        return names if len(prompt_files) == 1 or counts is None else f"{names} (the first {counts[0]} of each)"
     return ", ".join(f"{Path(path).name} (its first {count})" for path, count in zip(prompt_files, counts))
 
 
@@ -329,7 +367,8 @@ def save_trained_draft(args: argparse.Namespace, draft: DFlashDraftModel, target
         draft.config, repo_id=str(folder), base_model=base_model, title=f"DFlash draft for {base_model}",
         description=f"A DFlash draft for `{base_model}` trained with `dflash-hf train`.",
         results_source=f"Measured at the end of training: {args.num_eval} prompts of {Path(eval_file).name}, greedy, "
-                       f"{args.eval_max_new_tokens} new tokens, {args.eval_dtype}, {device_description(target)}, "
+                       f"{args.eval_max_new_tokens} new tokens, "
+                       f"{str(next(target.parameters()).dtype).removeprefix('torch.')}, {device_description(target)}, "
                        "against `target.generate` in the same process, stopping on every EOS id of the target.",
         results_table="| prompts | block | tau | target.generate tok/s | DFlash tok/s | speedup | "
                       "identical to generate |\n"

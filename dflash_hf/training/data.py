@@ -129,22 +129,27 @@ def generate_responses(
     prompts: list[str],
     output_path: str | Path,
     batch_size: int = 16,
-    max_new_tokens: int = 256,
+    max_new_tokens: int | None = 256,
+    max_length: int | None = None,
     temperature: float = 0.0,
     seed: int = 0,
     progress: bool = True,
     draft: torch.nn.Module | None = None,
     seed_paths: Sequence[str | Path] = (),
+    by_length: bool = True,
 ) -> list[dict]:
     """Regenerate a response for every prompt with the target; returns all rows, in prompt order.
 
-    Each row is {"index", "prompt_ids", "response_ids"}; rows already in `output_path` are kept. Rows of the
-    `seed_paths` files (`.jsonl` or `.jsonl.gz`) answer the prompts whose rendered ids they hold, wherever those
-    prompts sit in `prompts` (copied in, re-indexed). With a `draft`, the batches run through `spec_generate`
-    (lossless, so the rows are the target's own output), otherwise `generate`. Under `accelerate launch` /
-    `torchrun` every process calls this with the same prompts: the prompts still to answer are shared out in rounds
-    of one batch per process, each round's rows gathered, and only the main process writes `output_path`; every
-    process returns all rows.
+    Each row is {"index", "prompt_ids", "response_ids"}; rows already in `output_path` are kept. An answer takes
+    `max_new_tokens` tokens at most or, with `max_new_tokens` None, what `max_length` leaves after its prompt
+    (`answer_cap`). With `by_length`, the prompts still to answer go in batches by length, longest first: a batch
+    pads its prompts less, and one that does not fit in memory fails first (greedy rows are the same either way).
+    Rows of the `seed_paths` files (`.jsonl` or `.jsonl.gz`) answer the prompts whose rendered ids they hold,
+    wherever those prompts sit in `prompts` (copied in, re-indexed). With a `draft`, the batches run through
+    `spec_generate` (lossless, so the rows are the target's own output), otherwise `generate`. Under `accelerate
+    launch` / `torchrun` every process calls this with the same prompts: the prompts still to answer are shared out
+    in rounds of one batch per process, each round's rows gathered, and only the main process writes `output_path`;
+    every process returns all rows.
     """
     state = process_state()
     prompt_ids = [user_prompt_ids(tokenizer, prompt) for prompt in prompts]  # rendered once, used below three times
@@ -154,6 +159,8 @@ def generate_responses(
     if not state.is_main_process:
         rows = _stored_rows(output_path, prompt_ids, seed_paths, writer=False)
     todo = [i for i in range(len(prompts)) if i not in rows]  # the same list on every process
+    if by_length:
+        todo.sort(key=lambda i: -len(prompt_ids[i]))  # stable: prompts of one length stay in file order
     device = target_device(target)
     tokens = generation_tokens(target, tokenizer)  # stop on every EOS id, as bench and the evaluation do
     if temperature > 0:
@@ -163,7 +170,8 @@ def generate_responses(
         for round_index in range(num_rounds(len(todo), batch_size, state.num_processes)):
             indices = round_share(todo, batch_size, round_index, state.process_index, state.num_processes)
             mine = _generate_rows(target, draft, [(i, prompt_ids[i]) for i in indices], tokens, device,
-                                  max_new_tokens, temperature)
+                                  [answer_cap(len(prompt_ids[i]), max_new_tokens, max_length) for i in indices],
+                                  temperature)
             generated = gather_json(mine, state)  # every process's rows of this round, in todo order
             rows.update((row["index"], row) for row in generated)
             if handle is not None:
@@ -194,17 +202,28 @@ def _stored_rows(output_path: str | Path, prompt_ids: list[list[int]], seed_path
     return rows
 
 
+def answer_cap(prompt_length: int, max_new_tokens: int | None, max_length: int | None) -> int:
+    """New tokens an answer may take: `max_new_tokens`, or (None) what `max_length` (the training sequence's length)
+    leaves after the prompt, at least 1 (a prompt that fills `max_length` has nothing to train on either way)."""
+    if max_new_tokens is not None:
+        return max_new_tokens
+    if max_length is None:
+        raise ValueError("an answer needs max_new_tokens or max_length to bound it")
+    return max(max_length - prompt_length, 1)
+
+
 def _generate_rows(target: torch.nn.Module, draft: torch.nn.Module | None, prompts: list[tuple[int, list[int]]],
-                   tokens: Any, device: torch.device, max_new_tokens: int, temperature: float) -> list[dict]:
-    """The rows {"index", "prompt_ids", "response_ids"} of one batch of (index, prompt ids); none for no prompts."""
+                   tokens: Any, device: torch.device, caps: list[int], temperature: float) -> list[dict]:
+    """The rows {"index", "prompt_ids", "response_ids"} of one batch of (index, prompt ids), each answer at most its
+    cap of new tokens (the batch runs to the largest, then each is cut to its own); none for no prompts."""
     if not prompts:  # a process with nothing left in this round still joins its gather
         return []
     batch_ids = [ids for _, ids in prompts]
     input_ids, attention_mask = left_pad(batch_ids, tokens.pad_token_id, device)  # [n, T]
-    responses = _respond(target, draft, input_ids, attention_mask, tokens, max_new_tokens, temperature)
-    return [{"index": index, "prompt_ids": ids, "response_ids": cut_after_stop(generated,
-                                                                               frozenset(tokens.stop_token_ids))}
-            for (index, ids), generated in zip(prompts, responses)]
+    responses = _respond(target, draft, input_ids, attention_mask, tokens, max(caps), temperature)
+    return [{"index": index, "prompt_ids": ids,
+             "response_ids": cut_after_stop(generated[:cap], frozenset(tokens.stop_token_ids))}
+            for (index, ids), generated, cap in zip(prompts, responses, caps)]
 
 
 def _seed_rows(prompt_ids: list[list[int]], rows: dict[int, dict], seed_paths: Sequence[str | Path]) -> list[dict]:

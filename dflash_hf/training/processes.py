@@ -9,21 +9,37 @@ from __future__ import annotations
 import json
 import math
 import os
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from accelerate import PartialState
+    from accelerate.utils import InitProcessGroupKwargs
 
 
-def process_state() -> PartialState:
+def process_state(timeout_minutes: float | None = None) -> PartialState:
     """This process's Accelerate state: its device (its GPU under CUDA, else the CPU), index and the process count.
 
-    `cpu=True` without CUDA: several CPU processes under `torchrun` form a gloo group, as GPUs form an NCCL one."""
+    `cpu=True` without CUDA: several CPU processes under `torchrun` form a gloo group, as GPUs form an NCCL one. The
+    first call of a process starts the group, with `timeout_minutes` (`process_group_kwargs`); later calls return the
+    same state."""
     from accelerate import PartialState
 
-    return PartialState(cpu=not torch.cuda.is_available())
+    handlers = process_group_kwargs(timeout_minutes)
+    return PartialState(cpu=not torch.cuda.is_available(), **({"timeout": handlers[0].timeout} if handlers else {}))
+
+
+def process_group_kwargs(timeout_minutes: float | None) -> list[InitProcessGroupKwargs]:
+    """Accelerate's handler that gives the process group a timeout of `timeout_minutes`: how long a process waits
+    in a collective before the job is stopped (NCCL's default is 10 minutes, gloo's 30); none: the backend's
+    default."""
+    if timeout_minutes is None:
+        return []
+    from accelerate.utils import InitProcessGroupKwargs
+
+    return [InitProcessGroupKwargs(timeout=timedelta(minutes=timeout_minutes))]
 
 
 def end_processes() -> None:
@@ -33,17 +49,20 @@ def end_processes() -> None:
         state.destroy_process_group()
 
 
-def padded_shard(num_items: int, process_index: int, num_processes: int) -> list[int]:
-    """The item indices process `process_index` of `num_processes` takes: every num_processes-th one from its index,
-    wrapped round to the first items so that every process takes ceil(num_items / num_processes) of them.
+def epoch_order(num_items: int, epoch: int, seed: int, num_processes: int, per_process: int) -> list[int]:
+    """Every process's items of one epoch, in the order `torch.utils.data.DistributedSampler` gives them: a
+    permutation of all items drawn with `seed + epoch` (a fresh one each epoch, the same on every process), wrapped
+    round to `per_process` x `num_processes` entries. Process p takes entries p, p + N, p + 2N, ... (`order[p::N]`).
 
-    Equal shards keep the processes in step: data-parallel training does one collective per optimiser step, and a
-    process that ran out of items first would leave the others waiting (8 items on 3 processes: 0 3 6 | 1 4 7 | 2 5 0).
+    So an optimiser step of S items per process trains on S x N consecutive entries, rows from all over the data
+    rather than neighbours in the file, and every process takes `per_process` items: none waits on a collective the
+    others never reach (5 items on 2 processes, 3 each, seed 0, epoch 0: order 4 0 1 3 2 4 gives 4 1 2 | 0 3 4).
     """
     if num_items == 0:
         return []
-    per_process = math.ceil(num_items / num_processes)
-    return [(process_index + k * num_processes) % num_items for k in range(per_process)]
+    order = torch.randperm(num_items, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    length = per_process * num_processes
+    return (order * math.ceil(length / num_items))[:length]
 
 
 def round_share(todo: list[int], batch_size: int, round_index: int, process_index: int,

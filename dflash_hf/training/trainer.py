@@ -2,17 +2,19 @@
 
 An optimiser step is `batch_size` sequences (packed into one row) times `gradient_accumulation_steps` micro-batches
 per process, many anchors per sequence (docs/training.md). Runs as is on one CPU or GPU and data-parallel under
-`accelerate launch` or `torchrun` (Accelerate is the distributed engine): each of N processes takes an equal shard of
-the sequences, the gradients are averaged, the schedule counts optimiser steps, the log holds global values and only
-the main process writes. Under Accelerate's FSDP plugin (`accelerate launch --config_file
-examples/accelerate_fsdp.yaml`) the draft is sharded over the processes, and checkpoints are gathered from the shards
-(docs/training.md, "FSDP"). The target's signals are computed per micro-batch; the opt-in cache keeps them on the host
-(pinned when CUDA is available), after a size check, and moves one micro-batch's to the device at a time.
+`accelerate launch` or `torchrun` (Accelerate is the distributed engine): each epoch shuffles all sequences and
+strides them over the N processes (as `DistributedSampler`), the gradients are averaged, the schedule counts optimiser
+steps, the log holds global values and only the main process writes. Under Accelerate's FSDP plugin (`accelerate
+launch --config_file examples/accelerate_fsdp.yaml`) the draft is sharded over the processes, and checkpoints are
+gathered from the shards (docs/training.md, "FSDP"). The target's signals are computed per micro-batch; the opt-in
+cache keeps them on the host (pinned when CUDA is available), after a size check, and moves one micro-batch's to the
+device at a time.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import os
@@ -29,7 +31,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from ..modeling_dflash import DFlashDraftModel
 from .objective import StepResult, TargetSignals, packed_dflash_loss, target_signals, teacher_rows
-from .processes import check_fsdp_applies, gather_json, padded_shard
+from .processes import check_fsdp_applies, epoch_order, gather_json, process_group_kwargs
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -41,6 +43,8 @@ OPTIMIZER_TENSORS_FILE = "optimizer.safetensors"  # the optimiser's per-paramete
 OPTIMIZER_SCHEDULER_FILE = "optimizer_scheduler.json"  # the rest of both state dicts: plain numbers and lists
 STATE_FILE = "state.json"  # the TrainingLog and the format version; written last
 LEGACY_CHECKPOINT_FILE = "checkpoint.pt"  # the pickled checkpoint of earlier versions, refused
+TRACKER_DIR = "logs"  # OUTPUT/logs/: the trackers' files (--report-to); TensorBoard's in OUTPUT/logs/<TRACKER_RUN>/
+TRACKER_RUN = "dflash-hf"
 MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16}  # --mixed-precision: the autocast dtype of the forward
 AUTO_MIXED_PRECISION = {"cuda": "bf16"}  # --mixed-precision auto: bf16 on a GPU, float32 ("no") elsewhere
 
@@ -68,21 +72,102 @@ class TrainingSettings:
     gradient_accumulation_steps: int = 1  # micro-batches per optimiser step (Accelerate's accumulation)
     seed: int = 0
     checkpoint_every: int = 200  # optimiser steps between resumable checkpoints
+    keep_checkpoints: int = 1  # checkpoints kept on disk, the latest (OUTPUT/checkpoint) included
+    process_group_timeout_minutes: float | None = None  # the process group's timeout (None: the backend's default)
+    report_to: list[str] = field(default_factory=list)  # Accelerate's trackers (`log_with`), e.g. ["tensorboard"]
 
     def __post_init__(self) -> None:
-        """Refuse a mixed precision the trainer does not know, and batch counts below one."""
+        """Refuse a mixed precision the trainer does not know, counts below one, a length below two and a timeout
+        that is not positive."""
         if self.mixed_precision not in ("auto", *MIXED_PRECISION):
             raise ValueError(f"mixed_precision {self.mixed_precision!r}: expected one of "
                              f"{['auto', *MIXED_PRECISION]}")
-        if self.batch_size < 1 or self.gradient_accumulation_steps < 1:
-            raise ValueError(f"batch_size {self.batch_size} and gradient_accumulation_steps "
-                             f"{self.gradient_accumulation_steps} must both be >= 1 (--train-batch-size, "
-                             "--gradient-accumulation-steps)")
+        counts = {"batch_size (--train-batch-size)": self.batch_size,
+                  "gradient_accumulation_steps (--gradient-accumulation-steps)": self.gradient_accumulation_steps,
+                  "checkpoint_every (--checkpoint-every)": self.checkpoint_every,
+                  "keep_checkpoints (--keep-checkpoints)": self.keep_checkpoints}
+        below = [f"{name} {value}" for name, value in counts.items() if value < 1]
+        if below:
+            raise ValueError(f"{', '.join(below)}: expected >= 1")
+        if self.max_length < 2:
+            raise ValueError(f"max_length {self.max_length} (--max-length): expected >= 2 (a label follows a token)")
+        if self.process_group_timeout_minutes is not None and self.process_group_timeout_minutes <= 0:
+            raise ValueError(f"process_group_timeout_minutes {self.process_group_timeout_minutes} "
+                             "(--process-group-timeout): expected minutes > 0")
 
     @property
     def sequences_per_step(self) -> int:
         """Sequences each process trains on per optimiser step."""
         return self.batch_size * self.gradient_accumulation_steps
+
+
+def check_trackers(names: list[str]) -> None:
+    """Refuse a tracker Accelerate does not know, or one whose package is missing (Accelerate would leave it out
+    without a word)."""
+    if not names:
+        return
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    known = [name for name in LoggerType.list() if name != "all"]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"--report-to {unknown[0]}: not one of Accelerate's trackers ({', '.join(known)})")
+    available = {str(tracker) for tracker in get_available_trackers()}
+    missing = [name for name in names if name not in available]
+    if missing:
+        raise ValueError(f"--report-to {missing[0]}: its package is not installed here (pip install {missing[0]}), "
+                         "or leave it out")
+
+
+def tracker_config(settings: TrainingSettings) -> dict[str, Any]:
+    """The settings as the trackers' run configuration (TensorBoard's hyper-parameters take numbers, strings, booleans
+    and None: a list becomes its text)."""
+    return {name: value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+            for name, value in asdict(settings).items()}
+
+
+def held_out_loss(accelerator: Accelerator, model: torch.nn.Module, target: torch.nn.Module,
+                  sequences: list[tuple[torch.Tensor, torch.Tensor]], settings: TrainingSettings,
+                  signals_of: Callable[[torch.Tensor, torch.Tensor], TargetSignals]) -> dict[str, Any]:
+    """The training loss, block tau and accuracy per block position of the draft on held-out `sequences`, every
+    process computing its share (entries p, p + N, ...; wrapped round to equal shares, the repeats weighted 0, so
+    that every process runs as many forwards: FSDP gathers in each, and its shards are restored after) and one
+    all-reduce. Each sequence draws the same anchors every time (`anchor_seed` of process -1 and its index), so the
+    values compare across steps."""
+    from torch.distributed.fsdp import FSDPModule
+
+    processes, device = accelerator.num_processes, accelerator.device
+    dtype = autocast_dtype(settings.mixed_precision, device)
+    parts = []
+    with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        for position in range(accelerator.process_index, math.ceil(len(sequences) / processes) * processes,
+                              processes):
+            index = position % len(sequences)
+            input_ids, loss_mask = (t.to(device) for t in sequences[index])
+            result = packed_dflash_loss(model, target, [(input_ids, loss_mask)], settings.num_anchors,
+                                        torch.Generator().manual_seed(anchor_seed(settings.seed, -1, index)),
+                                        [signals_of(input_ids, loss_mask)])
+            counts = torch.stack([result.loss.detach().float(), torch.ones((), device=device),
+                                  result.leading_correct.float().sum(),
+                                  torch.tensor(float(len(result.leading_correct)), device=device)])
+            weight = float(position < len(sequences))  # a wrapped repeat counts for nothing
+            parts.append(weight * torch.cat([counts, result.correct.float(), result.counted.float()]))
+    if isinstance(model, FSDPModule):  # FSDP keeps the root unit gathered after a forward with no backward
+        model.reshard()
+    total = accelerator.reduce(torch.stack(parts).sum(0), reduction="sum").cpu()  # [4 + 2 (B-1)]
+    correct, counted = total[4:].chunk(2)
+    return {"loss": float(total[0] / total[1]), "block_tau": float(1 + total[2] / total[3].clamp(min=1)),
+            "position_accuracy": (correct / counted.clamp(min=1)).tolist()}
+
+
+def step_metrics(log: TrainingLog, tokens_per_second: float) -> dict[str, float]:
+    """What the trackers get for the step `log` just recorded: loss, learning rate, gradient norm, tokens per second,
+    the epoch's block tau and accuracy per block position so far."""
+    return {"train/loss": log.losses[-1], "train/learning_rate": log.learning_rates[-1],
+            "train/grad_norm": log.grad_norms[-1], "train/tokens_per_second": tokens_per_second,
+            "train/block_tau": log.block_tau,
+            **{f"train/accuracy_position_{k}": accuracy for k, accuracy in enumerate(log.position_accuracy, 1)}}
 
 
 def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
@@ -94,13 +179,15 @@ def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | 
 
 @dataclass
 class TrainingLog:
-    """What a run did: per-step loss and learning rate, per-position accuracy of the last epoch, steps and seconds.
+    """What a run did: per-step loss, learning rate and gradient norm, per-position accuracy of the last epoch, steps
+    and seconds.
 
     Global over the processes of a data-parallel run: one entry per optimiser step, the loss averaged over the
     processes, the accuracy counted over all of them."""
 
     losses: list[float] = field(default_factory=list)
     learning_rates: list[float] = field(default_factory=list)  # the rate each optimiser step applied
+    grad_norms: list[float] = field(default_factory=list)  # each step's gradient norm, before clipping
     position_accuracy: list[float] = field(default_factory=list)
     block_tau: float = 0.0  # last epoch: 1 + mean correct predictions before the first miss (greedy tau estimate)
     steps: int = 0
@@ -108,6 +195,7 @@ class TrainingLog:
     processes: int = 1  # data-parallel processes of the run (a checkpoint resumes on as many)
     tokens: int = 0  # tokens of the trained sequences, every process's
     evaluations: list[dict] = field(default_factory=list)  # held-out results: {"step", "tau", "lossless", ...}
+    held_out_losses: list[dict] = field(default_factory=list)  # {"step", "loss", "block_tau", "position_accuracy"}
 
 
 def row_tokens(row: dict) -> tuple[list[int], list[int]]:
@@ -141,11 +229,49 @@ def on_host(signals: TargetSignals) -> TargetSignals:
     return signals.apply(lambda tensor: host_copy(tensor, pin))
 
 
-def _epoch_order(num_sequences: int, epoch: int, seed: int, length: int | None = None) -> list[int]:
-    """A shuffle of the shard for `epoch`, wrapped round to `length` entries (whole optimiser steps)."""
-    order = torch.randperm(num_sequences, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
-    length = num_sequences if length is None else length
-    return (order * math.ceil(length / num_sequences))[:length]
+@dataclass
+class EpochPlan:
+    """Which sequences each optimiser step trains on, every process's: each epoch one `epoch_order` of all of them
+    (`DistributedSampler`'s: seed + epoch, strided over the processes), wrapped round to whole steps. A pure function
+    of its fields, so a resumed run (or any process) finds the same sequences for a step."""
+
+    num_sequences: int
+    num_processes: int
+    per_step: int  # sequences per process per optimiser step
+    seed: int
+    _epoch: tuple[int, list[int]] = field(default=(-1, []), init=False, repr=False)  # the last epoch's order
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimiser steps of an epoch: every process takes ceil(sequences / processes), in whole steps."""
+        return math.ceil(math.ceil(self.num_sequences / self.num_processes) / self.per_step)
+
+    def epoch_items(self, epoch: int) -> list[int]:
+        """Every process's sequences of `epoch` (`epoch_order`, drawn once per epoch): process p takes entries p,
+        p + N, ..."""
+        if self._epoch[0] != epoch:
+            self._epoch = (epoch, epoch_order(self.num_sequences, epoch, self.seed, self.num_processes,
+                                              self.steps_per_epoch * self.per_step))
+        return self._epoch[1]
+
+    def step_items(self, step: int) -> list[int]:
+        """The sequences of optimiser step `step` (counted from the run's start), every process's: process p takes
+        entries p, p + N, ... of them."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        width = self.per_step * self.num_processes
+        return self.epoch_items(epoch)[index * width:(index + 1) * width]
+
+    def process_items(self, first_step: int, last_step: int, process_index: int) -> list[int]:
+        """The sequences process `process_index` trains on in steps `first_step` .. `last_step` - 1, each once."""
+        return sorted({i for step in range(first_step, last_step)
+                       for i in self.step_items(step)[process_index::self.num_processes]})
+
+
+def anchor_seed(seed: int, process_index: int, micro_step: int) -> int:
+    """The seed of one micro-batch's anchor draws: distinct for every (run seed, process, micro-batch), so the
+    processes draw different anchors, and a resumed run draws the same ones again (a 64-bit hash of the three)."""
+    digest = hashlib.blake2b(f"{seed}/{process_index}/{micro_step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 def feature_cache_bytes(target: torch.nn.Module, sequences: list[tuple[torch.Tensor, torch.Tensor]],
@@ -181,18 +307,20 @@ def check_feature_cache(cache_bytes: int, limit_gib: float | None) -> None:
                          "(docs/training.md, 'Memory')")
 
 
-def host_feature_cache(target: torch.nn.Module, shard: list[tuple[torch.Tensor, torch.Tensor]], num_features: int,
-                       settings: TrainingSettings, signals_of: Callable[[torch.Tensor, torch.Tensor], TargetSignals],
-                       progress: bool) -> list[TargetSignals]:
-    """The target's signals of every sequence of `shard`, on the host (the device holds one micro-batch's at a time);
-    refused before the target runs when they would exceed `settings.cache_limit_gib` (`check_feature_cache`)."""
+def host_feature_cache(target: torch.nn.Module, sequences: list[tuple[torch.Tensor, torch.Tensor]],
+                       indices: list[int], num_features: int, settings: TrainingSettings,
+                       signals_of: Callable[[torch.Tensor, torch.Tensor], TargetSignals],
+                       progress: bool) -> dict[int, TargetSignals]:
+    """The target's signals of the sequences at `indices` (those this process trains on), by index, on the host (the
+    device holds one micro-batch's at a time); refused before the target runs when they would exceed
+    `settings.cache_limit_gib` (`check_feature_cache`)."""
     from tqdm.auto import tqdm
 
-    check_feature_cache(feature_cache_bytes(target, shard, num_features,
+    check_feature_cache(feature_cache_bytes(target, [sequences[i] for i in indices], num_features,
                                             settings.teacher_top_k if settings.distill else None),
                         settings.cache_limit_gib)
-    return [on_host(signals_of(input_ids, loss_mask))
-            for input_ids, loss_mask in tqdm(shard, desc="target features", disable=not progress)]
+    return {i: on_host(signals_of(*sequences[i]))
+            for i in tqdm(indices, desc="target features", disable=not progress)}
 
 
 def _sibling(folder: Path, suffix: str) -> Path:
@@ -202,11 +330,12 @@ def _sibling(folder: Path, suffix: str) -> Path:
 
 def save_checkpoint(folder: str | Path, draft: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: LRScheduler, log: TrainingLog, run_facts: dict[str, Any] | None = None,
-                    main_process: bool = True) -> None:
+                    main_process: bool = True, keep: int = 1) -> None:
     """Write draft weights, optimiser and schedule states and the log to `folder`, replacing it atomically.
 
     Every process of a run calls this (under FSDP the states are gathered from the shards); only `main_process`
-    writes. `run_facts` (`resume_facts`): what a resumed run must share with this one."""
+    writes. `run_facts` (`resume_facts`): what a resumed run must share with this one. `keep` > 1: the checkpoint
+    `folder` held before is kept beside it as `<folder>-<its step>`, and only the `keep` - 1 newest of those stay."""
     weights, optimizer_state = whole_state(draft, optimizer)
     if not main_process:
         return
@@ -227,7 +356,21 @@ def save_checkpoint(folder: str | Path, draft: torch.nn.Module, optimizer: torch
         shutil.rmtree(previous, ignore_errors=True)
         folder.replace(previous)
     staging.replace(folder)
+    if keep > 1 and (previous / STATE_FILE).exists():
+        earlier = _sibling(folder, f"-{json.loads((previous / STATE_FILE).read_text())['steps']}")
+        shutil.rmtree(earlier, ignore_errors=True)
+        previous.replace(earlier)
     shutil.rmtree(previous, ignore_errors=True)
+    kept = kept_checkpoints(folder)
+    for path in kept[:max(len(kept) - (keep - 1), 0)]:  # the oldest beyond `keep` in all
+        shutil.rmtree(path)
+
+
+def kept_checkpoints(folder: str | Path) -> list[Path]:
+    """The earlier checkpoints kept beside `folder` (`<folder>-<step>`, `save_checkpoint(keep=...)`), oldest first."""
+    folder = Path(folder)
+    steps = {path: path.name[len(folder.name) + 1:] for path in folder.parent.glob(f"{folder.name}-*")}
+    return sorted((path for path, step in steps.items() if step.isdigit()), key=lambda path: int(steps[path]))
 
 
 def load_checkpoint(folder: str | Path, draft: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -268,10 +411,12 @@ def load_checkpoint(folder: str | Path, draft: torch.nn.Module, optimizer: torch
     return TrainingLog(**state)
 
 
-# Settings a resumed run may change: they do not change what is trained (how often it is saved, where the target's
+# Settings a resumed run may change: they do not change what is trained (how often it is saved and how many
+# checkpoints stay, how long a process waits in a collective, where the metrics are reported, where the target's
 # signals are kept and how much host memory their cache may take). Any other difference (the batch size and the
 # accumulation steps among them) changes the data, the schedule or the loss.
-CHANGEABLE_ON_RESUME = ("checkpoint_every", "cache_target", "cache_limit_gib")
+CHANGEABLE_ON_RESUME = ("checkpoint_every", "keep_checkpoints", "process_group_timeout_minutes", "report_to",
+                        "cache_target", "cache_limit_gib")
 
 
 def resume_facts(settings: TrainingSettings, num_sequences: int) -> dict[str, Any]:
@@ -421,6 +566,54 @@ def step_totals(accelerator: Accelerator, result: StepResult) -> StepTotals:
                       total[1 + positions : 1 + 2 * positions], float(total[-2]), int(total[-1]))
 
 
+@dataclass
+class StepUpdate:
+    """What an optimiser step applied: its learning rate and the norm of the (averaged) gradients before clipping."""
+
+    learning_rate: float
+    grad_norm: float
+
+
+class _Progress:
+    """What a run shows as it goes: the main process's progress bar, and the trackers (`settings.report_to`, main
+    process only) that get every step's metrics and every held-out evaluation."""
+
+    def __init__(self, accelerator: Accelerator, settings: TrainingSettings, log: TrainingLog, total_steps: int,
+                 shown: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self.accelerator, self.reporting = accelerator, bool(settings.report_to)
+        if self.reporting:
+            accelerator.init_trackers(TRACKER_RUN, config=tracker_config(settings))
+        self.bar = tqdm(total=total_steps, initial=log.steps, disable=not shown, desc="training", unit="step")
+        self.started, self.tokens = time.perf_counter(), log.tokens  # tok/s: of the steps this call runs
+
+    def step(self, log: TrainingLog, text: str) -> None:
+        """Show the step `log` just recorded (`text`: its loss and accuracy)."""
+        tokens_per_second = (log.tokens - self.tokens) / (time.perf_counter() - self.started)
+        self.bar.set_postfix_str(f"{text}, {tokens_per_second:,.0f} tok/s")
+        self.bar.update(1)
+        if self.reporting:
+            self.accelerator.log(step_metrics(log, tokens_per_second), step=log.steps)
+
+    def evaluation(self, results: dict[str, Any], step: int) -> None:
+        """Report an evaluation's `results` at `step`: its numbers as held_out/<name>, a list's items as
+        held_out/<name>_<k> (k from 1)."""
+        if self.reporting:
+            numbers = {f"held_out/{name}": value for name, value in results.items()
+                       if name != "step" and isinstance(value, (int, float))}
+            for name, values in results.items():
+                if isinstance(values, list):
+                    numbers.update((f"held_out/{name}_{k}", value) for k, value in enumerate(values, 1))
+            self.accelerator.log(numbers, step=step)
+
+    def close(self) -> None:
+        """Close the bar, and the trackers' files (not through `end_training`, which would end the process group)."""
+        self.bar.close()
+        for tracker in self.accelerator.trackers:
+            tracker.finish()
+
+
 class _EpochAccuracy:
     """Per-position accuracy and block tau of the current epoch, accumulated step by step."""
 
@@ -429,12 +622,13 @@ class _EpochAccuracy:
         self.counted = torch.zeros(block_size - 1)  # [B-1]: labels per block position
         self.leading_correct, self.blocks = 0.0, 0
 
-    def record(self, totals: StepTotals, learning_rate: float, log: TrainingLog) -> str:
-        """Log one finished step (count, loss, learning rate, the epoch's accuracy so far) and return the
-        progress-bar text."""
+    def record(self, totals: StepTotals, update: StepUpdate, log: TrainingLog) -> str:
+        """Log one finished step (count, loss, learning rate, gradient norm, the epoch's accuracy so far) and return
+        the progress-bar text."""
         log.steps += 1
         log.losses.append(totals.loss)
-        log.learning_rates.append(learning_rate)
+        log.learning_rates.append(update.learning_rate)
+        log.grad_norms.append(update.grad_norm)
         self.correct += totals.correct
         self.counted += totals.counted
         self.leading_correct += totals.leading_correct
@@ -442,45 +636,47 @@ class _EpochAccuracy:
         log.position_accuracy = (self.correct / self.counted.clamp(min=1)).tolist()
         log.block_tau = 1.0 + self.leading_correct / max(self.blocks, 1)
         accuracy = " ".join(f"{a:.2f}" for a in log.position_accuracy[:4])
-        return f"loss {log.losses[-1]:.3f} acc@1..4 {accuracy} block tau {log.block_tau:.2f}"
+        return (f"loss {log.losses[-1]:.3f} grad norm {update.grad_norm:.2f} acc@1..4 {accuracy} "
+                f"block tau {log.block_tau:.2f}")
 
 
 def _micro_batch_step(accelerator: Any, draft: torch.nn.Module, target: torch.nn.Module,
                       batch: list[tuple[torch.Tensor, torch.Tensor, TargetSignals]], optimization: tuple[Any, Any],
-                      settings: TrainingSettings, micro_step: int) -> tuple[StepResult, float | None]:
+                      settings: TrainingSettings, micro_step: int) -> tuple[StepResult, StepUpdate | None]:
     """The loss on one micro-batch (input ids, loss mask, target signals per sequence, packed into one row) under the
     settings' autocast and its backward, inside Accelerate's accumulation; on the micro-batch that completes an
-    optimiser step, the clipped step of the optimiser and the schedule. The loss's result and the learning rate the
-    step applied (None while accumulating)."""
+    optimiser step, the clipped step of the optimiser and the schedule. The loss's result and the step's update
+    (None while accumulating)."""
     optimizer, scheduler = optimization
     dtype = autocast_dtype(settings.mixed_precision, accelerator.device)
     with accelerator.accumulate(draft):
         with torch.autocast(accelerator.device.type, dtype=dtype, enabled=dtype is not None):
             result = packed_dflash_loss(draft, target, [(ids, mask) for ids, mask, _ in batch], settings.num_anchors,
-                                        torch.Generator().manual_seed(settings.seed * 1_000_003 + micro_step),
+                                        torch.Generator().manual_seed(
+                                            anchor_seed(settings.seed, accelerator.process_index, micro_step)),
                                         [signals for _, _, signals in batch])
         accelerator.backward(result.loss)  # divided by the accumulation steps: the step sees their mean
         if not accelerator.sync_gradients:
             return result, None
         learning_rate = scheduler.get_last_lr()[0]
-        accelerator.clip_grad_norm_(draft.parameters(), settings.max_grad_norm)
+        grad_norm = accelerator.clip_grad_norm_(draft.parameters(), settings.max_grad_norm)  # the averaged gradients'
         optimizer.step()
         scheduler.step()  # once per optimiser step, whatever the number of processes (not handed to Accelerate)
         optimizer.zero_grad()
-    return result, learning_rate
+    return result, StepUpdate(learning_rate, float(grad_norm))
 
 
-def _micro_batches(shard: list[tuple[torch.Tensor, torch.Tensor]], positions: list[int], batch_size: int,
-                   device: torch.device, cached: list[TargetSignals] | None,
+def _micro_batches(sequences: list[tuple[torch.Tensor, torch.Tensor]], indices: list[int], batch_size: int,
+                   device: torch.device, cached: dict[int, TargetSignals] | None,
                    signals_of: Callable[[torch.Tensor, torch.Tensor], TargetSignals]
                    ) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, TargetSignals]]]:
-    """The micro-batches of one optimiser step, one at a time: `batch_size` sequences of `shard` at `positions` each,
-    on `device`, with their target signals (from the host cache, or `signals_of` computes them now)."""
-    for start in range(0, len(positions), batch_size):
+    """The micro-batches of one optimiser step, one at a time: `batch_size` of the `sequences` at `indices` each, on
+    `device`, with their target signals (from the host cache, or `signals_of` computes them now)."""
+    for start in range(0, len(indices), batch_size):
         batch = []
-        for position in positions[start:start + batch_size]:
-            input_ids, loss_mask = (t.to(device) for t in shard[position])
-            signals = cached[position] if cached is not None else signals_of(input_ids, loss_mask)
+        for index in indices[start:start + batch_size]:
+            input_ids, loss_mask = (t.to(device) for t in sequences[index])
+            signals = cached[index] if cached is not None else signals_of(input_ids, loss_mask)
             batch.append((input_ids, loss_mask, signals.to(device, non_blocking=True)))
         yield batch
 
@@ -488,15 +684,15 @@ def _micro_batches(shard: list[tuple[torch.Tensor, torch.Tensor]], positions: li
 def _accumulated_step(accelerator: Any, draft: torch.nn.Module, target: torch.nn.Module,
                       micro_batches: Iterator[list[tuple[torch.Tensor, torch.Tensor, TargetSignals]]],
                       optimization: tuple[Any, Any], settings: TrainingSettings, step: int
-                      ) -> tuple[StepTotals, float]:
+                      ) -> tuple[StepTotals, StepUpdate]:
     """Optimiser step `step` over its micro-batches (`_micro_batch_step`; the last one steps): its totals over all
-    processes and the learning rate it applied."""
-    parts, learning_rate = [], None
+    processes and its update."""
+    parts, update = [], None
     for micro, batch in enumerate(micro_batches):
-        result, learning_rate = _micro_batch_step(accelerator, draft, target, batch, optimization, settings,
-                                                  step * settings.gradient_accumulation_steps + micro)
+        result, update = _micro_batch_step(accelerator, draft, target, batch, optimization, settings,
+                                           step * settings.gradient_accumulation_steps + micro)
         parts.append(step_totals(accelerator, result))
-    return StepTotals.combined(parts), learning_rate
+    return StepTotals.combined(parts), update
 
 
 def train_draft(
@@ -509,35 +705,42 @@ def train_draft(
     max_steps: int | None = None,
     evaluate: Callable[[DFlashDraftModel], dict[str, Any]] | None = None,
     eval_every: int = 0,
+    held_out_rows: list[dict] | None = None,
+    held_out_every: int = 0,
 ) -> TrainingLog:
     """Train `draft` on the target's regenerated rows; resumes from `output_dir/checkpoint/` if present.
 
     `max_steps` stops early (the schedule still spans all epochs), e.g. to interrupt a run on purpose. Under
-    `accelerate launch` / `torchrun` every process calls this with the same rows: each takes an equal shard
-    (`padded_shard`), an optimiser step is `settings.sequences_per_step` sequences per process (an epoch's shuffle
-    wrapped round to whole steps), and only the main process writes `output_dir`; all return the same log once it
+    `accelerate launch` / `torchrun` every process calls this with the same rows: each epoch is one shuffle of all
+    of them, strided over the processes (`epoch_order`, as `DistributedSampler`), an optimiser step is
+    `settings.sequences_per_step` sequences per process (the epoch wrapped round to whole steps), each process draws
+    its own anchors (`anchor_seed`), and only the main process writes `output_dir`; all return the same log once it
     is written. Under Accelerate's FSDP a copy of the draft is sharded over the processes and the trained weights
     are gathered back into `draft` at the end. `evaluate(draft)` (held-out tau and losslessness; JSON-ready values)
     runs on the main process before the first step, every `eval_every` optimiser steps and after the last; its
-    results go to every process's `log.evaluations`."""
+    results go to every process's `log.evaluations`. `held_out_rows` (never trained on): every process computes its
+    share of their training loss (`held_out_loss`) at the same steps, every `held_out_every` steps, into
+    `log.held_out_losses`."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
-    from tqdm.auto import tqdm
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
-                              gradient_accumulation_steps=settings.gradient_accumulation_steps)
-    check_fsdp_applies(accelerator.state)
+    check_trackers(settings.report_to)
+    check_held_out(held_out_rows, held_out_every)
     output_dir = Path(output_dir)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+                              gradient_accumulation_steps=settings.gradient_accumulation_steps,
+                              kwargs_handlers=process_group_kwargs(settings.process_group_timeout_minutes),
+                              log_with=settings.report_to or None,
+                              project_dir=output_dir / TRACKER_DIR if settings.report_to else None)
+    check_fsdp_applies(accelerator.state)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
     target.requires_grad_(False).to(accelerator.device)
     sequences = training_sequences(rows, settings.max_length)
-    shards = [padded_shard(len(sequences), rank, accelerator.num_processes)
-              for rank in range(accelerator.num_processes)]
-    shard = [sequences[i] for i in shards[accelerator.process_index]]
-    per_step = settings.sequences_per_step
-    steps_per_epoch = math.ceil(len(shard) / per_step)  # the same on every process: one collective per step in each
-    total_steps = steps_per_epoch * settings.epochs
+    held_out_sequences = training_sequences(held_out_rows or [], settings.max_length)
+    rank, processes = accelerator.process_index, accelerator.num_processes
+    plan = EpochPlan(len(sequences), processes, settings.sequences_per_step, settings.seed)
+    total_steps = plan.steps_per_epoch * settings.epochs
     draft.train()
     sharded = accelerator.distributed_type == DistributedType.FSDP
     model = copy.deepcopy(draft) if sharded else draft  # FSDP shards its module in place: `draft` stays whole
@@ -554,39 +757,40 @@ def train_draft(
         return target_signals(target, input_ids.to(accelerator.device), draft.target_layer_ids,
                               settings.teacher_top_k if settings.distill else None, teacher_rows(loss_mask))
 
-    def held_out() -> None:
-        if evaluate is not None:
+    def held_out(first: bool = False) -> None:  # the held-out measurements due now (`first`: before training)
+        if evaluate is not None and (first or _due(log.steps, eval_every, last)):
             record_evaluation(accelerator, model if sharded else None, draft, evaluate, log)
+            shows.evaluation(log.evaluations[-1], log.steps)
+        if held_out_sequences and (first or _due(log.steps, held_out_every, last)):  # every process: its share
+            log.held_out_losses.append({"step": log.steps, **held_out_loss(
+                accelerator, model, target, held_out_sequences, settings, signals_of)})
+            shows.evaluation(log.held_out_losses[-1], log.steps)
 
     shown = progress and accelerator.is_main_process  # one progress bar, the main process's
-    cached = (host_feature_cache(target, shard, len(draft.target_layer_ids), settings, signals_of, shown)
+    cached = (host_feature_cache(target, sequences, plan.process_items(log.steps, last, rank),
+                                 len(draft.target_layer_ids), settings, signals_of, shown)
               if settings.cache_target and log.steps < last else None)
+    shows = _Progress(accelerator, settings, log, total_steps, shown)
     if log.steps == 0 and last > 0:
-        held_out()  # the draft before training: the baseline of the curve
-    bar = tqdm(total=total_steps, initial=log.steps, disable=not shown, desc="training", unit="step")
-    loop_started, loop_tokens = time.perf_counter(), log.tokens  # tok/s: of the steps this call runs
-    order_epoch, order, accuracy = -1, [], _EpochAccuracy(draft.block_size)
+        held_out(first=True)  # the draft before training: the baseline of the curve
+    accuracy_epoch, accuracy = -1, _EpochAccuracy(draft.block_size)
     while log.steps < last:
-        epoch, index = divmod(log.steps, steps_per_epoch)
-        if epoch != order_epoch:  # a new (or resumed) epoch: its order (whole steps), fresh accuracy counts
-            order_epoch, order = epoch, _epoch_order(len(shard), epoch, settings.seed, steps_per_epoch * per_step)
-            accuracy = _EpochAccuracy(draft.block_size)
-        step_order = order[index * per_step:(index + 1) * per_step]
-        micro_batches = _micro_batches(shard, step_order, settings.batch_size, accelerator.device, cached, signals_of)
-        totals, learning_rate = _accumulated_step(accelerator, model, target, micro_batches,
-                                                  (prepared_optimizer, scheduler), settings, log.steps)
-        text = accuracy.record(totals, learning_rate, log)
-        log.tokens += sum(len(sequences[indices[position]][0])  # every process's sequences of the step
-                          for indices in shards for position in step_order)
-        tokens_per_second = (log.tokens - loop_tokens) / (time.perf_counter() - loop_started)
-        bar.set_postfix_str(f"{text}, {tokens_per_second:,.0f} tok/s")
-        bar.update(1)
-        if eval_every and (log.steps % eval_every == 0 or log.steps == last):
-            held_out()
+        if log.steps // plan.steps_per_epoch != accuracy_epoch:  # a new (or resumed) epoch: fresh accuracy counts
+            accuracy_epoch, accuracy = log.steps // plan.steps_per_epoch, _EpochAccuracy(draft.block_size)
+        step_items = plan.step_items(log.steps)  # every process's sequences of the step
+        micro_batches = _micro_batches(sequences, step_items[rank::processes], settings.batch_size,
+                                       accelerator.device, cached, signals_of)
+        totals, update = _accumulated_step(accelerator, model, target, micro_batches,
+                                           (prepared_optimizer, scheduler), settings, log.steps)
+        text = accuracy.record(totals, update, log)
+        log.tokens += sum(len(sequences[i][0]) for i in step_items)
+        shows.step(log, text)
+        held_out()
         if log.steps % settings.checkpoint_every == 0 or log.steps == last:
             log.seconds = time.perf_counter() - started
-            save_checkpoint(checkpoint_dir, unwrapped, optimizer, scheduler, log, facts, accelerator.is_main_process)
-    bar.close()
+            save_checkpoint(checkpoint_dir, unwrapped, optimizer, scheduler, log, facts, accelerator.is_main_process,
+                            settings.keep_checkpoints)
+    shows.close()
     log.seconds = time.perf_counter() - started
     if sharded:  # every process's `draft` gets the trained weights, gathered from the shards
         draft.load_state_dict(whole_weights(model, every_process=True))
@@ -596,6 +800,17 @@ def train_draft(
         (output_dir / "training_log.json").write_text(json.dumps({"settings": asdict(settings), **asdict(log)}))
     accelerator.wait_for_everyone()  # no process leaves before the log and the last checkpoint are written
     return log
+
+
+def check_held_out(rows: list[dict] | None, every: int) -> None:
+    """Refuse held-out rows without a number of steps between their measurements."""
+    if rows and every < 1:
+        raise ValueError(f"held_out_every {every}: held-out rows are measured every N >= 1 optimiser steps")
+
+
+def _due(step: int, every: int, last: int) -> bool:
+    """Whether a measurement taken every `every` optimiser steps (0: never) and after the last is due at `step`."""
+    return every > 0 and (step % every == 0 or step == last)
 
 
 def whole_weights(model: torch.nn.Module, every_process: bool) -> dict[str, torch.Tensor]:

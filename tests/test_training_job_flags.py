@@ -1,0 +1,155 @@
+"""The flags of a real training job: sequence length, checkpoint interval and rotation, the process group's timeout,
+the answer length that follows --max-length, all prompts and bf16 on a GPU by default (docs/training.md)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+from helpers import make_draft, make_target, make_tokenizer, plain_greedy, save_tiny_target_and_prompts
+from safetensors.torch import load_file
+
+from dflash_hf.cli import build_parser, main
+from dflash_hf.prompts import chat_prompt_ids
+from dflash_hf.training.command import training_settings, training_target_dtype
+from dflash_hf.training.data import answer_cap, generate_responses
+from dflash_hf.training.processes import process_group_kwargs
+from dflash_hf.training.trainer import (
+    CHECKPOINT_DIR,
+    DRAFT_WEIGHTS_FILE,
+    STATE_FILE,
+    TrainingSettings,
+    kept_checkpoints,
+    train_draft,
+)
+
+SETTINGS = TrainingSettings(epochs=2, learning_rate=2e-3, num_anchors=8, checkpoint_every=2, keep_checkpoints=3)
+
+
+def rows(count: int = 4) -> list[dict]:
+    generator = torch.Generator().manual_seed(3)
+    return [{"prompt_ids": torch.randint(0, 127, (5,), generator=generator).tolist(),
+             "response_ids": torch.randint(0, 127, (12,), generator=generator).tolist()} for _ in range(count)]
+
+
+def checkpoint_steps(folder) -> dict[str, int]:
+    """{folder name: the step its checkpoint holds} of every checkpoint in `folder`."""
+    return {path.name: json.loads((path / STATE_FILE).read_text())["steps"]
+            for path in sorted(folder.iterdir()) if path.name.startswith(CHECKPOINT_DIR)}
+
+
+def test_keep_checkpoints_rotates_and_a_kept_one_resumes_exactly(tmp_path):
+    target = make_target("qwen3", seed=4)
+    log = train_draft(make_draft(5, block_size=4), target, rows(), SETTINGS, tmp_path / "run", progress=False)
+    assert log.steps == 8  # 4 rows, 2 epochs, saved at steps 2, 4, 6, 8: the three newest stay
+    assert checkpoint_steps(tmp_path / "run") == {CHECKPOINT_DIR: 8, f"{CHECKPOINT_DIR}-6": 6,
+                                                  f"{CHECKPOINT_DIR}-4": 4}
+    assert [path.name for path in kept_checkpoints(tmp_path / "run" / CHECKPOINT_DIR)] == [
+        f"{CHECKPOINT_DIR}-4", f"{CHECKPOINT_DIR}-6"]  # oldest first
+    # an earlier checkpoint, put back as OUTPUT/checkpoint, resumes from its step to the same end
+    shutil.copytree(tmp_path / "run" / f"{CHECKPOINT_DIR}-4", tmp_path / "again" / CHECKPOINT_DIR)
+    resumed = train_draft(make_draft(6, block_size=4), target, rows(), SETTINGS, tmp_path / "again", progress=False)
+    assert resumed.losses == log.losses and resumed.learning_rates == log.learning_rates
+    final, again = (load_file(tmp_path / run / CHECKPOINT_DIR / DRAFT_WEIGHTS_FILE) for run in ("run", "again"))
+    assert all(torch.equal(final[name], again[name]) for name in final)
+
+
+def test_one_kept_checkpoint_leaves_no_other_folder(tmp_path):
+    train_draft(make_draft(5, block_size=4), make_target("qwen3", seed=4), rows(),
+                replace(SETTINGS, keep_checkpoints=1, checkpoint_every=3), tmp_path, progress=False)
+    assert checkpoint_steps(tmp_path) == {CHECKPOINT_DIR: 8}  # saved at 3, 6 and the last step
+
+
+def test_max_length_cuts_the_training_sequences(tmp_path):
+    log = train_draft(make_draft(5, block_size=4), make_target("qwen3", seed=4), rows(),
+                      replace(SETTINGS, max_length=10, epochs=1), tmp_path, progress=False)
+    assert log.tokens == 4 * 10  # 4 sequences of 5 + 12 tokens, cut to 10
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("keep_checkpoints", 0, "keep_checkpoints (--keep-checkpoints) 0: expected >= 1"),
+    ("checkpoint_every", 0, "checkpoint_every (--checkpoint-every) 0: expected >= 1"),
+    ("max_length", 1, "max_length 1 (--max-length): expected >= 2"),
+    ("process_group_timeout_minutes", 0.0, "(--process-group-timeout): expected minutes > 0"),
+])
+def test_settings_refuse_counts_that_cannot_run(field, value, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TrainingSettings(**{field: value})
+
+
+def test_the_default_answer_fills_what_max_length_leaves_after_its_prompt(tmp_path):
+    target, tokenizer = make_target("llama", seed=2), make_tokenizer()
+    prompts = ["w5 w6", "w7 w8 w9 w10 w11 w12", "w13"]  # prompts of different lengths in one batch
+    rows = generate_responses(target, tokenizer, prompts, tmp_path / "responses.jsonl", batch_size=3,
+                              max_new_tokens=None, max_length=16, progress=False)
+    for row, prompt in zip(rows, prompts):
+        prompt_ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
+        cap = 16 - len(prompt_ids)
+        assert answer_cap(len(prompt_ids), None, 16) == cap
+        # the target's own greedy answer with that cap (no stop token: random weights), alone
+        alone = plain_greedy(target, torch.tensor([prompt_ids]), cap, stop_token_ids=[1])[0, len(prompt_ids):]
+        assert row["response_ids"] == alone.tolist()
+        assert len(prompt_ids) + len(row["response_ids"]) <= 16  # nothing training would cut
+    assert answer_cap(20, None, 16) == 1 and answer_cap(5, 7, 16) == 7  # a full prompt; an explicit cap wins
+
+
+def test_train_defaults_are_the_real_job_and_every_flag_reaches_the_settings():
+    args = build_parser().parse_args(["train", "--output", "run"])
+    assert args.num_prompts is None and args.gen_max_new_tokens is None  # every prompt, answers up to --max-length
+    assert (args.gen_dtype, args.eval_dtype, args.target_dtype) == ("auto", "auto", "auto")
+    for flag in ("gen_dtype", "eval_dtype"):  # bf16 on a GPU, float32 on the CPU
+        assert training_target_dtype(getattr(args, flag), torch.device("cuda", 0)) == torch.bfloat16
+        assert training_target_dtype(getattr(args, flag), torch.device("cpu")) == torch.float32
+    settings = training_settings(args)
+    assert (settings.max_length, settings.checkpoint_every, settings.keep_checkpoints,
+            settings.process_group_timeout_minutes) == (3072, 200, 1, None)
+    assert process_group_kwargs(None) == []
+    args = build_parser().parse_args(["train", "--output", "run", "--max-length", "4096", "--checkpoint-every",
+                                      "500", "--keep-checkpoints", "3", "--process-group-timeout", "90"])
+    settings = training_settings(args)
+    assert (settings.max_length, settings.checkpoint_every, settings.keep_checkpoints,
+            settings.process_group_timeout_minutes) == (4096, 500, 3, 90.0)
+    assert process_group_kwargs(90.0)[0].timeout.total_seconds() == 90 * 60
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--keep-checkpoints", "0"], "keep_checkpoints \\(--keep-checkpoints\\) 0"),
+    (["--max-length", "1"], "max_length 1 \\(--max-length\\)"),
+    (["--gen-max-new-tokens", "0"], "--gen-max-new-tokens 0: expected >= 1"),
+    (["--process-group-timeout", "-5"], "--process-group-timeout"),
+    (["--held-out-rows", "2"], "--held-out-rows 2 and --held-out-every 0: pass both >= 1"),
+    (["--held-out-every", "5"], "--held-out-rows 0 and --held-out-every 5: pass both >= 1"),
+])
+def test_train_refuses_job_flags_before_anything_loads(tmp_path, monkeypatch, flags, message):
+    import dflash_hf.training.command as command
+
+    monkeypatch.setattr(command, "load_target", lambda *args: pytest.fail("loaded a model before the check"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "w5"}\n')
+    with pytest.raises(SystemExit, match=message):
+        main(["train", "--output", str(tmp_path / "run"), "--prompts", str(prompts), "--num-eval", "0", *flags])
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_prompt_is_answered_by_default_the_last_row_held_out_and_a_bf16_evaluation_saves_float32(tmp_path):
+    prompts = save_tiny_target_and_prompts(tmp_path, 3)
+    run = tmp_path / "run"
+    main(["train", "--target", str(tmp_path / "target"), "--output", str(run), "--prompts", str(prompts),
+          "--max-length", "14", "--draft-block-size", "4", "--draft-layers", "1", "--mask-token", "w127",
+          "--epochs", "1", "--num-anchors", "4", "--eval-prompts", str(prompts), "--num-eval", "1",
+          "--eval-max-new-tokens", "4", "--eval-dtype", "bfloat16", "--held-out-rows", "1", "--held-out-every", "1"])
+    responses = [json.loads(line) for line in (run / "responses.jsonl").read_text().splitlines()]
+    assert sorted(row["index"] for row in responses) == [0, 1, 2]  # no --num-prompts: all 3
+    assert all(len(row["prompt_ids"]) + len(row["response_ids"]) == 14 for row in responses)  # up to --max-length
+    log = json.loads((run / "training_log.json").read_text())
+    assert log["steps"] == 2 and [entry["step"] for entry in log["held_out_losses"]] == [0, 1, 2]  # 2 rows trained
+    trained = load_file(run / CHECKPOINT_DIR / DRAFT_WEIGHTS_FILE)
+    saved = load_file(run / "draft" / "model.safetensors")
+    for name, tensor in trained.items():  # measured in bfloat16 on a copy; saved as trained
+        assert saved[name].dtype == torch.float32 and torch.equal(saved[name], tensor), name
+    card = (run / "draft" / "README.md").read_text()
+    assert "bfloat16" in card and "up to 14 tokens with the prompt" in card
