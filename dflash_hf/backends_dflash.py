@@ -4,7 +4,7 @@ A backend owns what the target holds from the prefill on: the cache it creates a
 sit in (`cache_dflash.CacheColumns`), the verify forward with its mask and positions, and what follows a verify:
 `keep` (the accepted columns), `discard` (the verify), `compact` (the holes), `drop_rows` (finished rows). The steps
 (`steps_dflash`) call these methods and never ask which backend runs; the strategies (chain, tree) are orthogonal to
-it: `verify` takes the `cache_dflash.VerifyLayout` a strategy built (positions, which columns each sees, the paths).
+it: `verify` takes the `masks_dflash.VerifyLayout` a strategy built (positions, which columns each sees, the paths).
 
 - `EagerBackend`: a DynamicCache cropped after every verify; finished rows leave the batch; a chain's verify passes
   a 2-D mask only where columns are not positions.
@@ -26,24 +26,15 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .cache_dflash import (
-    CacheColumns,
-    VerifyLayout,
-    check_cache,
-    config_cache,
-    crop_cache,
-    full_history_cache,
-    position_attention,
-    reorder_cache_columns,
-    select_cache_rows,
-    sliding_window,
-)
+from .cache_dflash import CacheColumns, crop_cache, full_history_cache, reorder_cache_columns, select_cache_rows
 from .devices_dflash import mask_dtype, target_device, target_text_config
+from .masks_dflash import VerifyLayout, position_attention
 from .mixers_dflash import rollback_mixers
 from .recurrent_dflash import RecurrentStates
 from .settings_dflash import DecodingSettings
 from .static_dflash import FixedRowBatch, StaticBackend
 from .static_recurrent_dflash import StaticRecurrentRollback, check_compiled_rollback
+from .support_dflash import check_cache, config_cache, sliding_window
 from .target_dflash import NO_HOOK, FeatureCapture, last_logits_only, prefill_forward, verify_forward
 from .tree_dflash import PathPlan
 from .versions_dflash import cache_keyword, returned_cache

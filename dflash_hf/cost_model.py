@@ -20,9 +20,9 @@ from .generation_dflash import DecodeSession, dflash_proposer, synchronize
 from .kernels_dflash import MAX_FEW_ROWS, cpu_kernels, few_row_product, is_plain_linear
 from .modeling_dflash import DFlashDraftModel
 from .proposer_dflash import DraftVocabulary, Proposal, draft_vocab_ids
-from .refusals_dflash import tree_refusal
 from .settings_dflash import StepCosts, neutral_overrides, resolve_block_size, resolve_settings
 from .steps_dflash import TreeStep, kept_mask
+from .tree_dflash import tree_refusal
 
 BLOCK_SIZE_CANDIDATES = (2, 3, 4, 6, 8, 12, 16)  # what "auto" chooses among (and the draft's trained size)
 BLOCK_CHOICES = ("auto", "adaptive")

@@ -1,8 +1,9 @@
 """The draft's side of one call, behind one seam: `DraftBackend`.
 
 A draft backend owns what the draft holds during a call: its context cache (the keys and values of the target
-features it has seen) and the columns each row's context sits in (`cache_dflash.CacheColumns`), the draft's forward
-over the block after that context, the compaction of the cache's holes, and which rows it keeps. The proposer
+features it has seen: `DraftContextCache`, or a compiled draft's `StaticDraftContextCache`, both defined here) and the
+columns each row's context sits in (`cache_dflash.CacheColumns`), the draft's forward over the block after that
+context, the compaction of the cache's holes, and which rows it keeps. The proposer
 (`proposer_dflash.DFlashProposer`) embeds the block and turns the forward's hidden states into proposals; it never
 asks which backend runs. `draft_backend` chooses one per call, as `backends_dflash.target_backend` chooses the
 target's.
@@ -25,8 +26,146 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from .cache_dflash import CacheColumns, FixedRows, StaticDraftContextCache, host_to_device, static_capacity
+from .cache_dflash import CacheColumns, FixedRows, gather_columns, host_to_device, static_capacity
 from .devices_dflash import compiled_call
+
+
+class DraftContextCache:
+    """Per-layer K/V of the draft's CONTEXT rows (post k_norm and rope), and their positions; block rows are never
+    stored. Each layer's K/V live in a buffer with room to spare (grown by doubling): a step writes its new context
+    columns and, after them, the block's K/V in place, so the attention reads one buffer and nothing is copied."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.key_buffers: list[torch.Tensor | None] = [None] * num_layers  # [B, kv_heads, capacity, D]
+        self.value_buffers: list[torch.Tensor | None] = [None] * num_layers
+        self.lengths = [0] * num_layers  # context columns stored per layer
+        self.positions: torch.Tensor | None = None  # [B, C]: the position id of every cached column
+
+    @property
+    def keys(self) -> list[torch.Tensor | None]:
+        """Each layer's cached context keys [B, kv_heads, C, D] (views)."""
+        return [None if buffer is None else buffer[:, :, :length]
+                for buffer, length in zip(self.key_buffers, self.lengths)]
+
+    @property
+    def values(self) -> list[torch.Tensor | None]:
+        """Each layer's cached context values [B, kv_heads, C, D] (views)."""
+        return [None if buffer is None else buffer[:, :, :length]
+                for buffer, length in zip(self.value_buffers, self.lengths)]
+
+    def append_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Record the position ids [B, T_new] of the context columns this call adds; all of them [B, C]."""
+        if self.positions is not None:
+            position_ids = torch.cat((self.positions, position_ids), dim=1)
+        self.positions = position_ids
+        return position_ids
+
+    def attention_inputs(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, block_key: torch.Tensor,
+                         block_value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a layer's new context K/V [B, kv_heads, n, D]; return the keys and values of all context columns
+        followed by the block's [B, kv_heads, C + n + T, D] (the block's are overwritten by the next call)."""
+        length, added, block_length = self.lengths[layer_idx], key.shape[2], block_key.shape[2]
+        self._reserve(layer_idx, key, length + added + block_length)
+        keys, values = self.key_buffers[layer_idx], self.value_buffers[layer_idx]
+        keys[:, :, length:length + added] = key
+        values[:, :, length:length + added] = value
+        end = length + added + block_length
+        keys[:, :, length + added:end] = block_key
+        values[:, :, length + added:end] = block_value
+        self.lengths[layer_idx] = length + added
+        return keys[:, :, :end], values[:, :, :end]
+
+    def _reserve(self, layer_idx: int, like: torch.Tensor, needed: int) -> None:
+        """Make the layer's buffers hold at least `needed` columns (twice the old capacity when they must grow)."""
+        buffer = self.key_buffers[layer_idx]
+        if buffer is not None and buffer.shape[2] >= needed:
+            return
+        capacity = max(needed, 2 * (0 if buffer is None else buffer.shape[2]))
+        self.key_buffers[layer_idx], self.value_buffers[layer_idx] = (
+            self._moved(old, like, capacity, self.lengths[layer_idx])
+            for old in (buffer, self.value_buffers[layer_idx]))
+
+    @staticmethod
+    def _moved(old: torch.Tensor | None, like: torch.Tensor, capacity: int, length: int) -> torch.Tensor:
+        """A buffer of `capacity` columns shaped like `like` [B, kv_heads, *, D] holding old's first `length`."""
+        buffer = like.new_empty(like.shape[0], like.shape[1], capacity, like.shape[3])
+        if old is not None and length:
+            buffer[:, :, :length] = old[:, :, :length]
+        return buffer
+
+    def get_seq_length(self) -> int:
+        """Number of context positions stored."""
+        return self.lengths[0]
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep the batch rows `index` [n] (rows that finished leave the batch)."""
+        self.key_buffers = [None if buffer is None else buffer[index] for buffer in self.key_buffers]
+        self.value_buffers = [None if buffer is None else buffer[index] for buffer in self.value_buffers]
+        self.positions = None if self.positions is None else self.positions[index]
+
+    def reorder_columns(self, index: torch.Tensor) -> None:
+        """Per-row column order [N, W'] (compaction: drop unused columns, keep each row's positions in order)."""
+        keys, values = self.keys, self.values
+        self.key_buffers = [None if key is None else gather_columns(key, index) for key in keys]
+        self.value_buffers = [None if value is None else gather_columns(value, index) for value in values]
+        self.lengths = [index.shape[1] if key is not None else 0 for key in keys]
+        self.positions = None if self.positions is None else self.positions.gather(1, index)
+
+
+def fixed_address(tensor: torch.Tensor) -> torch.Tensor:
+    """Tell torch.compile that `tensor` keeps its address from call to call (as Transformers' `StaticCache` does for
+    its tensors), so a compiled forward that writes into it still runs as a CUDA graph: inductor skips CUDA graphs
+    for a graph that mutates an input it must copy in. Returns `tensor`."""
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(tensor)
+    return tensor
+
+
+class StaticDraftContextCache:
+    """The draft's context cache at a fixed size, for a compiled draft (`spec_generate(compile=True)`): per layer one
+    buffer [N, kv_heads, C + B, D], whose first C columns hold context K/V in the target cache's column layout (holes
+    masked by the caller) and whose last B hold the block's; the positions [N, C] of the context columns. A call
+    writes its new context at the columns `slots` [c] (a tensor: a compiled draft sees no new number), so no shape or
+    address changes from call to call."""
+
+    def __init__(self, num_layers: int, capacity: int, block_size: int) -> None:
+        self.capacity, self.block_size = capacity, block_size  # C, B
+        self.key_buffers: list[torch.Tensor | None] = [None] * num_layers
+        self.value_buffers: list[torch.Tensor | None] = [None] * num_layers
+        self.positions: torch.Tensor | None = None  # [N, C]
+        self.slots: torch.Tensor | None = None  # [c]: where the next call's context columns go
+
+    def append_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Record the position ids [N, c] of this call's context columns at `slots`; all of them [N, C]."""
+        if self.positions is None:
+            self.positions = fixed_address(position_ids.new_zeros(position_ids.shape[0], self.capacity))
+        self.positions.index_copy_(1, self.slots, position_ids)
+        return self.positions
+
+    def attention_inputs(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, block_key: torch.Tensor,
+                         block_value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a layer's new context K/V [N, kv_heads, c, D] at `slots` and the block's [N, kv_heads, B, D] after
+        the context columns; return both buffers [N, kv_heads, C + B, D]."""
+        if self.key_buffers[layer_idx] is None:
+            shape = (key.shape[0], key.shape[1], self.capacity + self.block_size, key.shape[3])
+            self.key_buffers[layer_idx] = fixed_address(key.new_zeros(shape))
+            self.value_buffers[layer_idx] = fixed_address(value.new_zeros(shape))
+        keys, values = self.key_buffers[layer_idx], self.value_buffers[layer_idx]
+        keys.index_copy_(2, self.slots, key)
+        values.index_copy_(2, self.slots, value)
+        keys[:, :, self.capacity :].copy_(block_key)
+        values[:, :, self.capacity :].copy_(block_value)
+        return keys, values
+
+    def reorder_columns(self, index: torch.Tensor) -> None:
+        """Compaction in place: the first W' context columns become the per-row columns index [N, W']."""
+        width = index.shape[1]
+        for buffer in (*self.key_buffers, *self.value_buffers):
+            if buffer is not None:
+                buffer[:, :, :width].copy_(gather_columns(buffer[:, :, : self.capacity], index))
+        if self.positions is not None:
+            self.positions[:, :width].copy_(self.positions.gather(1, index))
+
 
 
 class DraftBackend(Protocol):

@@ -13,13 +13,14 @@ from typing import Any, Callable
 
 import torch
 
-from .cache_dflash import left_pad, recurrent_layers
+from .cache_dflash import left_pad
 from .cost_model import acceptance_histogram, cost_model_bound, prime_few_row_kernels
 from .devices_dflash import target_device, target_text_config
 from .generation_dflash import synchronize
 from .modeling_dflash import DFlashDraftModel
 from .sampling_dflash import cut_after_stop, mean_acceptance_length
 from .settings_dflash import StepCosts, neutral_overrides, resolve_block_size
+from .support_dflash import recurrent_layers
 from .target_dflash import last_logits_only
 from .tokens_dflash import GenerationTokens
 from .versions_dflash import assisted_decoding_runs_recurrent_targets

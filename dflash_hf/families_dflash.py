@@ -2,8 +2,8 @@
 the modules that act on a family read it from here (README, "Supported targets").
 
 - Recurrent layers: the layer-type words and model types that mark a cache holding a recurrent state
-  (`cache_dflash.recurrent_layers`), the hybrid families whose states `recurrent_dflash` rolls back, and the recurrent
-  families refused with the reason.
+  (`support_dflash.recurrent_layers`), the hybrid families whose states `recurrent_dflash` rolls back, and the
+  recurrent families refused with the reason (`support_dflash.target_refusal` gives it).
 - Logits: the config settings with which a family's forward post-processes its LM head's logits
   (`target_dflash.logit_processing`).
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .cache_dflash import recurrent_cache_layers
+from .support_dflash import recurrent_cache_layers
 from .target_dflash import decoder_layers
 from .versions_dflash import gated_delta_functions, kernel_replacements
 

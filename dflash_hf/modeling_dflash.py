@@ -27,25 +27,26 @@ from .backends_dflash import TargetBackend  # noqa: F401
 # Transformers 4.57 copies, from a local folder loaded with trust_remote_code, only the files that the loaded module
 # imports itself, not what those import: every remote-code module the model needs is imported here (the ones marked
 # F401 for that alone), so that an exported folder loads there too; tests/test_structure.py checks none is missing.
-from .cache_dflash import DraftContextCache
+from .cache_dflash import CacheColumns  # noqa: F401
 from .checkpoint_dflash import DFlashCheckpointMixin
 from .configuration_dflash import DFlashConfig, is_dflash2, layer_attention, read_rope_parameters
 from .custom_generate_dflash import generate as custom_generate  # noqa: F401
 from .devices_dflash import MASKED_ATTENTION, materialized_weight, target_device  # noqa: F401
-from .draft_backends_dflash import DraftBackend  # noqa: F401
+from .draft_backends_dflash import DraftBackend, DraftContextCache  # noqa: F401
 from .families_dflash import ROLLBACK_MODEL_TYPES  # noqa: F401
 from .generation_dflash import DFlashGenerationMixin
 from .kernels_dflash import cpu_kernels  # noqa: F401
+from .masks_dflash import VerifyLayout  # noqa: F401
 from .mixers_dflash import rollback_mixers  # noqa: F401
 from .processors_dflash import PositionRules  # noqa: F401
 from .proposer_dflash import DFlashProposer  # noqa: F401
 from .recurrent_dflash import RecurrentStates  # noqa: F401
-from .refusals_dflash import tree_refusal  # noqa: F401
 from .sampling_dflash import process_logits  # noqa: F401
 from .settings_dflash import resolve_settings  # noqa: F401
 from .static_dflash import StaticBackend  # noqa: F401
 from .static_recurrent_dflash import StaticRecurrentRollback  # noqa: F401
 from .steps_dflash import ChainStep  # noqa: F401
+from .support_dflash import target_refusal  # noqa: F401
 from .target_dflash import verify_forward  # noqa: F401
 from .tokens_dflash import generation_tokens  # noqa: F401
 from .tree_dflash import build_trees  # noqa: F401

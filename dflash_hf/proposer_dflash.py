@@ -15,9 +15,9 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from .cache_dflash import DraftContextCache, host_to_device
+from .cache_dflash import host_to_device
 from .devices_dflash import execution_device, materialized_weight
-from .draft_backends_dflash import DraftBackend, EagerDraftBackend
+from .draft_backends_dflash import DraftBackend, DraftContextCache, EagerDraftBackend
 from .kernels_dflash import few_row_kernels, few_row_logits, few_row_product, is_plain_linear
 from .sampling_dflash import draw_uniforms, process_logits, sample_from
 

@@ -1,8 +1,8 @@
 """What one generation call does, decided once: `resolve_settings` merges the call's arguments over the generation
 config (as `generate` does, `resolve_generation_choices`) and the draft's, checks every input (validation_dflash) and
-whether the call can verify trees or run compiled (refusals_dflash), and returns one frozen `DecodingSettings`. Stop,
-pad and mask ids, the block size, sampling, the acceptance rule, the CPU kernels and the step costs are decided here
-and nowhere else (docs/architecture.md, "Where each setting is decided").
+whether the call can verify trees (`tree_dflash.tree_refusal`) or run compiled (`static_dflash.compile_refusal`), and
+returns one frozen `DecodingSettings`. Stop, pad and mask ids, the block size, sampling, the acceptance rule, the CPU
+kernels and the step costs are decided here and nowhere else (docs/architecture.md, "Where each setting is decided").
 
 Hub remote code: imports only torch, transformers and its sibling files.
 """
@@ -19,8 +19,9 @@ import torch
 from .devices_dflash import target_device
 from .processors_dflash import CallPrompts, PositionRules, position_rules
 from .proposer_dflash import DFlashDraft, draft_vocab_ids
-from .refusals_dflash import check_compile, check_tree_size, compile_options, compile_refusal
+from .static_dflash import check_compile, compile_options, compile_refusal
 from .tokens_dflash import default_pad_token_id, token_id_list
+from .tree_dflash import check_tree_size
 from .validation_dflash import check_draft_target, check_prompt, check_target, row_generators, row_streamers
 
 # where neither the call nor the generation config sets a length (generate: max_length 20)

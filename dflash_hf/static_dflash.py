@@ -8,7 +8,7 @@ decoding"; `backends_dflash` holds the seam and the eager backend.
   masked holes. A verify writes after the last kept column; holes are compacted in place, and only when the next
   verify would not fit. Sliding-window layers get a full-length layer too: the window is applied by the mask.
 - Every verify is as wide as the call's (a chain's block, or a tree's root and nodes) and reads a 4-D mask over all
-  `capacity` columns, built from positions (`cache_dflash.verify_attention_mask`): a chain's and a tree's verify are
+  `capacity` columns, built from positions (`masks_dflash.verify_attention_mask`): a chain's and a tree's verify are
   the same graph, and a window is counted in positions, which holes do not shift.
 - The backend knows nothing of recurrent layers: a wrapper hands it hooks around the prefill and each verify (the
   `around` arguments) and acts after `keep` and `discard` (a hybrid target's Gated DeltaNet layers:
@@ -20,12 +20,15 @@ decoding"; `backends_dflash` holds the seam and the eager backend.
 - One `StaticVerifier` per target is kept and reused by later calls with the same rows, layers and options, so its
   compiled graph and cache are reused too. It holds the target and its layers weakly (the table of verifiers is keyed
   by the target), so it is dropped with the target.
+- Whether a call can run compiled is decided here, before any forward (`compile_refusal`), with the check of
+  `compile=` (`check_compile`) and the `torch.compile` options it gives (`compile_options`).
 
 Hub remote code: imports only torch and transformers.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 import weakref
 from contextlib import AbstractContextManager, contextmanager
@@ -34,18 +37,13 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 from transformers.utils import logging
 
-from .cache_dflash import (
-    CacheColumns,
-    FixedRows,
-    VerifyLayout,
-    gather_columns,
-    position_attention,
-    sliding_window,
-    static_capacity,
-)
-from .devices_dflash import compiled_call, mask_dtype, target_device, target_text_config
+from .cache_dflash import CacheColumns, FixedRows, gather_columns, static_capacity
+from .devices_dflash import MASKED_ATTENTION, compiled_call, mask_dtype, target_device, target_text_config
+from .masks_dflash import VerifyLayout, position_attention
+from .mixers_dflash import rollback_mixers
+from .support_dflash import config_cache, recurrent_layers, sliding_window, target_refusal, windowed_mask_refusal
 from .target_dflash import NO_HOOK, FeatureCapture, feature_modules, module_hidden_states, prefill_forward
-from .versions_dflash import cache_keyword, rewind_static_cache, static_write_arguments
+from .versions_dflash import cache_keyword, rewind_static_cache, static_write_arguments, torch_refusal
 
 logger = logging.get_logger(__name__)
 
@@ -331,3 +329,72 @@ class FixedRowBatch:
     def drop_rows(self, keep: list[int], index: torch.Tensor) -> None:
         """Later calls take and return the rows `keep` only; the finished rows stay in the inner batch."""
         self.rows.select_rows(keep)
+
+
+# --- Whether a call can run compiled --------------------------------------------------------------------------
+
+
+def compile_refusal(target: torch.nn.Module, step_costs: Any, cpu_kernels: bool | None,
+                    layer_ids: list[int] | None) -> str | None:
+    """Why `compile=True` cannot run this call (`spec_generate` raises it), or None."""
+    config = target_text_config(target)
+    implementation = getattr(config, "_attn_implementation", None)
+    if step_costs is not None:
+        return ("compile=True verifies at one fixed width, and step_costs chooses a width per step: pass "
+                "step_costs=None (a tree, tree_size=N, verifies more candidates at a fixed width).")
+    if cpu_kernels:
+        return ("compile=True runs Transformers' own kernels inside the compiled graph: pass cpu_kernels=False (or "
+                "leave it unset).")
+    if recurrent_layers(config):
+        refusal = target_refusal(target, config)  # what the eager loop refuses too (a family, Transformers 4.57)
+        if refusal is not None:
+            return refusal
+        mixers = rollback_mixers(target, config_cache(config))  # a ValueError where no rollback could be exact
+        others = sorted({type(mixer.module).__name__ for mixer in mixers if mixer.gated_delta is None})
+        if others:
+            return (f"compile=True is not supported with {type(target).__name__}: it rolls back Gated DeltaNet "
+                    f"layers (Transformers >= 5.25) at fixed shapes, and this target's recurrent layers are "
+                    f"{', '.join(others)}; pass compile=False (the eager loop runs it exactly, chains and trees; "
+                    "README, \"Hybrid targets\").")
+    refusal = windowed_mask_refusal(config)
+    if refusal is not None:
+        return (f"compile=True is not supported with {type(target).__name__}: {refusal}; pass compile=False.")
+    if implementation not in MASKED_ATTENTION:
+        return (f"compile=True needs the target's attention to be one of {', '.join(MASKED_ATTENTION)}; this "
+                f"target uses {implementation!r}: load it with attn_implementation=\"sdpa\".")
+    if layer_ids and feature_modules(target, layer_ids) is None:
+        return (f"compile=True takes the draft's features from the target's decoder layers, which "
+                f"{type(target).__name__} does not expose as a list of num_hidden_layers modules.")
+    return torch_refusal("compile=True")
+
+
+def check_compile(option: Any) -> bool | dict[str, Any]:
+    """`compile=option` checked: True, False (None reads as False) or a dict of `torch.compile` keyword arguments
+    whose names and backend torch knows; anything else is refused by name, before any forward."""
+    if option is None or isinstance(option, bool):
+        return bool(option)
+    if not isinstance(option, dict):
+        raise TypeError(f"compile must be True, False or a dict of torch.compile options, got {option!r}.")
+    parameters = inspect.signature(torch.compile).parameters.values()
+    accepted = [parameter.name for parameter in parameters if parameter.name != "model"]
+    unknown = sorted(set(option) - set(accepted))
+    if unknown and not any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+        raise ValueError(f"compile={{...}} is passed to torch.compile, which takes no {', '.join(unknown)}; its "
+                         f"options are {', '.join(accepted)}.")
+    backend = option.get("backend")
+    if isinstance(backend, str) and backend not in torch.compiler.list_backends(exclude_tags=()):
+        raise ValueError(f"compile={{'backend': {backend!r}}} names no backend of this torch; it has "
+                         f"{', '.join(torch.compiler.list_backends())} (torch.compiler.list_backends()).")
+    return option
+
+
+def compile_options(option: bool | dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The `torch.compile` options of `compile=option`: True gives inductor, with CUDA graphs on a GPU
+    (`mode="reduce-overhead"`); a dict is passed to `torch.compile` with `fullgraph=True` unless it sets `fullgraph`
+    itself (a whole graph by default: a graph break would run part of every verify eagerly, without a word). Each
+    compiled function's graphs count apart against the recompile limit (`isolate_recompiles`, unless the dict sets it):
+    the targets and drafts of one process do not add up."""
+    if isinstance(option, dict):
+        return {"fullgraph": True, "isolate_recompiles": True, **option}
+    on_gpu = {"mode": "reduce-overhead"} if device.type == "cuda" else {}
+    return {**on_gpu, "fullgraph": True, "isolate_recompiles": True}

@@ -22,8 +22,9 @@ from typing import Any, Iterator
 
 import torch
 
-from .cache_dflash import CacheColumns, VerifyLayout, host_to_device
+from .cache_dflash import CacheColumns, host_to_device
 from .devices_dflash import compiled_call
+from .masks_dflash import VerifyLayout
 from .mixers_dflash import Mixer
 from .static_dflash import StaticBackend, StaticVerifier
 from .target_dflash import FeatureCapture

@@ -27,7 +27,8 @@ from typing import Callable, Protocol
 import torch
 
 from .backends_dflash import TargetBackend
-from .cache_dflash import VerifyLayout, host_to_device, to_host
+from .cache_dflash import host_to_device, to_host
+from .masks_dflash import VerifyLayout
 from .processors_dflash import PositionRules
 from .proposer_dflash import DraftStep, Proposal, Proposer, SampledProposal
 from .sampling_dflash import commit_block, draw_uniforms, process_logits, sample_from, speculative_sample

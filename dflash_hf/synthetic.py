@@ -22,8 +22,8 @@ from .configuration_dflash import DFlashConfig, is_dflash2
 from .cost_model import cost_model_bound, time_step_stages
 from .loading import PUBLISHED_CONFIGS, device_description
 from .modeling_dflash import DFlash2DraftModel, DFlashDraftModel
-from .refusals_dflash import tree_refusal
 from .settings_dflash import resolve_block_size
+from .tree_dflash import tree_refusal
 
 PACKAGE = Path(__file__).resolve().parent
 TARGET_CONFIGS = PACKAGE / "target_configs"

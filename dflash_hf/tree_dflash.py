@@ -15,6 +15,8 @@ and becomes norm(max(r - q_i, 0)) after each refusal; when every child is refuse
 last r. This keeps the target's distribution exactly. The tree's shape comes from the draft's largest probabilities
 at each position, never from the drawn tokens, so which candidates a node tries does not depend on what was drawn.
 
+Whether a call can verify trees at all is decided here, before any forward (`tree_refusal`, `check_tree_size`).
+
 Hub remote code: imports only torch and transformers.
 """
 
@@ -23,11 +25,18 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .cache_dflash import host_to_device
+from .devices_dflash import MASKED_ATTENTION, target_text_config
 from .sampling_dflash import sample_from
+from .support_dflash import windowed_mask_refusal
+
+if TYPE_CHECKING:
+    from .proposer_dflash import DFlashDraft
+    from .settings_dflash import StepCosts
 
 MAX_CANDIDATES = 8  # top tokens per block position that a tree may branch into
 
@@ -229,3 +238,37 @@ def walk_sampled(trees: DraftTree, row: int, target_probabilities: torch.Tensor,
             return path, int(final)
         column = children[column][kept]
         path.append(column)
+
+
+def check_tree_size(tree_size: Any, target: torch.nn.Module, draft: DFlashDraft | None,
+                    step_costs: StepCosts | None) -> None:
+    """Raise when `tree_size` is not a positive int (or None), or when the call cannot verify a tree."""
+    if tree_size is None:
+        return
+    if tree_size == "auto":
+        raise ValueError("tree_size='auto' is a choice timed on this machine, made once and not per call: pass the "
+                         "size that dflash_hf.cost_model.choose_tree_size(draft, target, prompt, ...) returns (bench "
+                         "and demo do this; docs/sampling.md, \"Trees\").")
+    if isinstance(tree_size, bool) or not isinstance(tree_size, int) or tree_size < 1:
+        raise ValueError(f"tree_size must be a positive int (drafted tokens per step) or None (a chain), got "
+                         f"{tree_size!r}.")
+    refusal = tree_refusal(target, draft, step_costs)
+    if refusal is not None:
+        raise ValueError(refusal)
+
+
+def tree_refusal(target: torch.nn.Module, draft: DFlashDraft | None, step_costs: StepCosts | None = None
+                 ) -> str | None:
+    """Why calls with this target and draft cannot verify trees (`spec_generate(tree_size=N)` raises it), or None."""
+    if step_costs is not None:
+        return "tree_size and step_costs (verify widths chosen per step) cannot be combined; pass one."
+    config = target_text_config(target)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in MASKED_ATTENTION:
+        return (f"tree_size needs the target's attention to take a 4-D mask ({', '.join(MASKED_ATTENTION)}); this "
+                f"target uses {implementation!r}: load it with attn_implementation=\"sdpa\".")
+    refusal = windowed_mask_refusal(config)
+    if refusal is not None:
+        return (f"tree_size is not supported with {type(target).__name__}: {refusal} (a tree's mask is built by "
+                "position for full and sliding-window attention); pass tree_size=None.")
+    return None

@@ -106,7 +106,7 @@ def test_a_batch_on_a_target_with_an_attention_indexer_cache_is_refused(target):
     """Compaction moves keys and values but not an indexer's own keys (DeepSeek-V3.2-style caches): one row only."""
     from transformers import DynamicCache
 
-    from dflash_hf.cache_dflash import check_cache
+    from dflash_hf.support_dflash import check_cache
 
     class IndexedLayer:  # what such a cache layer has besides keys and values
         indexer_keys = torch.zeros(0)

@@ -22,12 +22,13 @@ from sampling_checks import NUM_NEW, NUM_SAMPLES, assert_follows, exact_joint, s
 from sampling_checks import SAMPLING_VOCAB as VOCAB
 
 from dflash_hf import mixers_dflash, recurrent_dflash, speculative_decode
-from dflash_hf.cache_dflash import left_pad, recurrent_cache_layers
+from dflash_hf.cache_dflash import left_pad
 from dflash_hf.devices_dflash import target_text_config
 from dflash_hf.families_dflash import RECURRENT_REFUSALS, ROLLBACK_MODEL_TYPES
 from dflash_hf.generation_dflash import DecodeSession
 from dflash_hf.proposer_dflash import DFlashProposer
 from dflash_hf.settings_dflash import resolve_settings
+from dflash_hf.support_dflash import recurrent_cache_layers
 from dflash_hf.target_dflash import plain_head_parts
 from dflash_hf.versions_dflash import cache_keyword
 

@@ -107,7 +107,7 @@ def test_both_rollbacks_wrap_a_backend_with_the_same_interface():
         assert "around" in inspect.signature(backend.verify).parameters, backend.__name__
 
 
-@pytest.mark.parametrize("dead", [("cache_dflash", "StaticDraftContextCache", "select_rows"),
+@pytest.mark.parametrize("dead", [("draft_backends_dflash", "StaticDraftContextCache", "select_rows"),
                                   ("recurrent_dflash", None, "recurrent_states")])
 def test_dead_code_stays_gone(dead):
     module_name, class_name, name = dead

@@ -145,7 +145,7 @@ def test_tree_rows_time_a_verify_of_the_tree_and_project_only_at_a_given_tau(tmp
 
 def test_the_tree_stage_verifies_the_root_and_the_trees_nodes_at_the_depths_positions():
     from dflash_hf.cost_model import time_step_stages
-    from dflash_hf.refusals_dflash import tree_refusal
+    from dflash_hf.tree_dflash import tree_refusal
 
     spec = synthetic_spec("Qwen3-8B")
     target_config, draft_config = shrink_configs(spec.target_config, spec.draft_config, 32)

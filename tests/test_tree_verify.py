@@ -18,7 +18,8 @@ from sampling_checks import NUM_NEW, NUM_SAMPLES, assert_follows, chi_square_p_v
 from sampling_checks import SAMPLING_VOCAB as VOCAB
 
 from dflash_hf import speculative_decode
-from dflash_hf.cache_dflash import CacheColumns, left_pad, verify_attention_mask
+from dflash_hf.cache_dflash import CacheColumns, left_pad
+from dflash_hf.masks_dflash import verify_attention_mask
 from dflash_hf.proposer_dflash import DFlashProposer, SampledProposal
 from dflash_hf.sampling_dflash import sample_from
 from dflash_hf.settings_dflash import StepCosts

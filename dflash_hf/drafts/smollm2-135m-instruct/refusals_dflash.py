@@ -1,1 +1,0 @@
-../../refusals_dflash.py
