@@ -280,7 +280,7 @@ def resolve_settings(
         raise ValueError(f"step_costs times verify widths 1 .. {len(step_costs.verify)} but block_size is {size}; "
                          "measure them at this block size (dflash_hf.cost_model.measure_verify_costs).")
     vocabulary_size = target.get_output_embeddings().weight.shape[0] if draft is not None else 0
-    check_tree_size(tree_size, target, draft, step_costs)
+    check_tree_size(tree_size, target, draft, step_costs is not None)
     compile = check_compile(compile)
     if compile is not False:
         refusal = compile_refusal(target, step_costs, cpu_kernels,

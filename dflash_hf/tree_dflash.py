@@ -36,7 +36,6 @@ from .support_dflash import windowed_mask_refusal
 
 if TYPE_CHECKING:
     from .proposer_dflash import DFlashDraft
-    from .settings_dflash import StepCosts
 
 MAX_CANDIDATES = 8  # top tokens per block position that a tree may branch into
 
@@ -241,8 +240,9 @@ def walk_sampled(trees: DraftTree, row: int, target_probabilities: torch.Tensor,
 
 
 def check_tree_size(tree_size: Any, target: torch.nn.Module, draft: DFlashDraft | None,
-                    step_costs: StepCosts | None) -> None:
-    """Raise when `tree_size` is not a positive int (or None), or when the call cannot verify a tree."""
+                    adaptive_widths: bool) -> None:
+    """Raise when `tree_size` is not a positive int (or None), or when the call cannot verify a tree
+    (`adaptive_widths`: the call was given step costs, which choose a chain's verify width per step)."""
     if tree_size is None:
         return
     if tree_size == "auto":
@@ -252,15 +252,15 @@ def check_tree_size(tree_size: Any, target: torch.nn.Module, draft: DFlashDraft 
     if isinstance(tree_size, bool) or not isinstance(tree_size, int) or tree_size < 1:
         raise ValueError(f"tree_size must be a positive int (drafted tokens per step) or None (a chain), got "
                          f"{tree_size!r}.")
-    refusal = tree_refusal(target, draft, step_costs)
+    refusal = tree_refusal(target, draft, adaptive_widths)
     if refusal is not None:
         raise ValueError(refusal)
 
 
-def tree_refusal(target: torch.nn.Module, draft: DFlashDraft | None, step_costs: StepCosts | None = None
-                 ) -> str | None:
-    """Why calls with this target and draft cannot verify trees (`spec_generate(tree_size=N)` raises it), or None."""
-    if step_costs is not None:
+def tree_refusal(target: torch.nn.Module, draft: DFlashDraft | None, adaptive_widths: bool = False) -> str | None:
+    """Why calls with this target and draft (and, with `adaptive_widths`, step costs) cannot verify trees
+    (`spec_generate(tree_size=N)` raises it), or None."""
+    if adaptive_widths:
         return "tree_size and step_costs (verify widths chosen per step) cannot be combined; pass one."
     config = target_text_config(target)
     implementation = getattr(config, "_attn_implementation", None)
