@@ -161,8 +161,14 @@ def test_train_defaults_are_the_published_recipe():
     (["--gradient-accumulation-steps", "0"],
      "--train-batch-size 1 and --gradient-accumulation-steps 0: both must be >= 1"),
     (["--cache-limit-gib", "2"], "pass it with --cache-target-features"),
+    (["--keep-checkpoints", "0"], "keep_checkpoints \\(--keep-checkpoints\\) 0"),
+    (["--max-length", "1"], "max_length 1 \\(--max-length\\)"),
+    (["--gen-max-new-tokens", "0"], "--gen-max-new-tokens 0: expected >= 1"),
+    (["--process-group-timeout", "-5"], "--process-group-timeout"),
+    (["--held-out-rows", "2"], "--held-out-rows 2 and --held-out-every 0: pass both >= 1"),
+    (["--held-out-every", "5"], "--held-out-rows 0 and --held-out-every 5: pass both >= 1"),
 ])
-def test_train_refuses_batch_and_cache_flags_it_cannot_run(tmp_path, monkeypatch, flags, message):
+def test_train_refuses_flags_it_cannot_run_before_anything_loads(tmp_path, monkeypatch, flags, message):
     import dflash_hf.training.command as command
 
     monkeypatch.setattr(command, "load_target", lambda *args: pytest.fail("loaded a model before the check"))
@@ -170,6 +176,7 @@ def test_train_refuses_batch_and_cache_flags_it_cannot_run(tmp_path, monkeypatch
     prompts.write_text('{"prompt": "w5"}\n')
     with pytest.raises(SystemExit, match=message):
         main(["train", "--output", str(tmp_path / "run"), "--prompts", str(prompts), "--num-eval", "0", *flags])
+    assert not (tmp_path / "run").exists()
 
 
 def test_train_generate_only_writes_the_rows_a_draft_regenerates_and_stops(tmp_path):
