@@ -383,6 +383,7 @@ def spec_generate(
     stopping_criteria: Any = None,
     prefix_allowed_tokens_fn: Any = None,
     tokenizer: Any = None,
+    draft_processors: str = "built",
     **generation_settings: Any,
 ) -> torch.Tensor | SpecGenerateOutput:
     """Generate with `target`, drafting blocks with `draft`; returns ids [N, prompt + new] (or stats too).
@@ -399,7 +400,8 @@ def spec_generate(
         max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
         stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, tree_size=tree_size, compile=compile,
         logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, tokenizer=tokenizer, **generation_settings)
+        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, tokenizer=tokenizer, draft_processors=draft_processors,
+        **generation_settings)
     proposer = dflash_proposer(draft, target, settings, prompt_width=input_ids.shape[1], num_rows=input_ids.shape[0])
     result = speculative_decode(target, proposer, input_ids, attention_mask=attention_mask, settings=settings)
     return result if return_stats or settings.return_dict else result.output_ids

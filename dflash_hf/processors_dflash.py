@@ -10,7 +10,9 @@ where `generate` stops, also inside an accepted block.
 The processors are built here, in `generate`'s order, from Transformers' public classes (`generate`'s own builder is
 private and moves between releases). Each position is processed as a batch of one row, so a processor is called at
 every verified position (rejected ones included) and must depend only on its arguments; `prefix_allowed_tokens_fn`
-is still given its row's index in the call's batch. README, "What generate's arguments do".
+is still given its row's index in the call's batch. The draft's proposals go through the same processors
+(`DraftRules`: Transformers' prefix rules, a user's own only when asked), so a penalty the target pays for is not a
+rejected proposal. README, "What generate's arguments do".
 
 Hub remote code: imports only torch and transformers.
 """
@@ -56,6 +58,18 @@ from .versions_dflash import REPETITION_PENALTY_SKIPS_PADDING
 
 # What the loop's own vectorised path (`sampling_dflash.process_logits`) already applies exactly.
 VECTORISED = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+# Transformers' processors whose change to a position's scores is decided by the ids before it (with the call's
+# prompts and lengths): the draft's proposals go through them too (`DraftRules`). Warpers are not among them (the
+# draft's q takes the call's temperature, top-k and top-p, `proposer_dflash.draft_distribution`), nor is a user's own
+# processor unless the call passes draft_processors="all" (it may be costly, or read state).
+PREFIX_RULES = (
+    SequenceBiasLogitsProcessor, EncoderRepetitionPenaltyLogitsProcessor, RepetitionPenaltyLogitsProcessor,
+    NoRepeatNGramLogitsProcessor, EncoderNoRepeatNGramLogitsProcessor, NoBadWordsLogitsProcessor,
+    MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor, PrefixConstrainedLogitsProcessor,
+    ForcedBOSTokenLogitsProcessor, ForcedEOSTokenLogitsProcessor, InfNanRemoveLogitsProcessor,
+    ExponentialDecayLengthPenalty, SuppressTokensLogitsProcessor, SuppressTokensAtBeginLogitsProcessor,
+)
+DRAFT_PROCESSORS = ("built", "all", "none")  # spec_generate(draft_processors=...): what shapes the draft's proposals
 
 
 @dataclass(frozen=True)
@@ -153,6 +167,31 @@ def _merged(defaults: list, custom: LogitsProcessorList | StoppingCriteriaList |
     return kind(merged + [item for item in custom if item not in merged])
 
 
+@dataclass(frozen=True)
+class DraftRules:
+    """The processors that shape a draft's proposals (`PREFIX_RULES`, and a user's with draft_processors="all"), per
+    row of the call, with the prompts as passed: a proposal's prefix is its row's prompt (left padding kept), its
+    committed tokens and the proposals before it, the prefix the verify will give its position."""
+
+    row_processors: list[LogitsProcessorList]  # per row of the call
+    input_ids: torch.Tensor  # [N, T] as passed
+    vocabulary_size: int  # V: the width of the scores they process
+
+    def scores(self, logits: torch.Tensor, rows: list[int], prefixes: list[torch.Tensor]) -> torch.Tensor:
+        """Processed scores [n, V] (float32) of the draft's logits [n, V] at one position of rows `rows` (the call's
+        row of each); prefixes[i] [L]: the ids before that row's position."""
+        processed = logits.to(torch.float32, copy=True)  # processors may write in place
+        for index, (row, prefix) in enumerate(zip(rows, prefixes)):
+            processed[index] = self.row_processors[row](prefix[None], processed[index][None])[0]
+        return processed
+
+    def forbids(self, row: int, prefix: torch.Tensor, token: int) -> bool:
+        """Whether row `row`'s processors rule `token` out after `prefix` [L]: a score of -inf whatever the logits (a
+        mask: bad words, n-grams, lengths, suppression, a prefix constraint)."""
+        scores = torch.zeros((1, self.vocabulary_size), dtype=torch.float32, device=prefix.device)
+        return bool(self.row_processors[row](prefix[None], scores)[0, token] == float("-inf"))
+
+
 @dataclass
 class PositionRules:
     """A call's processors (one list per row: its prompt, padding and index) and stopping criteria, applied at each
@@ -162,6 +201,7 @@ class PositionRules:
     stopping: StoppingCriteriaList | None  # None: only stop tokens and max_new_tokens end rows
     output_scores: bool
     output_logits: bool
+    draft: DraftRules | None = None  # what shapes the draft's proposals (None: nothing)
 
     @property
     def keeps_scores(self) -> bool:
@@ -195,10 +235,15 @@ def position_rules(config: Mapping[str, Any], prompts: CallPrompts, *, temperatu
                    top_p: float | None, stop_token_ids: list[int], device: torch.device,
                    logits_processor: LogitsProcessorList | None = None,
                    stopping_criteria: StoppingCriteriaList | None = None,
-                   prefix_allowed_tokens_fn: Callable | None = None, tokenizer: Any = None) -> PositionRules | None:
+                   prefix_allowed_tokens_fn: Callable | None = None, tokenizer: Any = None,
+                   draft_processors: str = "built", vocabulary_size: int = 0) -> PositionRules | None:
     """The call's `PositionRules` from `config` (the call's settings merged over the generation config), or None
     when the loop's vectorised path already does what `generate` would (no processor beyond temperature, top-k and
-    top-p, no stopping criterion, no scores asked for)."""
+    top-p, no stopping criterion, no scores asked for). `draft_processors`: which of them shape the draft's proposals
+    (`DRAFT_PROCESSORS`: "built", Transformers' prefix rules; "all", a user's too; "none")."""
+    if draft_processors not in DRAFT_PROCESSORS:
+        raise ValueError(f"draft_processors must be one of {DRAFT_PROCESSORS} (README, \"What generate's arguments "
+                         f"do\"), got {draft_processors!r}.")
     if config.get("stop_strings") is not None and tokenizer is None:
         raise ValueError("stop_strings needs the target's tokenizer: pass tokenizer=... as you would to generate.")
     criteria: list = []
@@ -208,18 +253,23 @@ def position_rules(config: Mapping[str, Any], prompts: CallPrompts, *, temperatu
         criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=config["stop_strings"]))
     stopping = _merged(criteria, stopping_criteria, StoppingCriteriaList)
     warpers = _warpers(config, temperature, top_k, top_p, device)
-    row_processors = []
+    row_processors, draft_row_processors = [], []
     for row in range(prompts.input_ids.shape[0]):
         prompt = prompts.input_ids[row : row + 1]  # [1, T]
         built = (_penalties(config, prompt, prompts.padding[row])
                  + _length_rules(config, prompts, stop_token_ids, row, prefix_allowed_tokens_fn, device))
-        row_processors.append(LogitsProcessorList(list(_merged(built, logits_processor, LogitsProcessorList))
-                                                  + warpers + ([LogitNormalization()]
-                                                               if config.get("renormalize_logits") else [])))
+        merged = list(_merged(built, logits_processor, LogitsProcessorList))
+        row_processors.append(LogitsProcessorList(merged + warpers + ([LogitNormalization()]
+                                                                      if config.get("renormalize_logits") else [])))
+        draft_row_processors.append(LogitsProcessorList(
+            [] if draft_processors == "none" else
+            [item for item in merged if draft_processors == "all" or type(item) in PREFIX_RULES]))
     returned = bool(config.get("return_dict_in_generate"))  # generate returns scores only inside its output
     output_scores = returned and bool(config.get("output_scores"))
     output_logits = returned and bool(config.get("output_logits"))
     beyond_vectorised = any(not isinstance(item, VECTORISED) for item in row_processors[0])  # every row: alike
     if not (beyond_vectorised or stopping or output_scores or output_logits):
         return None
-    return PositionRules(row_processors, stopping or None, output_scores, output_logits)
+    draft = (DraftRules(draft_row_processors, prompts.input_ids, vocabulary_size)
+             if any(draft_row_processors) else None)
+    return PositionRules(row_processors, stopping or None, output_scores, output_logits, draft)

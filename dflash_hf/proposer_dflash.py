@@ -10,7 +10,7 @@ Hub remote code: imports only torch and transformers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -19,6 +19,7 @@ from .cache_dflash import host_to_device
 from .devices_dflash import execution_device, materialized_weight
 from .draft_backends_dflash import DraftBackend, DraftContextCache, EagerDraftBackend
 from .kernels_dflash import few_row_kernels, few_row_logits, few_row_product, is_plain_linear
+from .processors_dflash import DraftRules
 from .sampling_dflash import draw_uniforms, process_logits, sample_from
 
 
@@ -94,6 +95,7 @@ class DraftStep:
     pending_ids: torch.Tensor | None = None  # [N]: the pending tokens on the target's device
     score_proposals: bool = False  # the loop wants the draft's confidence in each proposal (Proposal.confidences)
     num_candidates: int = 0  # > 0: the loop wants each position's top tokens too (Proposal.candidates: trees)
+    rules: DraftRules | None = None  # generate's processors, to apply at each block position (None: none)
 
     @property
     def pending_tokens(self) -> list[int]:
@@ -216,7 +218,8 @@ class DFlashProposer:
         sample = step.temperature > 0.0 and self.sample_proposals
         selector = self.draft.candidate_selector
         shape = (len(step.row_ids), block_size - 1)
-        if self.vocab is not None and not sample and selector is None and not step.num_candidates:
+        if self.vocab is not None and not sample and selector is None and not step.num_candidates \
+                and step.rules is None:
             # greedy: the argmax over the draft's vocabulary
             logits = self.draft.scale_logits(self.vocab.logits(proposal_states))  # [N * (B-1), K]
             tokens = self.vocab.ids[logits.argmax(dim=-1).to(device)].view(shape)
@@ -227,6 +230,9 @@ class DFlashProposer:
         else:
             logits = self.draft.scale_logits(few_row_logits(self.lm_head, proposal_states))  # [N * (B-1), V]
         logits = logits.view(len(step.row_ids), block_size - 1, -1)  # [N, B-1, V]
+        if step.rules is not None and (not sample or selector is not None or step.num_candidates):
+            # the call's processors along the argmax path (a sampled chain: along its draws, in sample_proposals)
+            logits = processed_block(logits, step, lambda position, scores: scores.argmax(dim=-1))[0]
         if selector is not None and step.num_candidates:
             return selector_candidates(selector, logits, hidden[:, 1:], block_ids[:, 0], step)
         if selector is not None:
@@ -237,6 +243,24 @@ class DFlashProposer:
             return sample_proposals(logits, step)
         tokens = logits.argmax(dim=-1)
         return Proposal(tokens, confidences=greedy_confidences(logits)) if step.score_proposals else tokens
+
+
+def processed_block(logits: torch.Tensor, step: DraftStep, pick: Callable[[int, torch.Tensor], torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The call's processors (`step.rules`) on the draft's logits [N, P, V], one block position after another:
+    position p's prefix is the row's prompt as passed, its committed tokens and the tokens `pick(p, scores [N, V])`
+    chose at the positions before it, as the verify will see them. (scores [N, P, V] float32, tokens [N, P])"""
+    rules = step.rules
+    device = logits.device
+    committed = [torch.cat((rules.input_ids[row].to(device), host_to_device(generated, device)))
+                 for row, generated in zip(step.row_ids, step.generated)]  # per row: [L]
+    scores = torch.empty(logits.shape, dtype=torch.float32, device=device)
+    tokens = torch.empty(logits.shape[:2], dtype=torch.long, device=device)
+    for position in range(logits.shape[1]):
+        prefixes = [torch.cat((ids, tokens[row, :position])) for row, ids in enumerate(committed)]
+        scores[:, position] = rules.scores(logits[:, position], step.row_ids, prefixes)
+        tokens[:, position] = pick(position, scores[:, position])
+    return scores, tokens
 
 
 def top_candidates(logits: torch.Tensor, step: DraftStep, sample: bool) -> Proposal:
@@ -326,6 +350,7 @@ def select_candidates(selector: CandidateSelector, logits: torch.Tensor, hidden_
     if not sample:
         return selector.walk(logits, hidden_states, anchor_tokens, lambda scores, candidates: scores.argmax(dim=-1))
     distributions = []  # per position: q over the vocabulary [N, V], zero outside the K candidates
+    step = replace(step, rules=None)  # the logits were processed already; the selector's scores are not logits
 
     def sample_choice(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         vocabulary_scores = torch.full_like(logits[:, 0], float("-inf"), dtype=torch.float32)
@@ -350,8 +375,17 @@ def selector_candidates(selector: CandidateSelector, logits: torch.Tensor, hidde
 
 
 def sample_proposals(logits: torch.Tensor, step: DraftStep) -> SampledProposal:
-    """Proposals sampled from the draft's q (logits [N, B-1, V] after the step's temperature, top-k, top-p), per row
-    with that row's generator."""
-    probabilities = draft_distribution(logits, step)  # [N, B-1, V]
-    tokens = sample_from(probabilities, draw_uniforms(step.generators, logits.shape[1], logits.device))  # [N, B-1]
-    return SampledProposal(tokens, draft_probabilities=probabilities)
+    """Proposals sampled from the draft's q (logits [N, B-1, V] after the call's processors, if any, along the row's
+    draws, then the step's temperature, top-k, top-p), per row with that row's generator."""
+    uniforms = draw_uniforms(step.generators, logits.shape[1], logits.device)  # [N, B-1]
+    if step.rules is None:
+        probabilities = draft_distribution(logits, step)  # [N, B-1, V]
+        return SampledProposal(sample_from(probabilities, uniforms), draft_probabilities=probabilities)
+    distributions = []  # per position: q [N, V] after the call's processors along the row's draws
+
+    def draw(position: int, scores: torch.Tensor) -> torch.Tensor:
+        distributions.append(draft_distribution(scores[:, None], step)[:, 0])
+        return sample_from(distributions[-1], uniforms[:, position])
+
+    tokens = processed_block(logits, step, draw)[1]
+    return SampledProposal(tokens, draft_probabilities=torch.stack(distributions, dim=1))

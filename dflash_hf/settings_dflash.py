@@ -251,6 +251,7 @@ def resolve_settings(
     stopping_criteria: Any = None,
     prefix_allowed_tokens_fn: Any = None,
     tokenizer: Any = None,
+    draft_processors: str = "built",
     **generation_arguments: Any,
 ) -> DecodingSettings:
     """Every setting of one call, checked: the call's arguments over `generation_config` (default: the target's) as in
@@ -265,11 +266,14 @@ def resolve_settings(
     check_prompt(target, input_ids, attention_mask, choices.max_new_tokens)
     num_rows, device = input_ids.shape[0], target_device(target)
     padding = [0] * num_rows if attention_mask is None else (attention_mask == 0).sum(dim=1).tolist()
+    lm_head = target.get_output_embeddings()
+    vocabulary_size = 0 if lm_head is None else lm_head.weight.shape[0]  # the logits' width
     rules = position_rules(
         choices.settings, CallPrompts(input_ids.to(device), padding, input_ids.shape[1] + choices.max_new_tokens),
         temperature=choices.temperature, top_k=choices.top_k, top_p=choices.top_p,
         stop_token_ids=choices.stop_token_ids, device=device, logits_processor=logits_processor,
-        stopping_criteria=stopping_criteria, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, tokenizer=tokenizer)
+        stopping_criteria=stopping_criteria, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, tokenizer=tokenizer,
+        draft_processors=draft_processors, vocabulary_size=vocabulary_size)
     if draft is not None:
         mask_token_id = check_draft_target(draft, target, mask_token_id, input_ids.shape[1] + choices.max_new_tokens)
     if step_costs is not None and not isinstance(step_costs, StepCosts):
@@ -279,7 +283,6 @@ def resolve_settings(
     if step_costs is not None and len(step_costs.verify) < size:
         raise ValueError(f"step_costs times verify widths 1 .. {len(step_costs.verify)} but block_size is {size}; "
                          "measure them at this block size (dflash_hf.cost_model.measure_verify_costs).")
-    vocabulary_size = target.get_output_embeddings().weight.shape[0] if draft is not None else 0
     check_tree_size(tree_size, target, draft, step_costs is not None)
     compile = check_compile(compile)
     if compile is not False:

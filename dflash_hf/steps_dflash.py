@@ -190,6 +190,7 @@ def propose(proposer: Proposer | None, state: DecodeState, step: StepPlan, setti
         generators=tuple(settings.generators[row] for row in state.active),
         score_proposals=settings.step_costs is not None,
         num_candidates=num_candidates,
+        rules=None if settings.rules is None else settings.rules.draft,
     )
     state.context = None if context is None else context.seen()  # handed over
     proposal = proposer.propose(draft_step)
@@ -392,7 +393,7 @@ class TreeStep:
                              *(() if transitions is None else (transitions,)))  # one device read: [n, b - 1, k], ...
         trees = build_trees(candidates[0].tolist(), candidates[1].tolist(), self.size,
                             [min(step.width - 1, count - 1) for count in step.counts], candidates[2].tolist(),
-                            None if transitions is None else candidates[3].tolist())
+                            None if transitions is None else candidates[3].tolist(), allowed_nodes(state, settings))
         depths = host_to_device([[0] + depths for depths in trees.depths], state.device)  # [n, 1 + N]
         tree_step = StepPlan(1 + trees.size, step.counts, step.positions[:, :1] + depths, step.pending, trees)
         tokens = host_to_device(trees.tokens, state.device)  # [n, N]: the nodes; q stays per block position
@@ -428,6 +429,24 @@ class TreeStep:
         proposed = [[trees.tokens[row][column - 1] for column in path] for row, path in zip(rows, walks)]
         return Verdict(proposed, [path + [final] for path, final in zip(proposed, finals)], walks, features,
                        *kept_scores(scores, logits, settings))
+
+
+def allowed_nodes(state: DecodeState, settings: DecodingSettings) -> Callable[[int, list[int], int], bool] | None:
+    """Greedy under the call's processors: whether a tree node may hold a token after its path (`build_trees`'
+    `allowed`; its row: an index among the live rows), so that a token they forbid there is never verified. None
+    otherwise: a sampled tree's children are tried in the order they were drawn, forbidden or not (the target refuses
+    those), as its rejection sampling needs."""
+    rules = None if settings.rules is None else settings.rules.draft
+    if rules is None or not settings.greedy:
+        return None
+    committed = [torch.cat((state.input_ids[row], host_to_device(state.generated[row], state.device)))
+                 for row in state.active]  # [L] per live row
+
+    def allowed(index: int, path: list[int], token: int) -> bool:
+        prefix = torch.cat((committed[index], host_to_device(path, state.device))) if path else committed[index]
+        return not rules.forbids(state.active[index], prefix, token)
+
+    return allowed
 
 
 def step_strategy(settings: DecodingSettings) -> StepStrategy:

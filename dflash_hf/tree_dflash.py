@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -75,11 +75,15 @@ class DraftTree:
 
 
 def best_first_tree(tokens: list[list[int]], probabilities: list[list[float]], size: int, max_depth: int,
-                    transitions: list[list[list[float]]] | None = None) -> tuple[list[int], list[int], list[int]]:
+                    transitions: list[list[list[float]]] | None = None,
+                    allowed: Callable[[list[int], int], bool] | None = None
+                    ) -> tuple[list[int], list[int], list[int]]:
     """One row's tree: (tokens, parent columns, depths) of its at most `size` nodes of highest path probability,
     best-first, at most `max_depth` deep. `tokens` / `probabilities`: per block position, its candidates (the
     probabilities descending); `transitions` (DFlash2): per position p >= 1, the probability of each candidate after
-    each candidate of position p - 1, by which a node's children are then ranked."""
+    each candidate of position p - 1, by which a node's children are then ranked; `allowed(path, token)` (greedy
+    trees under the call's processors): whether `token` may follow the node whose path (tokens from the root's child
+    down) is `path`: a candidate it refuses is left out with its subtree, and the next one takes its place."""
     orders: dict[tuple[int, int], list[tuple[float, int]]] = {}
 
     def children_of(depth: int, parent_rank: int) -> list[tuple[float, int]]:
@@ -104,29 +108,38 @@ def best_first_tree(tokens: list[list[int]], probabilities: list[list[float]], s
                                       parent_rank))
 
     nodes: list[tuple[int, int, int]] = []  # (token, parent column, depth)
+    paths: list[list[int]] = [[]]  # per column: the tokens from the root's child down to it
     push(0, 1, 0, 1.0, 0)
     while frontier and len(nodes) < size:
         negative, _, parent, depth, sibling, base, parent_rank = heapq.heappop(frontier)
         rank = children_of(depth, parent_rank)[sibling][1]
-        nodes.append((tokens[depth - 1][rank], parent, depth))
         push(parent, depth, sibling + 1, base, parent_rank)  # the next sibling
+        token = tokens[depth - 1][rank]
+        if allowed is not None and not allowed(paths[parent], token):
+            continue
+        nodes.append((token, parent, depth))
+        paths.append(paths[parent] + [token])
         push(len(nodes), depth + 1, 0, -negative, rank)  # the first child
     return [node[0] for node in nodes], [node[1] for node in nodes], [node[2] for node in nodes]
 
 
 def build_trees(candidate_tokens: list[list[list[int]]], candidate_probabilities: list[list[list[float]]],
                 size: int, max_depths: list[int], filler_token: list[int],
-                candidate_transitions: list[list[list[list[float]]]] | None = None) -> DraftTree:
+                candidate_transitions: list[list[list[list[float]]]] | None = None,
+                allowed: Callable[[int, list[int], int], bool] | None = None) -> DraftTree:
     """Per row, the `size` nodes of highest draft path probability, best-first; at most `max_depths[row]` deep.
 
     candidate_tokens / candidate_probabilities: per row, per block position, the draft's top tokens and their
-    probabilities (descending); candidate_transitions (DFlash2): per row, `best_first_tree`'s transitions. A row with
-    fewer possible nodes is filled with `filler_token[row]` nodes under the root that the walk never accepts.
+    probabilities (descending); candidate_transitions (DFlash2): per row, `best_first_tree`'s transitions;
+    `allowed(row, path, token)`: `best_first_tree`'s, for each row. A row with fewer possible nodes is filled with
+    `filler_token[row]` nodes under the root that the walk never accepts.
     """
     trees = DraftTree([], [], [], [])
     for row, (tokens, probabilities) in enumerate(zip(candidate_tokens, candidate_probabilities)):
         transitions = None if candidate_transitions is None else candidate_transitions[row]
-        node_tokens, parents, depths = best_first_tree(tokens, probabilities, size, max_depths[row], transitions)
+        row_allowed = None if allowed is None else lambda path, token, row=row: allowed(row, path, token)
+        node_tokens, parents, depths = best_first_tree(tokens, probabilities, size, max_depths[row], transitions,
+                                                       row_allowed)
         filler = size - len(node_tokens)
         trees.tokens.append(node_tokens + [filler_token[row]] * filler)
         trees.parents.append(parents + [0] * filler)

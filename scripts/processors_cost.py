@@ -1,52 +1,80 @@
-"""What `generate`'s processors cost the loop: plain `generate` and `spec_generate` with the same arguments (none,
-repetition_penalty=1.1, no_repeat_ngram_size=4), greedy, on SmolLM2-135M-Instruct with the shipped draft, 4 gsm8k
-prompts, 128 new tokens, one thread (MEASUREMENTS.md, 2026-12-05).
+"""What `generate`'s processors cost the loop, and what the draft seeing them gives back: per case (none,
+repetition_penalty 1.1 and 1.3, no_repeat_ngram_size=4, bad_words_ids), plain `generate` against `spec_generate` with
+the same arguments, its draft shaped by the processors (draft_processors="built", the default) and not
+(draft_processors="none"); greedy, SmolLM2-135M-Instruct with the shipped draft, one thread (MEASUREMENTS.md,
+"generate's processors").
 
-    python scripts/processors_cost.py
+    python scripts/processors_cost.py --dataset gsm8k humaneval --num-prompts 4 --max-new-tokens 128
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import time
 
 import torch
 
 from dflash_hf import load_demo
-from dflash_hf.prompts import default_data_dir
+from dflash_hf.prompts import default_data_dir, read_conversations, user_prompt_ids
 from dflash_hf.tokens_dflash import generation_tokens
 
-DATA = default_data_dir() / "gsm8k_test.jsonl"
-CASES = {"none": {}, "repetition_penalty=1.1": {"repetition_penalty": 1.1},
-         "no_repeat_ngram_size=4": {"no_repeat_ngram_size": 4}}
+FILES = {"gsm8k": "gsm8k_test.jsonl", "humaneval": "humaneval.jsonl", "mbpp": "mbpp_sanitized_test.jsonl"}
+BAD_WORDS = ("**", " Let", " So")  # words the draft proposes often on these sets, so that banning them matters
+
+
+def cases(tokenizer) -> dict[str, dict]:
+    """The processor arguments measured, by name."""
+    bad_words = [tokenizer.encode(word, add_special_tokens=False) for word in BAD_WORDS]
+    return {"none": {}, "repetition_penalty=1.1": {"repetition_penalty": 1.1},
+            "repetition_penalty=1.3": {"repetition_penalty": 1.3},
+            "no_repeat_ngram_size=4": {"no_repeat_ngram_size": 4},
+            f"bad_words_ids={list(BAD_WORDS)}": {"bad_words_ids": bad_words}}
+
+
+def timed(function, **arguments) -> tuple[float, object]:
+    """(seconds, result) of `function(**arguments)`."""
+    started = time.perf_counter()
+    result = function(**arguments)
+    return time.perf_counter() - started, result
 
 
 def main() -> None:
-    """Print, per case: both wall times, the speedup, tau, and whether every output equals generate's."""
+    """Print a markdown table: per dataset and case, generate's time, then per draft_processors choice the time,
+    speedup and tau, and whether every output equals generate's."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", nargs="+", default=["gsm8k", "humaneval"], choices=sorted(FILES))
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    args = parser.parse_args()
     torch.set_num_threads(1)
     target, tokenizer, draft = load_demo()
     stops = generation_tokens(target, tokenizer).stop_token_ids
-    questions = [json.loads(line)["question"] for line in DATA.read_text().splitlines()[:4]]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                             return_tensors="pt", return_dict=True)["input_ids"]
-               for question in questions]
-    common = {"max_new_tokens": 128, "pad_token_id": stops[0]}
-    for name, arguments in CASES.items():
-        plain_seconds = spec_seconds = 0.0
-        taus, equal = [], True
-        for prompt in prompts:
-            started = time.perf_counter()
-            plain = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                    eos_token_id=stops, **common, **arguments)
-            plain_seconds += time.perf_counter() - started
-            started = time.perf_counter()
-            result = draft.spec_generate(target=target, input_ids=prompt, temperature=0.0, stop_token_ids=stops,
-                                         return_stats=True, **common, **arguments)
-            spec_seconds += time.perf_counter() - started
-            equal &= torch.equal(result.output_ids, plain)
-            taus.append(result.tau)
-        print(f"{name}: generate {plain_seconds:.1f} s, spec_generate {spec_seconds:.1f} s, "
-              f"speedup {plain_seconds / spec_seconds:.2f}x, tau {sum(taus) / len(taus):.2f}, equal {equal}")
+    common = {"max_new_tokens": args.max_new_tokens, "pad_token_id": stops[0]}
+    print("| set | arguments | generate s | draft sees them: s, speedup, tau | draft does not: s, speedup, tau "
+          "| equal |\n|---|---|---:|---|---|---|")
+    for dataset in args.dataset:
+        turns = read_conversations(default_data_dir() / FILES[dataset], limit=args.num_prompts)
+        prompts = [torch.tensor([user_prompt_ids(tokenizer, conversation[0])]) for conversation in turns]
+        for name, arguments in cases(tokenizer).items():
+            plain_seconds, equal, cells = 0.0, True, []
+            outputs = []
+            for prompt in prompts:
+                seconds, plain = timed(target.generate, inputs=prompt, attention_mask=torch.ones_like(prompt),
+                                       do_sample=False, eos_token_id=stops, **common, **arguments)
+                plain_seconds += seconds
+                outputs.append(plain)
+            for choice in ("built", "none"):
+                spec_seconds, taus = 0.0, []
+                for prompt, plain in zip(prompts, outputs):
+                    seconds, result = timed(draft.spec_generate, target=target, input_ids=prompt,
+                                            temperature=0.0, stop_token_ids=stops, return_stats=True,
+                                            draft_processors=choice, **common, **arguments)
+                    spec_seconds += seconds
+                    equal &= torch.equal(result.output_ids, plain)
+                    taus.append(result.tau)
+                cells.append(f"{spec_seconds:.1f}, {plain_seconds / spec_seconds:.2f}x, {sum(taus) / len(taus):.2f}")
+            print(f"| {dataset} | `{name}` | {plain_seconds:.1f} | {cells[0]} | {cells[1]} | "
+                  f"{'yes' if equal else 'NO'} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -133,6 +133,27 @@ def test_generates_processors_and_stop_strings_run_on_the_compiled_backend(tree_
         assert result.new_tokens(row) == reference[0, len(prompts[row]):].tolist()
 
 @COMPILES
+@pytest.mark.parametrize("tree_size", [None, 4])
+def test_the_compiled_drafts_proposals_see_the_processors_without_a_new_graph(tree_size):
+    """The DFlash draft's compiled forward under generate's processors (applied to its logits, outside the graph):
+    a left-padded batch equals generate's, and a second call with other processors compiles nothing new."""
+    target, draft = make_target(seed=3), make_draft(5)
+    prompts = [random_prompt(seed, length)[0].tolist() for seed, length in ((4, 7), (5, 3))]
+    input_ids, attention_mask = left_pad(prompts, pad_token_id=0)
+    graphs = None
+    for settings in ({"repetition_penalty": 1.5, "no_repeat_ngram_size": 2}, {"bad_words_ids": [[3], [7, 9]]}):
+        expected = target.generate(input_ids, attention_mask=attention_mask, max_new_tokens=20, do_sample=False,
+                                   pad_token_id=0, **settings)
+        result = draft.spec_generate(target=target, input_ids=input_ids, attention_mask=attention_mask,
+                                     max_new_tokens=20, temperature=0.0, pad_token_id=0, block_size=6,
+                                     tree_size=tree_size, compile=DYNAMO_ONLY, **settings)
+        assert torch.equal(result, expected)
+        if graphs is not None:
+            assert compiled_graphs() == graphs
+        graphs = compiled_graphs()
+
+
+@COMPILES
 @pytest.mark.parametrize("acceptance", ["rejection", "equality"])
 def test_compiled_sampling_draws_the_tokens_the_eager_loop_draws(acceptance):
     """Same seed, same tokens: the compiled verify changes no draw, so the target's distribution (tested for the

@@ -278,16 +278,18 @@ def test_sampling_warpers_give_generates_scores_at_each_committed_position(targe
         assert torch.isfinite(result.scores[index][0, result.sequences[0, prompt.shape[1] + index]])  # drawn in it
 
 
-@pytest.mark.parametrize("sample_proposals", [True, False])
+@pytest.mark.parametrize("sample_proposals, tree_size", [(True, None), (False, None), (True, 3)])
 @pytest.mark.parametrize("settings", [{"repetition_penalty": 2.5}, {"min_p": 0.3}])
-def test_sampling_with_a_processor_follows_the_processed_distribution(sample_proposals, settings):
+def test_sampling_with_a_processor_follows_the_processed_distribution(sample_proposals, tree_size, settings):
     """Chi-square against the processed law (Transformers' own processors, each prefix as their input), with a
-    power check against the unprocessed law."""
+    power check against the unprocessed law; the draft's q (a chain's, or a tree's candidates') went through the
+    repetition penalty too."""
     target, prompt = make_target("llama", seed=11, vocab_size=VOCAB, init_std=0.4), torch.tensor([[1, 4, 2, 5]])
     draft = make_draft(12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
     proposer = DFlashProposer(draft, target, VOCAB - 1, sample_proposals=sample_proposals)
     counts, accepted = sampled_counts(target, proposer, prompt, torch.Generator().manual_seed(77),
-                                      max_new_tokens=NUM_NEW, block_size=4, temperature=1.0, top_k=None, **settings)
+                                      max_new_tokens=NUM_NEW, block_size=4, temperature=1.0, top_k=None,
+                                      tree_size=tree_size, **settings)
     assert accepted > 100  # drafted tokens were accepted: the processed p judged them
     processors = ([RepetitionPenaltyLogitsProcessor(settings["repetition_penalty"])]
                   if "repetition_penalty" in settings else [MinPLogitsWarper(settings["min_p"])])

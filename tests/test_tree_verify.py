@@ -272,7 +272,7 @@ def test_the_loop_plants_dflash2_trees_by_the_selectors_transitions(target, monk
     given = []
     build = steps_dflash.build_trees
     monkeypatch.setattr(steps_dflash, "build_trees",
-                        lambda *args: given.append(args[-1]) or build(*args))
+                        lambda *args: given.append(args[5]) or build(*args))  # args[5]: the transitions
     prompt = random_prompt(3, 9)
     output = draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=24, tree_size=6)
     assert torch.equal(output, plain_greedy(target, prompt, 24))
