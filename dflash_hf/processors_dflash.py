@@ -186,10 +186,14 @@ class DraftRules:
         return processed
 
     def forbids(self, row: int, prefix: torch.Tensor, token: int) -> bool:
-        """Whether row `row`'s processors rule `token` out after `prefix` [L]: a score of -inf whatever the logits (a
-        mask: bad words, n-grams, lengths, suppression, a prefix constraint)."""
+        """Whether row `row`'s processors rule `token` out after `prefix` [L]: Transformers' own (`PREFIX_RULES`)
+        give it -inf whatever the logits (a mask: bad words, n-grams, lengths, suppression, a prefix constraint), so
+        the target's p is 0 there. A user's processor is not asked: what it does may depend on the logits."""
         scores = torch.zeros((1, self.vocabulary_size), dtype=torch.float32, device=prefix.device)
-        return bool(self.row_processors[row](prefix[None], scores)[0, token] == float("-inf"))
+        for processor in self.row_processors[row]:
+            if type(processor) in PREFIX_RULES:
+                scores = processor(prefix[None], scores)
+        return bool(scores[0, token] == float("-inf"))
 
 
 @dataclass

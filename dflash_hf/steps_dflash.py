@@ -432,12 +432,11 @@ class TreeStep:
 
 
 def allowed_nodes(state: DecodeState, settings: DecodingSettings) -> Callable[[int, list[int], int], bool] | None:
-    """Greedy under the call's processors: whether a tree node may hold a token after its path (`build_trees`'
-    `allowed`; its row: an index among the live rows), so that a token they forbid there is never verified. None
-    otherwise: a sampled tree's children are tried in the order they were drawn, forbidden or not (the target refuses
-    those), as its rejection sampling needs."""
+    """Under the call's processors: whether a tree node may hold a token after its path (`build_trees`' `allowed`;
+    its row: an index among the live rows), so that a token they forbid there is never verified (a sampled walk
+    still tries it in its place, refused for certain: the target's p is 0 there). None: no processor to ask."""
     rules = None if settings.rules is None else settings.rules.draft
-    if rules is None or not settings.greedy:
+    if rules is None:
         return None
     committed = [torch.cat((state.input_ids[row], host_to_device(state.generated[row], state.device)))
                  for row in state.active]  # [L] per live row

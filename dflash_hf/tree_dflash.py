@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -48,6 +48,10 @@ class DraftTree:
     parents: list[list[int]]  # per row: each node's parent column (0: the root)
     depths: list[list[int]]  # per row: each node's depth (1: the first drafted position)
     real: list[list[bool]]  # per row: False for filler nodes (a row whose tree is smaller), never accepted
+    # per row: (parent column, place among the parent's tried children, token) of each candidate the call's
+    # processors forbid under that parent (`build_trees`' `allowed`): not verified, but a sampled walk tries it there,
+    # a certain refusal, in its place among the children drawn (empty: none)
+    refused: list[list[tuple[int, int, int]]] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -62,6 +66,14 @@ class DraftTree:
                 children[parent].append(node + 1)
         return children
 
+    def tried_children(self, row: int) -> list[list[int]]:
+        """Per column 0 .. size: its children in the order a sampled walk tries them: a real child's column, or
+        -token for a child the call's processors forbid there (`refused`; never verified, refused for certain)."""
+        tried = self.children(row)
+        for parent, place, token in (self.refused[row] if self.refused else []):
+            tried[parent].insert(place, -token)
+        return tried
+
     def paths(self, row: int) -> list[list[int]]:
         """The row's root-to-leaf paths over its real nodes, each as its columns from the root (column 0) on."""
         children, paths, stack = self.children(row), [], [[0]]
@@ -75,15 +87,11 @@ class DraftTree:
 
 
 def best_first_tree(tokens: list[list[int]], probabilities: list[list[float]], size: int, max_depth: int,
-                    transitions: list[list[list[float]]] | None = None,
-                    allowed: Callable[[list[int], int], bool] | None = None
-                    ) -> tuple[list[int], list[int], list[int]]:
+                    transitions: list[list[list[float]]] | None = None) -> tuple[list[int], list[int], list[int]]:
     """One row's tree: (tokens, parent columns, depths) of its at most `size` nodes of highest path probability,
     best-first, at most `max_depth` deep. `tokens` / `probabilities`: per block position, its candidates (the
     probabilities descending); `transitions` (DFlash2): per position p >= 1, the probability of each candidate after
-    each candidate of position p - 1, by which a node's children are then ranked; `allowed(path, token)` (greedy
-    trees under the call's processors): whether `token` may follow the node whose path (tokens from the root's child
-    down) is `path`: a candidate it refuses is left out with its subtree, and the next one takes its place."""
+    each candidate of position p - 1, by which a node's children are then ranked."""
     orders: dict[tuple[int, int], list[tuple[float, int]]] = {}
 
     def children_of(depth: int, parent_rank: int) -> list[tuple[float, int]]:
@@ -108,19 +116,39 @@ def best_first_tree(tokens: list[list[int]], probabilities: list[list[float]], s
                                       parent_rank))
 
     nodes: list[tuple[int, int, int]] = []  # (token, parent column, depth)
-    paths: list[list[int]] = [[]]  # per column: the tokens from the root's child down to it
     push(0, 1, 0, 1.0, 0)
     while frontier and len(nodes) < size:
         negative, _, parent, depth, sibling, base, parent_rank = heapq.heappop(frontier)
         rank = children_of(depth, parent_rank)[sibling][1]
+        nodes.append((tokens[depth - 1][rank], parent, depth))
         push(parent, depth, sibling + 1, base, parent_rank)  # the next sibling
-        token = tokens[depth - 1][rank]
-        if allowed is not None and not allowed(paths[parent], token):
-            continue
-        nodes.append((token, parent, depth))
-        paths.append(paths[parent] + [token])
         push(len(nodes), depth + 1, 0, -negative, rank)  # the first child
     return [node[0] for node in nodes], [node[1] for node in nodes], [node[2] for node in nodes]
+
+
+def drop_refused(tokens: list[int], parents: list[int], depths: list[int], allowed: Callable[[list[int], int], bool]
+                 ) -> tuple[list[int], list[int], list[int], list[tuple[int, int, int]]]:
+    """One row's tree (`best_first_tree`'s) without the nodes `allowed(path, token)` refuses after their parent's
+    path (the call's processors forbid them there) and the subtrees under them: (tokens, parent columns, depths,
+    refused as `DraftTree.refused` holds them). The shape is the one planted, so which children a sampled walk tries
+    does not depend on which tokens were refused."""
+    columns = [0]  # per old column: its new one (-1: dropped)
+    paths: list[list[int]] = [[]]  # per old column: the tokens from the root's child down to it
+    places: dict[int, int] = {}  # per old parent column: its children so far
+    kept: tuple[list[int], list[int], list[int]] = ([], [], [])
+    refused = []
+    for token, parent, depth in zip(tokens, parents, depths):
+        place = places[parent] = places.get(parent, -1) + 1
+        paths.append(paths[parent] + [token])
+        if columns[parent] < 0 or not allowed(paths[parent], token):
+            if columns[parent] >= 0:
+                refused.append((columns[parent], place, token))
+            columns.append(-1)
+            continue
+        for values, value in zip(kept, (token, columns[parent], depth)):
+            values.append(value)
+        columns.append(len(kept[0]))
+    return *kept, refused
 
 
 def build_trees(candidate_tokens: list[list[list[int]]], candidate_probabilities: list[list[list[float]]],
@@ -131,15 +159,18 @@ def build_trees(candidate_tokens: list[list[list[int]]], candidate_probabilities
 
     candidate_tokens / candidate_probabilities: per row, per block position, the draft's top tokens and their
     probabilities (descending); candidate_transitions (DFlash2): per row, `best_first_tree`'s transitions;
-    `allowed(row, path, token)`: `best_first_tree`'s, for each row. A row with fewer possible nodes is filled with
-    `filler_token[row]` nodes under the root that the walk never accepts.
+    `allowed(row, path, token)` (under the call's processors): whether `token` may follow the path (tokens from the
+    root's child down) in that row; the nodes it refuses are dropped (`drop_refused`). A row with fewer possible nodes
+    is filled with `filler_token[row]` nodes under the root that the walk never accepts.
     """
     trees = DraftTree([], [], [], [])
     for row, (tokens, probabilities) in enumerate(zip(candidate_tokens, candidate_probabilities)):
         transitions = None if candidate_transitions is None else candidate_transitions[row]
-        row_allowed = None if allowed is None else lambda path, token, row=row: allowed(row, path, token)
-        node_tokens, parents, depths = best_first_tree(tokens, probabilities, size, max_depths[row], transitions,
-                                                       row_allowed)
+        node_tokens, parents, depths = best_first_tree(tokens, probabilities, size, max_depths[row], transitions)
+        if allowed is not None:
+            node_tokens, parents, depths, refused = drop_refused(
+                node_tokens, parents, depths, lambda path, token, row=row: allowed(row, path, token))
+            trees.refused.append(refused)
         filler = size - len(node_tokens)
         trees.tokens.append(node_tokens + [filler_token[row]] * filler)
         trees.parents.append(parents + [0] * filler)
@@ -238,13 +269,14 @@ def walk_sampled(trees: DraftTree, row: int, target_probabilities: torch.Tensor,
     """A row's accepted path under sampling (its columns, root excluded) and the token after it, by `choose_child`
     at each node. target_probabilities [1 + size, V]: p at every column; draft_probabilities [depth, V]: q at each
     block position (None: deterministic candidates); child_uniforms [size], final_uniforms [1 + size]."""
-    children, path, column = trees.children(row), [], 0
+    children, path, column = trees.tried_children(row), [], 0
     while True:
         depth = trees.depths[row][column - 1] if column else 0
-        tokens = [trees.tokens[row][child - 1] for child in children[column]]
+        tokens = [trees.tokens[row][child - 1] if child > 0 else -child for child in children[column]]
         draft = None if draft_probabilities is None or not tokens else draft_probabilities[depth]  # children's q
+        # a refused child's uniform is never read: r is 0 at its token, so it is refused whatever it is
         kept, residual = choose_child(target_probabilities[column], tokens, draft,
-                                      [child_uniforms[child - 1] for child in children[column]])
+                                      [child_uniforms[child - 1] if child > 0 else 1.0 for child in children[column]])
         if kept is None:
             final = sample_from(residual, torch.tensor(final_uniforms[column], dtype=torch.float64))
             return path, int(final)

@@ -105,13 +105,12 @@ class ProposalRecorder:
         self.settings, self.forbidden, self.checked = settings, [], 0
 
     def check(self, row: int, prefix: torch.Tensor, token: int) -> None:
+        """Every processor of the call (a user's too) on zero logits: -inf at `token` forbids it after `prefix`."""
         self.checked += 1
-        if resolve_rules(self.settings).forbids(row, prefix, token):
+        rules = self.settings.rules.draft
+        scores = rules.row_processors[row](prefix[None], torch.zeros(1, rules.vocabulary_size))
+        if scores[0, token] == float("-inf"):
             self.forbidden.append((row, prefix.tolist(), token))
-
-
-def resolve_rules(settings):
-    return settings.rules.draft
 
 
 def record_proposals(target, draft, input_ids, mask, tree_size, draft_processors="built", temperature=0.0,
@@ -187,9 +186,9 @@ def forbidding_settings(target, draft, input_ids, mask) -> dict:
     return {"no_repeat_ngram_size": 2, "bad_words_ids": [[common[0]], [common[2], common[1]]]}
 
 
-@pytest.mark.parametrize("tree_size, temperature", [(None, 0.0), (5, 0.0), (None, 1.0)])
+@pytest.mark.parametrize("tree_size, temperature", [(None, 0.0), (5, 0.0), (None, 1.0), (5, 1.0)])
 def test_a_token_a_processor_forbids_is_never_proposed(models, batch, tree_size, temperature):
-    """Every proposal of a chain (greedy or sampled) and every node of a greedy tree is allowed after its own prefix;
+    """Every proposal of a chain and every verified node of a tree (greedy or sampled) is allowed after its prefix;
     the same check finds forbidden proposals when the draft does not see the processors (draft_processors="none")."""
     target, draft = models
     input_ids, mask = batch

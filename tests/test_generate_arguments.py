@@ -20,9 +20,14 @@ from helpers import (
 from sampling_checks import NUM_NEW, assert_follows, processed_joint, sampled_counts
 from sampling_checks import SAMPLING_VOCAB as VOCAB
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
-from transformers.generation import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TopKLogitsWarper
+from transformers.generation import (
+    MinPLogitsWarper,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TopKLogitsWarper,
+)
 
-from dflash_hf import speculative_decode
+from dflash_hf import speculative_decode, steps_dflash
 from dflash_hf.proposer_dflash import DFlashProposer
 
 NEW = 20
@@ -295,3 +300,23 @@ def test_sampling_with_a_processor_follows_the_processed_distribution(sample_pro
                   if "repetition_penalty" in settings else [MinPLogitsWarper(settings["min_p"])])
     assert_follows(counts, processed_joint(target, prompt, LogitsProcessorList(processors)),
                    processed_joint(target, prompt, LogitsProcessorList([TopKLogitsWarper(VOCAB)])))
+
+
+
+def test_a_sampled_trees_refused_nodes_keep_the_processed_distribution(monkeypatch):
+    """No repeated bigram in a sampled tree: nodes the processor forbids after their path are not verified but tried
+    in their place (refused for certain). Chi-square against the processed law, with a power check against the
+    unprocessed one; refusals did happen."""
+    refused = []
+    build = steps_dflash.build_trees
+    monkeypatch.setattr(steps_dflash, "build_trees",
+                        lambda *args: (lambda trees: refused.extend(sum(trees.refused, [])) or trees)(build(*args)))
+    target, prompt = make_target("llama", seed=11, vocab_size=VOCAB, init_std=0.4), torch.tensor([[1, 2, 3, 4, 0, 1]])
+    draft = make_draft(12, block_size=4, vocab_size=VOCAB, mask_token_id=VOCAB - 1)
+    proposer = DFlashProposer(draft, target, VOCAB - 1)
+    counts, accepted = sampled_counts(target, proposer, prompt, torch.Generator().manual_seed(78),
+                                      max_new_tokens=4, block_size=4, temperature=1.0, top_k=None, tree_size=10,
+                                      no_repeat_ngram_size=2)  # 4 tokens: a tree two deep after the first
+    assert accepted > 100 and len(refused) > 500
+    assert_follows(counts, processed_joint(target, prompt, LogitsProcessorList([NoRepeatNGramLogitsProcessor(2)]), 4),
+                   processed_joint(target, prompt, LogitsProcessorList([TopKLogitsWarper(VOCAB)]), 4))
