@@ -78,7 +78,7 @@ def test_a_malformed_conversation_row_is_reported_with_its_file_and_line(tmp_pat
     good = json.dumps({"messages": CONVERSATION})
     path.write_text(f"{good}\n\n{line}\n{good}\n")
     with pytest.raises(ValueError, match=f"chat.jsonl:3: .*{message[:30]}".replace("[", r"\[").replace("(", r"\(")):
-        read_chat_rows([path])
+        list(read_chat_rows([path]))
 
 
 def test_train_reports_a_malformed_row_before_loading_the_target(tmp_path, monkeypatch, capsys):

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from transformers import get_cosine_schedule_with_warmup
 
 from dflash_hf.training.processes import epoch_order, gather_json, round_share
+from dflash_hf.training.store import PARTS, STORE_DIR, SequenceStore
 from dflash_hf.training.trainer import (
     CHECKPOINT_DIR,
     DRAFT_WEIGHTS_FILE,
@@ -36,6 +37,7 @@ from dflash_hf.training.trainer import (
     TrainingSettings,
     anchor_seed,
     train_draft,
+    training_sequences,
 )
 
 TESTS = Path(__file__).resolve().parent
@@ -249,8 +251,15 @@ def test_the_command_generates_each_response_once_and_only_the_main_process_writ
                                target_folder.parent / "alone.jsonl", batch_size=2, max_new_tokens=8, progress=False)
     assert sorted(rows, key=lambda row: row["index"]) == alone
 
-    assert records[1]["writes"] == [] and records[1]["evaluations"] == 0  # one writer, one evaluation
-    assert records[0]["evaluations"] == 1
+    # each process tokenized its own range of the rows into the store (data/), and wrote nothing else
+    assert {path for _, path in records[1]["writes"]} == {
+        os.path.join(STORE_DIR, name) for part in PARTS for name in (f"{part}-00001.arrow", f"{part}-00001.arrow.tmp")}
+    assert records[1]["evaluations"] == 0 and records[0]["evaluations"] == 1  # one evaluation
+    store = SequenceStore(output / STORE_DIR, "train", 2)  # what both processes trained on: every row, in order
+    expected = training_sequences(sorted(rows, key=lambda row: row["index"]), 3072)
+    assert len(store) == len(expected) == 5
+    for (ids, mask), (expected_ids, expected_mask) in zip(store, expected):
+        assert ids.tolist() == expected_ids.tolist() and mask.tolist() == expected_mask.tolist()
     written = {path.split(os.sep)[0] for _, path in records[0]["writes"]}
     assert {"responses.jsonl", "training_log.json", "evaluation.json", "draft", CHECKPOINT_DIR} <= written
     assert training_log(output)["steps"] == 3 and json.loads((output / "evaluation.json").read_text())["lossless"]
@@ -383,7 +392,7 @@ def test_the_main_process_alone_reports_to_tensorboard_the_global_values(cli_run
     assert [value for _, value in found["train/grad_norm"]] == pytest.approx(log["grad_norms"], rel=1e-6)
     assert len(log["grad_norms"]) == log["steps"] and all(norm > 0 for norm in log["grad_norms"])
     assert TRACKER_DIR in {path.split(os.sep)[0] for _, path in records[0]["writes"]}
-    assert records[1]["writes"] == []
+    assert {path.split(os.sep)[0] for _, path in records[1]["writes"]} == {STORE_DIR}  # its store files alone
 
 
 def test_an_epoch_order_is_distributed_samplers_and_wraps_round_to_whole_steps():

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import gzip
 import json
+from array import array
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -21,6 +22,7 @@ from ..prompts import read_conversations, user_prompt_ids
 from ..sampling_dflash import cut_after_stop
 from ..tokens_dflash import generation_tokens
 from .processes import gather_json, num_rounds, process_state, round_share
+from .store import row_tokens
 
 
 def read_prompts(paths: Iterable[str | Path], limit: int | None = None) -> list[str]:
@@ -31,20 +33,26 @@ def read_prompts(paths: Iterable[str | Path], limit: int | None = None) -> list[
 CHAT_ROLES = ("system", "user", "assistant")  # the turns a conversation row may hold (README, "Train your own draft")
 
 
-def read_chat_rows(paths: Iterable[str | Path]) -> list[tuple[str, list[dict[str, str]]]]:
-    """(where: "file:line", messages) of every row of JSONL conversation files, each {"messages": [{"role",
-    "content"}, ...]} with system, user and assistant turns, at least one of them the assistant's; a malformed row
-    raises a ValueError naming its file and line (read before any model is loaded)."""
-    conversations = []
+def read_chat_rows(paths: Iterable[str | Path], rows: range | None = None
+                   ) -> Iterator[tuple[str, list[dict[str, str]]]]:
+    """(where: "file:line", messages) of each row of JSONL conversation files, one at a time, each {"messages":
+    [{"role", "content"}, ...]} with system, user and assistant turns, at least one of them the assistant's; a
+    malformed row raises a ValueError naming its file and line. `rows`: only the rows at these positions (counted
+    over the files, blank lines skipped), the others not parsed."""
+    position = 0
     for path in paths:
         if not Path(path).is_file():
             raise FileNotFoundError(f"--conversations {path}: no such file")
         with open(path, encoding="utf-8") as handle:
             for number, line in enumerate(handle, 1):
-                if line.strip():
+                if not line.strip():
+                    continue
+                if rows is None or position in rows:
                     where = f"{path}:{number}"
-                    conversations.append((where, conversation_messages(line, where)))
-    return conversations
+                    yield where, conversation_messages(line, where)
+                position += 1
+                if rows is not None and position >= rows.stop:
+                    return
 
 
 def conversation_messages(line: str, where: str) -> list[dict[str, str]]:
@@ -120,6 +128,53 @@ def read_rows(path: str | Path, repair: bool = True) -> list[dict]:
     if not intact and not archive and repair:
         path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return rows
+
+
+def iter_rows(path: str | Path) -> Iterator[dict]:
+    """The complete rows of a response file (`.jsonl` or `.jsonl.gz`), one line at a time (a line cut by an
+    interruption is skipped; `read_rows` repairs it)."""
+    path = Path(path)
+    with gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8") as handle:
+        for line in handle:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+def rows_by_index(path: str | Path, indices: range) -> Iterator[dict]:
+    """The rows of a `.jsonl` response file whose "index" is in `indices`, in index order, one at a time: a first
+    pass notes where each one's line starts (8 bytes a row), then each is read where it is. A missing one raises a
+    ValueError naming the fix."""
+    starts = array("q", [-1]) * len(indices)
+    with open(path, "rb") as handle:
+        position = 0
+        for line in handle:
+            try:
+                index = json.loads(line)["index"]
+            except json.JSONDecodeError:  # a line cut by an interruption
+                index = -1
+            if index in indices:
+                starts[index - indices.start] = position
+            position += len(line)
+        for offset, start in enumerate(starts):
+            if start < 0:
+                raise ValueError(f"{path} has no row for prompt {indices.start + offset}: generate it again (the same "
+                                 "command resumes the generation)")
+            handle.seek(start)
+            yield json.loads(handle.readline())
+
+
+def training_rows(responses: Path, prompts: range, conversations: list[str], tokenizer: PreTrainedTokenizerBase,
+                  stop_token_ids: Iterable[int], rows: range) -> Iterator[tuple[list[int], list[int]]]:
+    """(token ids, loss mask) of the training rows at positions `rows`, one at a time: first the response rows of
+    the prompts at `prompts` (in prompt order), then the conversations (`conversation_row`, in file order)."""
+    answered = range(max(rows.start, 0), min(rows.stop, len(prompts)))
+    for row in rows_by_index(responses, prompts[answered.start:answered.stop]) if answered else ():
+        yield row_tokens(row)
+    chats = range(max(rows.start - len(prompts), 0), max(rows.stop - len(prompts), 0))
+    for where, messages in read_chat_rows(conversations, chats) if chats else ():
+        yield row_tokens(conversation_row(tokenizer, messages, stop_token_ids, where))
 
 
 @torch.no_grad()

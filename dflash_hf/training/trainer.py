@@ -22,7 +22,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -32,6 +32,7 @@ from transformers import get_cosine_schedule_with_warmup
 from ..modeling_dflash import DFlashDraftModel
 from .objective import StepResult, TargetSignals, packed_dflash_loss, target_signals, teacher_rows
 from .processes import check_fsdp_applies, epoch_order, gather_json, process_group_kwargs
+from .store import SequenceStore, row_tokens
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -128,7 +129,7 @@ def tracker_config(settings: TrainingSettings) -> dict[str, Any]:
 
 
 def held_out_loss(accelerator: Accelerator, model: torch.nn.Module, target: torch.nn.Module,
-                  sequences: list[tuple[torch.Tensor, torch.Tensor]], settings: TrainingSettings,
+                  sequences: Sequence[tuple[torch.Tensor, torch.Tensor]], settings: TrainingSettings,
                   signals_of: Callable[[torch.Tensor, torch.Tensor], TargetSignals]) -> dict[str, Any]:
     """The training loss, block tau and accuracy per block position of the draft on held-out `sequences`, every
     process computing its share (entries p, p + N, ...; wrapped round to equal shares, the repeats weighted 0, so
@@ -198,16 +199,12 @@ class TrainingLog:
     held_out_losses: list[dict] = field(default_factory=list)  # {"step", "loss", "block_tau", "position_accuracy"}
 
 
-def row_tokens(row: dict) -> tuple[list[int], list[int]]:
-    """(token ids, loss mask) of a training row: a generated row {"prompt_ids", "response_ids"} (the response
-    counts), or a conversation row {"input_ids", "loss_mask"} (`data.conversation_row`: the assistant turns count)."""
-    if "input_ids" in row:
-        return row["input_ids"], row["loss_mask"]
-    return row["prompt_ids"] + row["response_ids"], [0] * len(row["prompt_ids"]) + [1] * len(row["response_ids"])
-
-
-def training_sequences(rows: list[dict], max_length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(input_ids [T], loss_mask [T]) per row (`row_tokens`), cut to `max_length`; rows with no label are left out."""
+def training_sequences(rows: list[dict] | SequenceStore,
+                       max_length: int) -> Sequence[tuple[torch.Tensor, torch.Tensor]]:
+    """(input_ids [T], loss_mask [T]) per row (`row_tokens`), cut to `max_length`; rows with no label are left out.
+    A `SequenceStore` is returned as it is (`store.write_sequences` cut and filtered its rows)."""
+    if isinstance(rows, SequenceStore):
+        return rows
     sequences = []
     for row in rows:
         ids, mask = (values[:max_length] for values in row_tokens(row))
@@ -274,7 +271,7 @@ def anchor_seed(seed: int, process_index: int, micro_step: int) -> int:
     return int.from_bytes(digest, "little")
 
 
-def feature_cache_bytes(target: torch.nn.Module, sequences: list[tuple[torch.Tensor, torch.Tensor]],
+def feature_cache_bytes(target: torch.nn.Module, sequences: Sequence[tuple[torch.Tensor, torch.Tensor]],
                         num_features: int, teacher_top_k: int | None) -> int:
     """Host bytes the target-signal cache takes for `sequences`: per token, `num_features` hidden states in the
     target's dtype, and with a teacher its top-k probabilities (float32) and ids (int64)."""
@@ -307,7 +304,7 @@ def check_feature_cache(cache_bytes: int, limit_gib: float | None) -> None:
                          "(docs/training.md, 'Memory')")
 
 
-def host_feature_cache(target: torch.nn.Module, sequences: list[tuple[torch.Tensor, torch.Tensor]],
+def host_feature_cache(target: torch.nn.Module, sequences: Sequence[tuple[torch.Tensor, torch.Tensor]],
                        indices: list[int], num_features: int, settings: TrainingSettings,
                        signals_of: Callable[[torch.Tensor, torch.Tensor], TargetSignals],
                        progress: bool) -> dict[int, TargetSignals]:
@@ -666,7 +663,7 @@ def _micro_batch_step(accelerator: Any, draft: torch.nn.Module, target: torch.nn
     return result, StepUpdate(learning_rate, float(grad_norm))
 
 
-def _micro_batches(sequences: list[tuple[torch.Tensor, torch.Tensor]], indices: list[int], batch_size: int,
+def _micro_batches(sequences: Sequence[tuple[torch.Tensor, torch.Tensor]], indices: list[int], batch_size: int,
                    device: torch.device, cached: dict[int, TargetSignals] | None,
                    signals_of: Callable[[torch.Tensor, torch.Tensor], TargetSignals]
                    ) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, TargetSignals]]]:
@@ -698,29 +695,30 @@ def _accumulated_step(accelerator: Any, draft: torch.nn.Module, target: torch.nn
 def train_draft(
     draft: DFlashDraftModel,
     target: torch.nn.Module,
-    rows: list[dict],
+    rows: list[dict] | SequenceStore,
     settings: TrainingSettings,
     output_dir: str | Path,
     progress: bool = True,
     max_steps: int | None = None,
     evaluate: Callable[[DFlashDraftModel], dict[str, Any]] | None = None,
     eval_every: int = 0,
-    held_out_rows: list[dict] | None = None,
+    held_out_rows: list[dict] | SequenceStore | None = None,
     held_out_every: int = 0,
 ) -> TrainingLog:
     """Train `draft` on the target's regenerated rows; resumes from `output_dir/checkpoint/` if present.
 
-    `max_steps` stops early (the schedule still spans all epochs), e.g. to interrupt a run on purpose. Under
-    `accelerate launch` / `torchrun` every process calls this with the same rows: each epoch is one shuffle of all
-    of them, strided over the processes (`epoch_order`, as `DistributedSampler`), an optimiser step is
-    `settings.sequences_per_step` sequences per process (the epoch wrapped round to whole steps), each process draws
-    its own anchors (`anchor_seed`), and only the main process writes `output_dir`; all return the same log once it
-    is written. Under Accelerate's FSDP a copy of the draft is sharded over the processes and the trained weights
-    are gathered back into `draft` at the end. `evaluate(draft)` (held-out tau and losslessness; JSON-ready values)
-    runs on the main process before the first step, every `eval_every` optimiser steps and after the last; its
-    results go to every process's `log.evaluations`. `held_out_rows` (never trained on): every process computes its
-    share of their training loss (`held_out_loss`) at the same steps, every `held_out_every` steps, into
-    `log.held_out_losses`."""
+    `rows` and `held_out_rows`: row dicts (`row_tokens`), or a `SequenceStore` every process memory-maps (what
+    `dflash-hf train` passes: each step reads only its own sequences). `max_steps` stops early (the schedule still
+    spans all epochs), e.g. to interrupt a run on purpose. Under `accelerate launch` / `torchrun` every process calls
+    this with the same rows: each epoch is one shuffle of all of them, strided over the processes (`epoch_order`, as
+    `DistributedSampler`), an optimiser step is `settings.sequences_per_step` sequences per process (the epoch wrapped
+    round to whole steps), each process draws its own anchors (`anchor_seed`), and only the main process writes
+    `output_dir`; all return the same log once it is written. Under Accelerate's FSDP a copy of the draft is sharded
+    over the processes and the trained weights are gathered back into `draft` at the end. `evaluate(draft)` (held-out
+    tau and losslessness; JSON-ready values) runs on the main process before the first step, every `eval_every`
+    optimiser steps and after the last; its results go to every process's `log.evaluations`. `held_out_rows` (never
+    trained on): every process computes its share of their training loss (`held_out_loss`) at the same steps, every
+    `held_out_every` steps, into `log.held_out_losses`."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 
@@ -802,7 +800,7 @@ def train_draft(
     return log
 
 
-def check_held_out(rows: list[dict] | None, every: int) -> None:
+def check_held_out(rows: list[dict] | SequenceStore | None, every: int) -> None:
     """Refuse held-out rows without a number of steps between their measurements."""
     if rows and every < 1:
         raise ValueError(f"held_out_every {every}: held-out rows are measured every N >= 1 optimiser steps")
