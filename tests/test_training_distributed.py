@@ -31,6 +31,7 @@ from dflash_hf.training.store import PARTS, STORE_DIR, SequenceStore
 from dflash_hf.training.trainer import (
     CHECKPOINT_DIR,
     DRAFT_WEIGHTS_FILE,
+    OPTIMIZER_SCHEDULER_FILE,
     STATE_FILE,
     EpochPlan,
     TrainingLog,
@@ -115,6 +116,20 @@ def cli_run(tmp_path_factory) -> tuple[Path, list[dict], Path]:
     return output, records, folder / "target"
 
 
+def checkpoint_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The draft's whole weights in a checkpoint: its safetensors file, or (sharded) its shards read back whole by
+    torch.distributed.checkpoint in this one process."""
+    if (folder / DRAFT_WEIGHTS_FILE).exists():
+        return load_file(folder / DRAFT_WEIGHTS_FILE)
+    import torch.distributed.checkpoint as dcp
+
+    stored = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    weights = {key.removeprefix("model."): torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+               for key, entry in stored.items() if key.startswith("model.")}
+    dcp.load({"model": weights}, checkpoint_id=folder, no_dist=True)
+    return weights
+
+
 def training_log(output: Path) -> dict:
     return json.loads((output / "training_log.json").read_text())
 
@@ -192,7 +207,13 @@ def test_fsdp_trains_the_sharded_draft_as_ddp_does_and_resumes_exactly(fsdp_run,
     for record in records:  # stopped after 3 steps and resumed from the checkpoint gathered from the shards
         assert record["resumed"]["losses"] == log["losses"]
         assert record["resumed"]["weights_sum"] == records[0]["weights_sum"]
-    assert records[1]["writes"] == []  # one writer; the others gathered with it, and nothing hung
+    # a sharded checkpoint: each process wrote its own shard (torch.distributed.checkpoint), nothing was gathered
+    assert {path for _, path in records[1]["writes"]} == {  # dcp.save's mkdir(exist_ok) of the folder, and its shard
+        f"{CHECKPOINT_DIR}.tmp", os.path.join(f"{CHECKPOINT_DIR}.tmp", "__1_0.distcp")}
+    for checkpoint in (CHECKPOINT_DIR, f"{CHECKPOINT_DIR}-4"):  # rotated as a whole checkpoint is (keep 2)
+        assert {path.name for path in (output / checkpoint).iterdir()} == {
+            ".metadata", "__0_0.distcp", "__1_0.distcp", OPTIMIZER_SCHEDULER_FILE, STATE_FILE}
+        assert json.loads((output / checkpoint / STATE_FILE).read_text())["sharded"] is True
     # the held-out evaluation saw the whole draft, gathered from the shards: the weights data-parallel training had
     held_out, ddp_held_out = records[0]["held_out"], train_run[1][0]["held_out"]
     assert [evaluation["step"] for evaluation in held_out] == [0, 3, 6] and records[1]["held_out"] == held_out
@@ -201,10 +222,20 @@ def test_fsdp_trains_the_sharded_draft_as_ddp_does_and_resumes_exactly(fsdp_run,
     # the same optimisation as data-parallel training: the losses and the saved weights agree to rounding
     ddp_output, _ = train_run
     assert log["losses"] == pytest.approx(training_log(ddp_output)["losses"], rel=1e-4)
-    sharded, whole = (load_file(run / CHECKPOINT_DIR / DRAFT_WEIGHTS_FILE) for run in (output, ddp_output))
-    assert sharded.keys() == whole.keys()
+    sharded, whole = (checkpoint_weights(run / CHECKPOINT_DIR) for run in (output, ddp_output))
+    exported = load_file(output.parent / "exported" / "model.safetensors")  # the trained draft: one safetensors file
+    assert sharded.keys() == whole.keys() == exported.keys()
     for name, tensor in whole.items():
         torch.testing.assert_close(sharded[name], tensor, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(exported[name], sharded[name], rtol=0, atol=0)
+
+
+def test_a_sharded_checkpoint_resumes_on_its_own_number_of_processes(fsdp_run, tmp_path):
+    output, _ = fsdp_run
+    shutil.copytree(output / CHECKPOINT_DIR, tmp_path / CHECKPOINT_DIR)  # 2 processes' shards; this test is 1
+    with pytest.raises(ValueError, match=r"run on 2 process\(es\), this one has 1.*--num_processes 2"):
+        train_draft(make_draft(5, block_size=4), make_target("qwen3", seed=4), train_rows(5),
+                    TrainingSettings(epochs=2, num_anchors=8), tmp_path, progress=False)
 
 
 def test_fsdp_accumulation_steps_as_packed_data_parallel_training_and_counts_every_sequence(batched_runs):
@@ -222,7 +253,7 @@ def test_fsdp_accumulation_steps_as_packed_data_parallel_training_and_counts_eve
     assert packed_log["tokens"] == fsdp_log["tokens"] == tokens
     assert fsdp_log["losses"] == pytest.approx(packed_log["losses"], rel=1e-4)
     assert fsdp[0]["weights_sum"] == fsdp[1]["weights_sum"]
-    sharded, whole = (load_file(run / CHECKPOINT_DIR / DRAFT_WEIGHTS_FILE) for run in (fsdp_output, packed_output))
+    sharded, whole = (checkpoint_weights(run / CHECKPOINT_DIR) for run in (fsdp_output, packed_output))
     for name, tensor in whole.items():
         torch.testing.assert_close(sharded[name], tensor, rtol=1e-4, atol=1e-5)
     for record in fsdp:  # stopped after 1 step and resumed: the uninterrupted run's losses, tokens and weights

@@ -327,17 +327,37 @@ def _sibling(folder: Path, suffix: str) -> Path:
 
 def save_checkpoint(folder: str | Path, draft: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: LRScheduler, log: TrainingLog, run_facts: dict[str, Any] | None = None,
-                    main_process: bool = True, keep: int = 1) -> None:
+                    main_process: bool = True, keep: int = 1, sharded: bool = False) -> None:
     """Write draft weights, optimiser and schedule states and the log to `folder`, replacing it atomically.
 
-    Every process of a run calls this (under FSDP the states are gathered from the shards); only `main_process`
-    writes. `run_facts` (`resume_facts`): what a resumed run must share with this one. `keep` > 1: the checkpoint
-    `folder` held before is kept beside it as `<folder>-<its step>`, and only the `keep` - 1 newest of those stay."""
-    weights, optimizer_state = whole_state(draft, optimizer)
+    Every process of a run calls this. Whole (the default): the states are gathered (under FSDP, from the shards) and
+    only `main_process` writes them, as safetensors. `sharded` (under FSDP): each process writes its own shards of
+    the weights and the optimiser's tensors through torch.distributed.checkpoint (`save_sharded_state`), nothing is
+    gathered, and the main process adds the rest. `run_facts` (`resume_facts`): what a resumed run must share with
+    this one. `keep` > 1: the checkpoint `folder` held before is kept beside it as `<folder>-<its step>`, and only
+    the `keep` - 1 newest of those stay."""
+    folder = Path(folder)
+    staging = _sibling(folder, ".tmp")
+    if sharded:
+        optimizer_rest = save_sharded_state(staging, draft, optimizer, main_process)
+    else:
+        weights, optimizer_state = whole_state(draft, optimizer)
     if not main_process:
         return
-    folder = Path(folder)
-    staging, previous = _sibling(folder, ".tmp"), _sibling(folder, ".old")
+    if not sharded:
+        optimizer_rest = save_whole_state(staging, weights, optimizer_state)
+    (staging / OPTIMIZER_SCHEDULER_FILE).write_text(
+        json.dumps({"optimizer": optimizer_rest, "scheduler": scheduler.state_dict()}))
+    run = {} if run_facts is None else {"run": run_facts}
+    (staging / STATE_FILE).write_text(json.dumps({"format": CHECKPOINT_FORMAT, "sharded": sharded, **run,
+                                                  **asdict(log)}))
+    replace_checkpoint(folder, staging, keep)
+
+
+def save_whole_state(staging: Path, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]
+                     ) -> dict[str, Any]:
+    """Write the whole weights and the optimiser's tensors (`whole_state`) into a new `staging` folder as
+    safetensors; returns the rest of the optimiser's state (JSON-ready)."""
     shutil.rmtree(staging, ignore_errors=True)  # a stale one from a save that was interrupted
     staging.mkdir(parents=True)
     # save_file refuses tensors that share memory; the draft has none (its embeddings and head are the target's)
@@ -345,10 +365,53 @@ def save_checkpoint(folder: str | Path, draft: torch.nn.Module, optimizer: torch
     save_file(weights, staging / DRAFT_WEIGHTS_FILE, metadata={"format": "pt"})
     optimizer_tensors, optimizer_rest = split_optimizer_state(optimizer_state)
     save_file(optimizer_tensors, staging / OPTIMIZER_TENSORS_FILE, metadata={"format": "pt"})
-    (staging / OPTIMIZER_SCHEDULER_FILE).write_text(
-        json.dumps({"optimizer": optimizer_rest, "scheduler": scheduler.state_dict()}))
-    run = {} if run_facts is None else {"run": run_facts}
-    (staging / STATE_FILE).write_text(json.dumps({"format": CHECKPOINT_FORMAT, **run, **asdict(log)}))
+    return optimizer_rest
+
+
+def sharded_state(draft: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """({"model": the weights, "optimizer": the optimiser's per-parameter tensors}, the optimiser's param groups),
+    each process's shards as they are (DTensors under FSDP; nothing gathered), keyed by parameter name
+    (torch.distributed.checkpoint.state_dict's `get_state_dict`)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    weights, named = get_state_dict(draft, optimizer)
+    return {"model": weights, "optimizer": named["state"]}, {"param_groups": named["param_groups"]}
+
+
+def save_sharded_state(staging: Path, draft: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                       main_process: bool) -> dict[str, Any]:
+    """Every process writes its shards of the weights and the optimiser's tensors into a new `staging` folder with
+    torch.distributed.checkpoint (`dcp.save`: one `__<process>_0.distcp` file each, and the main process the
+    `.metadata` index); a collective. Returns the optimiser's param groups (JSON-ready), which stay out of it."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    if main_process:
+        shutil.rmtree(staging, ignore_errors=True)  # a stale one from a save that was interrupted
+        staging.mkdir(parents=True)
+    dist.barrier()  # the folder is new before any process writes into it
+    tensors, rest = sharded_state(draft, optimizer)
+    dcp.save(tensors, checkpoint_id=staging)
+    return rest
+
+
+def load_sharded_state(folder: Path, draft: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                       rest: dict[str, Any]) -> None:
+    """Load a checkpoint `save_sharded_state` wrote into the draft and its optimiser: each process reads its own
+    shards (`dcp.load`), then `set_state_dict`; a collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    tensors, _ = sharded_state(draft, optimizer)  # the shapes and shards to read into
+    dcp.load(tensors, checkpoint_id=folder)
+    set_state_dict(draft, optimizer, model_state_dict=tensors["model"],
+                   optim_state_dict={"state": tensors["optimizer"], "param_groups": rest["param_groups"]})
+
+
+def replace_checkpoint(folder: Path, staging: Path, keep: int) -> None:
+    """Put the checkpoint written in `staging` in `folder`'s place; the one it replaces is kept as `<folder>-<its
+    step>` when `keep` > 1, and only the `keep` - 1 newest of those stay (whole or sharded alike)."""
+    previous = _sibling(folder, ".old")
     if folder.exists():  # a folder cannot replace a non-empty one: move it aside first
         shutil.rmtree(previous, ignore_errors=True)
         folder.replace(previous)
@@ -401,9 +464,12 @@ def load_checkpoint(folder: str | Path, draft: torch.nn.Module, optimizer: torch
     check_run_facts(folder, state.pop("run", None), run_facts)
     optimizer_scheduler = json.loads((folder / OPTIMIZER_SCHEDULER_FILE).read_text())
     stored = optimizer_scheduler["optimizer"]
-    positional = join_optimizer_state(load_file(folder / OPTIMIZER_TENSORS_FILE), stored, optimizer.state_dict())
-    load_whole_state(draft, optimizer, load_file(folder / DRAFT_WEIGHTS_FILE),
-                     named_optimizer_state(positional, stored.get("parameter_names") or parameter_names(draft)))
+    if state.pop("sharded", False):
+        load_sharded_state(folder, draft, optimizer, stored)
+    else:
+        positional = join_optimizer_state(load_file(folder / OPTIMIZER_TENSORS_FILE), stored, optimizer.state_dict())
+        load_whole_state(draft, optimizer, load_file(folder / DRAFT_WEIGHTS_FILE),
+                         named_optimizer_state(positional, stored.get("parameter_names") or parameter_names(draft)))
     scheduler.load_state_dict(optimizer_scheduler["scheduler"])
     return TrainingLog(**state)
 
@@ -787,7 +853,7 @@ def train_draft(
         if log.steps % settings.checkpoint_every == 0 or log.steps == last:
             log.seconds = time.perf_counter() - started
             save_checkpoint(checkpoint_dir, unwrapped, optimizer, scheduler, log, facts, accelerator.is_main_process,
-                            settings.keep_checkpoints)
+                            settings.keep_checkpoints, sharded=sharded)
     shows.close()
     log.seconds = time.perf_counter() - started
     if sharded:  # every process's `draft` gets the trained weights, gathered from the shards
