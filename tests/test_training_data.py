@@ -144,3 +144,33 @@ def test_prompts_batched_by_length_give_generates_greedy_rows_with_less_padding(
 
     assert padding["file"] == pads([[0, 1], [2, 3], [4, 5]]) == [3, 2, 2]
     assert padding["length"] == pads([longest_first[k:k + 2] for k in (0, 2, 4)]) == [0, 1, 0]
+
+
+def test_the_store_holds_the_rows_in_prompt_order_then_the_conversations_cut_as_training_cuts_them(tmp_path):
+    from dflash_hf.training.data import conversation_row, training_rows
+    from dflash_hf.training.store import SequenceStore, part_file, write_sequences
+    from dflash_hf.training.trainer import training_sequences
+
+    rows = [{"index": i, "prompt_ids": [5 + i, 6], "response_ids": [7, 8 + i, 9][:3 - i % 2]} for i in range(5)]
+    rows.append({"index": 5, "prompt_ids": [5, 6, 7, 8, 9, 10], "response_ids": [9]})  # no label within 6 tokens
+    responses = tmp_path / "responses.jsonl"  # written in another order than the prompts', a line cut at the end
+    responses.write_text("".join(json.dumps(rows[i]) + "\n" for i in (3, 0, 5, 1, 4, 2)) + '{"index": 9, "pro')
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "w10"},
+                                             {"role": "assistant", "content": "w11 w12"}]}) + "\n\n")
+    tokenizer = make_tokenizer()
+    folder = tmp_path / "data"
+    folder.mkdir()
+    # two writers, as two processes: positions 0-3 and 4-6 of the 6 response rows from prompt 0 and the conversation
+    for shard, positions in enumerate((range(0, 4), range(4, 7))):
+        write_sequences(part_file(folder, "train", shard),
+                        training_rows(responses, range(6), [str(chat)], tokenizer, [1], positions), 6)
+    store = SequenceStore(folder, "train", 2)
+    chat_row = conversation_row(tokenizer, json.loads(chat.read_text())["messages"], [1], "chat.jsonl:1")
+    expected = training_sequences(rows + [chat_row], 6)  # row 5 left out
+    assert len(store) == len(expected) == 6
+    for (ids, mask), (expected_ids, expected_mask) in zip(store, expected, strict=True):
+        assert ids.dtype == torch.long and ids.tolist() == expected_ids.tolist()
+        assert mask.tolist() == expected_mask.tolist()
+    with pytest.raises(ValueError, match="no row for prompt 6: generate it again"):
+        list(training_rows(responses, range(8), [], tokenizer, [1], range(6, 8)))

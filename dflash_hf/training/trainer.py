@@ -1,12 +1,12 @@
 """The training loop: AdamW, cosine schedule with warm-up, gradient clipping, resumable checkpoints.
 
-An optimiser step is `batch_size` sequences (packed into one row) times `gradient_accumulation_steps` micro-batches
-per process, many anchors per sequence (docs/training.md). Runs as is on one CPU or GPU and data-parallel under
-`accelerate launch` or `torchrun` (Accelerate is the distributed engine): each epoch shuffles all sequences and
-strides them over the N processes (as `DistributedSampler`), the gradients are averaged, the schedule counts optimiser
-steps, the log holds global values and only the main process writes. Under Accelerate's FSDP plugin (`accelerate
-launch --config_file examples/accelerate_fsdp.yaml`) the draft is sharded over the processes, and checkpoints are
-gathered from the shards (docs/training.md, "FSDP"). The target's signals are computed per micro-batch; the opt-in
+An optimiser step is `batch_size` sequences (packed into one row) times `gradient_accumulation_steps` micro-batches per
+process, many anchors per sequence (docs/training.md). Runs as is on one CPU or GPU and data-parallel under `accelerate
+launch` or `torchrun` (Accelerate is the distributed engine): each epoch shuffles all sequences and strides them over
+the N processes (as `DistributedSampler`), the gradients are averaged, the schedule counts optimiser steps, the log
+holds global values and only the main process writes files. Under Accelerate's FSDP plugin (`accelerate launch
+--config_file examples/accelerate_fsdp.yaml`) the draft is sharded over the processes, and each process writes its own
+shards of the checkpoints (docs/training.md, "FSDP"). The target's signals are computed per micro-batch; the opt-in
 cache keeps them on the host (pinned when CUDA is available), after a size check, and moves one micro-batch's to the
 device at a time.
 """
@@ -779,12 +779,12 @@ def train_draft(
     this with the same rows: each epoch is one shuffle of all of them, strided over the processes (`epoch_order`, as
     `DistributedSampler`), an optimiser step is `settings.sequences_per_step` sequences per process (the epoch wrapped
     round to whole steps), each process draws its own anchors (`anchor_seed`), and only the main process writes
-    `output_dir`; all return the same log once it is written. Under Accelerate's FSDP a copy of the draft is sharded
-    over the processes and the trained weights are gathered back into `draft` at the end. `evaluate(draft)` (held-out
-    tau and losslessness; JSON-ready values) runs on the main process before the first step, every `eval_every`
-    optimiser steps and after the last; its results go to every process's `log.evaluations`. `held_out_rows` (never
-    trained on): every process computes its share of their training loss (`held_out_loss`) at the same steps, every
-    `held_out_every` steps, into `log.held_out_losses`."""
+    `output_dir` (under FSDP each process writes its own checkpoint shards); all return the same log once it is
+    written. Under Accelerate's FSDP a copy of the draft is sharded over the processes and the trained weights are
+    gathered back into `draft` at the end. `evaluate(draft)` (held-out tau and losslessness; JSON-ready values) runs on
+    the main process before the first step, every `eval_every` optimiser steps and after the last; its results go to
+    every process's `log.evaluations`. `held_out_rows` (never trained on): every process computes its share of their
+    training loss (`held_out_loss`) at the same steps, every `held_out_every` steps, into `log.held_out_losses`."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 
