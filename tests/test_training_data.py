@@ -174,3 +174,14 @@ def test_the_store_holds_the_rows_in_prompt_order_then_the_conversations_cut_as_
         assert mask.tolist() == expected_mask.tolist()
     with pytest.raises(ValueError, match="no row for prompt 6: generate it again"):
         list(training_rows(responses, range(8), [], tokenizer, [1], range(6, 8)))
+
+
+def test_training_without_datasets_names_the_install(monkeypatch):
+    import sys
+
+    from dflash_hf.training.store import check_datasets_installed
+
+    check_datasets_installed()
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if it were not installed
+    with pytest.raises(ImportError, match=r"pip install 'dflash-hf\[train\]'"):
+        check_datasets_installed()
