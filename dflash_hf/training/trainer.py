@@ -438,9 +438,9 @@ def load_checkpoint(folder: str | Path, draft: torch.nn.Module, optimizer: torch
                     processes: int | None = None) -> TrainingLog | None:
     """Restore draft, optimiser and schedule from `folder` and return its log; None when there is no checkpoint.
 
-    Every process of a run calls this (under FSDP each keeps its shard of the whole states). A checkpoint written
-    on another number of `processes` or with other `run_facts` (`resume_facts`) is refused before anything is
-    loaded."""
+    Every process of a run calls this: from a whole checkpoint, under FSDP each keeps its shard of the whole states;
+    from a sharded one (`save_checkpoint(sharded=True)`), each reads its own shards. A checkpoint written on another
+    number of `processes` or with other `run_facts` (`resume_facts`) is refused before anything is loaded."""
     folder = Path(folder)
     legacy = folder.parent / LEGACY_CHECKPOINT_FILE
     if legacy.exists():
