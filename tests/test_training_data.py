@@ -11,7 +11,12 @@ from helpers import make_draft, make_target, make_tokenizer, plain_greedy
 
 from dflash_hf.prompts import chat_prompt_ids
 from dflash_hf.smollm2 import publish_folder
-from dflash_hf.training.data import generate_responses, read_prompts, read_rows
+from dflash_hf.training.data import generate_responses, read_prompts, read_rows, rows_by_index
+
+
+def in_order(path, count: int) -> list[dict]:
+    """The rows of a response file for prompts 0 .. count - 1, in prompt order."""
+    return list(rows_by_index(path, range(count)))
 
 
 def test_prompts_are_tokenized_once_with_the_chat_template():
@@ -30,10 +35,13 @@ def test_generation_resumes_without_duplicating_or_losing_rows(tmp_path):
     target, tokenizer = make_target("llama", seed=2), make_tokenizer()
     prompts = [" ".join(f"w{5 + (i * 7 + j) % 100}" for j in range(2 + i % 3)) for i in range(7)]
     path = tmp_path / "responses.jsonl"
-    first = generate_responses(target, tokenizer, prompts[:3], path, batch_size=2, max_new_tokens=6, progress=False)
+    assert generate_responses(target, tokenizer, prompts[:3], path, batch_size=2, max_new_tokens=6,
+                              progress=False) == 3
+    first = in_order(path, 3)
     with open(path, "a") as handle:  # an interruption in the middle of writing a row
         handle.write('{"index": 5, "prompt_ids": [3, ')
-    rows = generate_responses(target, tokenizer, prompts, path, batch_size=2, max_new_tokens=6, progress=False)
+    generate_responses(target, tokenizer, prompts, path, batch_size=2, max_new_tokens=6, progress=False)
+    rows = in_order(path, 7)
     assert rows[:3] == first
     stored = [json.loads(line) for line in path.read_text().splitlines()]
     assert sorted(row["index"] for row in stored) == list(range(7))  # each row once, none lost
@@ -48,10 +56,11 @@ def test_generation_resumes_without_duplicating_or_losing_rows(tmp_path):
 def test_generation_through_a_draft_writes_the_same_rows_as_generate(tmp_path):
     target, tokenizer, draft = make_target("llama", seed=4), make_tokenizer(), make_draft(seed=3)
     prompts = [" ".join(f"w{5 + (i * 11 + j) % 100}" for j in range(2 + i % 4)) for i in range(6)]
-    plain = generate_responses(target, tokenizer, prompts, tmp_path / "plain.jsonl", batch_size=3, max_new_tokens=24,
-                               progress=False)
-    drafted = generate_responses(target, tokenizer, prompts, tmp_path / "drafted.jsonl", batch_size=3,
-                                 max_new_tokens=24, progress=False, draft=draft)
+    generate_responses(target, tokenizer, prompts, tmp_path / "plain.jsonl", batch_size=3, max_new_tokens=24,
+                       progress=False)
+    generate_responses(target, tokenizer, prompts, tmp_path / "drafted.jsonl", batch_size=3, max_new_tokens=24,
+                       progress=False, draft=draft)
+    plain, drafted = (in_order(tmp_path / f"{name}.jsonl", 6) for name in ("plain", "drafted"))
     assert drafted == plain
     assert {len(row["response_ids"]) for row in plain} == {15, 24}  # a row that stopped early, the others at the limit
 
@@ -102,16 +111,19 @@ def test_seed_rows_answer_their_prompts_wherever_they_sit(tmp_path):
     first.write_text("".join(json.dumps(row) + "\n" for row in marked))
     prompts = ["w7 w8", "w9 w10", "w11 w12 w13", "w5 w6"]  # other order, other files, one prompt in no seed
     output = tmp_path / "run.jsonl"
-    rows = generate_responses(target, tokenizer, prompts, output, max_new_tokens=4, progress=False,
-                              seed_paths=[first, second])
+    generate_responses(target, tokenizer, prompts, output, max_new_tokens=4, progress=False,
+                       seed_paths=[first, second])
+    rows = in_order(output, 4)
     assert [row["index"] for row in rows] == [0, 1, 2, 3]
     assert rows[0]["response_ids"] == rows[3]["response_ids"] == [9, 9, 9, 1]  # copied from the seed, not regenerated
     assert rows[2] == {**read_rows(second)[0], "index": 2}
     alone = plain_greedy(target, torch.tensor([rows[1]["prompt_ids"]]), 4, stop_token_ids=[1])
     assert rows[1]["response_ids"] == alone[0, len(rows[1]["prompt_ids"]):].tolist()  # the missing one generated
-    assert sorted(row["index"] for row in read_rows(output)) == [0, 1, 2, 3]  # each stored once, with its new index
-    assert generate_responses(target, tokenizer, prompts, output, max_new_tokens=4, progress=False,
-                              seed_paths=[first, second]) == rows  # a resumed run keeps its rows
+    stored = read_rows(output)
+    assert sorted(row["index"] for row in stored) == [0, 1, 2, 3]  # each stored once, with its new index
+    generate_responses(target, tokenizer, prompts, output, max_new_tokens=4, progress=False,
+                       seed_paths=[first, second])
+    assert read_rows(output) == stored  # a resumed run keeps its rows, and adds none
 
 
 def test_prompts_batched_by_length_give_generates_greedy_rows_with_less_padding(tmp_path, monkeypatch):
@@ -129,8 +141,9 @@ def test_prompts_batched_by_length_give_generates_greedy_rows_with_less_padding(
     monkeypatch.setattr(data, "_respond", counted_respond)
     rows = {}
     for order in ("file", "length"):
-        rows[order] = generate_responses(target, tokenizer, prompts, tmp_path / f"{order}.jsonl", batch_size=2,
-                                         max_new_tokens=6, progress=False, by_length=order == "length")
+        generate_responses(target, tokenizer, prompts, tmp_path / f"{order}.jsonl", batch_size=2, max_new_tokens=6,
+                           progress=False, by_length=order == "length")
+        rows[order] = in_order(tmp_path / f"{order}.jsonl", len(prompts))
     assert rows["length"] == rows["file"]  # in prompt order, the same greedy rows
     for row in rows["length"]:  # each the target's own greedy answer, generated alone
         alone = plain_greedy(target, torch.tensor([row["prompt_ids"]]), 6, stop_token_ids=[1])

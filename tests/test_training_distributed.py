@@ -278,12 +278,13 @@ def test_the_command_generates_each_response_once_and_only_the_main_process_writ
     assert [record["generated"] for record in records] == [[2, 1], [2]]  # rounds of one batch of 2 per process
     # the rows are the ones one process writes (the same batches: [0, 1] [2, 3] [4])
     from dflash_hf.loading import load_target
-    from dflash_hf.training.data import generate_responses, read_prompts
+    from dflash_hf.training.data import generate_responses, read_prompts, rows_by_index
 
     target, tokenizer = load_target(str(target_folder), torch.float32)
-    alone = generate_responses(target, tokenizer, read_prompts([target_folder.parent / "prompts.jsonl"]),
-                               target_folder.parent / "alone.jsonl", batch_size=2, max_new_tokens=8, progress=False)
-    assert sorted(rows, key=lambda row: row["index"]) == alone
+    generate_responses(target, tokenizer, read_prompts([target_folder.parent / "prompts.jsonl"]),
+                       target_folder.parent / "alone.jsonl", batch_size=2, max_new_tokens=8, progress=False)
+    assert sorted(rows, key=lambda row: row["index"]) == list(rows_by_index(target_folder.parent / "alone.jsonl",
+                                                                            range(5)))
 
     # each process tokenized its own range of the rows into the store (data/), and wrote nothing else
     assert {path for _, path in records[1]["writes"]} == {

@@ -134,11 +134,11 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     target, tokenizer = load_target(args.target, training_target_dtype(args.gen_dtype, device))
     target = target.to(device)  # generation runs where training will
     responses = output / "responses.jsonl"
-    num_rows = len(generate_responses(target, tokenizer, prompts, responses, batch_size=args.gen_batch_size,
-                                      max_new_tokens=args.gen_max_new_tokens, max_length=args.max_length,
-                                      temperature=args.gen_temperature, seed=args.seed,
-                                      by_length=args.gen_order == "length",
-                                      draft=generation_draft(args.gen_draft, target), seed_paths=args.responses))
+    num_rows = generate_responses(target, tokenizer, prompts, responses, batch_size=args.gen_batch_size,
+                                  max_new_tokens=args.gen_max_new_tokens, max_length=args.max_length,
+                                  temperature=args.gen_temperature, seed=args.seed,
+                                  by_length=args.gen_order == "length",
+                                  draft=generation_draft(args.gen_draft, target), seed_paths=args.responses)
     if args.generate_only:
         if state.is_main_process:
             print(f"{num_rows} rows in {responses}")
