@@ -18,6 +18,7 @@ import json
 import os
 import random
 import resource
+import socket
 import subprocess
 import sys
 import tempfile
@@ -110,9 +111,12 @@ def main() -> None:
         write_conversations(folder / "conversations.jsonl", args.rows)
     else:
         write_prompts_and_responses(folder, args.rows)
+    with socket.socket() as probe:  # a port no other process listens on now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-                    "--master_addr", "127.0.0.1", "--master_port", "29517", __file__, "--worker", "--folder",
+                    "--master_addr", "127.0.0.1", "--master_port", str(port), __file__, "--worker", "--folder",
                     str(folder), "--source", args.source, "--max-steps", str(args.max_steps)],
                    check=True, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
     peaks = [json.loads((folder / f"rss-{rank}.json").read_text()) for rank in range(2)]
