@@ -118,7 +118,8 @@ def weights_sum(draft: torch.nn.Module) -> float:
 
 def run_train(output: Path) -> None:
     """`train_draft` on 5 rows (an uneven split over two processes), 2 epochs, a visible warm-up, a held-out
-    evaluation every 3 steps (it records the whole draft's weight sum); then the same run interrupted after 3 steps
+    evaluation every 3 steps (it records the whole draft's weight sum), the trained draft saved by the main process
+    (`save_pretrained`, in OUTPUT's sibling `exported`); then the same run interrupted after 3 steps
     and resumed (in OUTPUT's sibling `resumed`, seen by no audit hook)."""
     from helpers import make_draft, make_target
 
@@ -137,6 +138,8 @@ def run_train(output: Path) -> None:
     draft = make_draft(5, block_size=4)
     log = train(draft, output)
     RECORD["log_steps"], RECORD["weights_sum"], RECORD["held_out"] = log.steps, weights_sum(draft), log.evaluations
+    if RANK == 0:  # the trained draft as `dflash-hf train` exports it (beside OUTPUT, seen by no audit hook)
+        draft.save_pretrained(output.parent / "exported")
     RECORD["recording"], RECORD["phase"] = False, "interrupted"
     resumed = output.parent / "resumed"
     train(make_draft(5, block_size=4), resumed, max_steps=3)

@@ -11,6 +11,7 @@ from helpers import make_tokenizer, save_tiny_target_and_prompts
 
 from dflash_hf.cli import main
 from dflash_hf.training.data import conversation_row, read_chat_rows
+from dflash_hf.training.store import STORE_DIR, STORE_FACTS_FILE, SequenceStore
 from dflash_hf.training.trainer import training_sequences
 
 CONVERSATION = [{"role": "system", "content": "Answer in one line."},
@@ -78,7 +79,7 @@ def test_a_malformed_conversation_row_is_reported_with_its_file_and_line(tmp_pat
     good = json.dumps({"messages": CONVERSATION})
     path.write_text(f"{good}\n\n{line}\n{good}\n")
     with pytest.raises(ValueError, match=f"chat.jsonl:3: .*{message[:30]}".replace("[", r"\[").replace("(", r"\(")):
-        read_chat_rows([path])
+        list(read_chat_rows([path]))
 
 
 def test_train_reports_a_malformed_row_before_loading_the_target(tmp_path, monkeypatch, capsys):
@@ -102,12 +103,23 @@ def test_train_on_conversations_alone(tmp_path):
             for i in range(3)]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     run = tmp_path / "run"
-    main(["train", "--target", str(tmp_path / "target"), "--output", str(run), "--conversations", str(path),
-          "--draft-block-size", "4", "--draft-layers", "1", "--mask-token", "w127", "--epochs", "1",
-          "--num-anchors", "4", "--train-batch-size", "2", "--eval-prompts", str(prompts), "--num-eval", "0"])
+    command = ["train", "--target", str(tmp_path / "target"), "--output", str(run), "--conversations", str(path),
+               "--draft-block-size", "4", "--draft-layers", "1", "--mask-token", "w127", "--epochs", "1",
+               "--num-anchors", "4", "--train-batch-size", "2", "--eval-prompts", str(prompts), "--num-eval", "0"]
+    main(command)
     assert not (run / "responses.jsonl").read_text()  # no prompt, nothing generated
     log = json.loads((run / "training_log.json").read_text())
     assert log["steps"] == 2 and log["settings"]["batch_size"] == 2  # 3 rows, 2 per step: the epoch wraps round
     card = (run / "draft" / "README.md").read_text()
     assert "3 rows of" in card and "assistant turns" in card
     assert torch.isfinite(torch.tensor(log["losses"])).all()
+    # tokenized once: the rerun (a finished run resumed) opens the store as it is; another corpus rebuilds it
+    store = SequenceStore(run / STORE_DIR, "train", 1)
+    assert len(store) == 3
+    built = (run / STORE_DIR / STORE_FACTS_FILE).stat().st_mtime_ns
+    main(command)
+    assert (run / STORE_DIR / STORE_FACTS_FILE).stat().st_mtime_ns == built
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows[:2]))
+    with pytest.raises(ValueError, match="other settings .*sequences 3 there, 2 here"):
+        main(command)  # the new store has 2 rows, which the checkpoint of 3 refuses
+    assert len(SequenceStore(run / STORE_DIR, "train", 1)) == 2

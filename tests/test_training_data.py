@@ -11,7 +11,12 @@ from helpers import make_draft, make_target, make_tokenizer, plain_greedy
 
 from dflash_hf.prompts import chat_prompt_ids
 from dflash_hf.smollm2 import publish_folder
-from dflash_hf.training.data import generate_responses, read_prompts, read_rows
+from dflash_hf.training.data import generate_responses, read_prompts, read_rows, rows_by_index
+
+
+def in_order(path, count: int) -> list[dict]:
+    """The rows of a response file for prompts 0 .. count - 1, in prompt order."""
+    return list(rows_by_index(path, range(count)))
 
 
 def test_prompts_are_tokenized_once_with_the_chat_template():
@@ -30,10 +35,13 @@ def test_generation_resumes_without_duplicating_or_losing_rows(tmp_path):
     target, tokenizer = make_target("llama", seed=2), make_tokenizer()
     prompts = [" ".join(f"w{5 + (i * 7 + j) % 100}" for j in range(2 + i % 3)) for i in range(7)]
     path = tmp_path / "responses.jsonl"
-    first = generate_responses(target, tokenizer, prompts[:3], path, batch_size=2, max_new_tokens=6, progress=False)
+    assert generate_responses(target, tokenizer, prompts[:3], path, batch_size=2, max_new_tokens=6,
+                              progress=False) == 3
+    first = in_order(path, 3)
     with open(path, "a") as handle:  # an interruption in the middle of writing a row
         handle.write('{"index": 5, "prompt_ids": [3, ')
-    rows = generate_responses(target, tokenizer, prompts, path, batch_size=2, max_new_tokens=6, progress=False)
+    generate_responses(target, tokenizer, prompts, path, batch_size=2, max_new_tokens=6, progress=False)
+    rows = in_order(path, 7)
     assert rows[:3] == first
     stored = [json.loads(line) for line in path.read_text().splitlines()]
     assert sorted(row["index"] for row in stored) == list(range(7))  # each row once, none lost
@@ -48,10 +56,11 @@ def test_generation_resumes_without_duplicating_or_losing_rows(tmp_path):
 def test_generation_through_a_draft_writes_the_same_rows_as_generate(tmp_path):
     target, tokenizer, draft = make_target("llama", seed=4), make_tokenizer(), make_draft(seed=3)
     prompts = [" ".join(f"w{5 + (i * 11 + j) % 100}" for j in range(2 + i % 4)) for i in range(6)]
-    plain = generate_responses(target, tokenizer, prompts, tmp_path / "plain.jsonl", batch_size=3, max_new_tokens=24,
-                               progress=False)
-    drafted = generate_responses(target, tokenizer, prompts, tmp_path / "drafted.jsonl", batch_size=3,
-                                 max_new_tokens=24, progress=False, draft=draft)
+    generate_responses(target, tokenizer, prompts, tmp_path / "plain.jsonl", batch_size=3, max_new_tokens=24,
+                       progress=False)
+    generate_responses(target, tokenizer, prompts, tmp_path / "drafted.jsonl", batch_size=3, max_new_tokens=24,
+                       progress=False, draft=draft)
+    plain, drafted = (in_order(tmp_path / f"{name}.jsonl", 6) for name in ("plain", "drafted"))
     assert drafted == plain
     assert {len(row["response_ids"]) for row in plain} == {15, 24}  # a row that stopped early, the others at the limit
 
@@ -102,16 +111,19 @@ def test_seed_rows_answer_their_prompts_wherever_they_sit(tmp_path):
     first.write_text("".join(json.dumps(row) + "\n" for row in marked))
     prompts = ["w7 w8", "w9 w10", "w11 w12 w13", "w5 w6"]  # other order, other files, one prompt in no seed
     output = tmp_path / "run.jsonl"
-    rows = generate_responses(target, tokenizer, prompts, output, max_new_tokens=4, progress=False,
-                              seed_paths=[first, second])
+    generate_responses(target, tokenizer, prompts, output, max_new_tokens=4, progress=False,
+                       seed_paths=[first, second])
+    rows = in_order(output, 4)
     assert [row["index"] for row in rows] == [0, 1, 2, 3]
     assert rows[0]["response_ids"] == rows[3]["response_ids"] == [9, 9, 9, 1]  # copied from the seed, not regenerated
     assert rows[2] == {**read_rows(second)[0], "index": 2}
     alone = plain_greedy(target, torch.tensor([rows[1]["prompt_ids"]]), 4, stop_token_ids=[1])
     assert rows[1]["response_ids"] == alone[0, len(rows[1]["prompt_ids"]):].tolist()  # the missing one generated
-    assert sorted(row["index"] for row in read_rows(output)) == [0, 1, 2, 3]  # each stored once, with its new index
-    assert generate_responses(target, tokenizer, prompts, output, max_new_tokens=4, progress=False,
-                              seed_paths=[first, second]) == rows  # a resumed run keeps its rows
+    stored = read_rows(output)
+    assert sorted(row["index"] for row in stored) == [0, 1, 2, 3]  # each stored once, with its new index
+    generate_responses(target, tokenizer, prompts, output, max_new_tokens=4, progress=False,
+                       seed_paths=[first, second])
+    assert read_rows(output) == stored  # a resumed run keeps its rows, and adds none
 
 
 def test_prompts_batched_by_length_give_generates_greedy_rows_with_less_padding(tmp_path, monkeypatch):
@@ -129,8 +141,9 @@ def test_prompts_batched_by_length_give_generates_greedy_rows_with_less_padding(
     monkeypatch.setattr(data, "_respond", counted_respond)
     rows = {}
     for order in ("file", "length"):
-        rows[order] = generate_responses(target, tokenizer, prompts, tmp_path / f"{order}.jsonl", batch_size=2,
-                                         max_new_tokens=6, progress=False, by_length=order == "length")
+        generate_responses(target, tokenizer, prompts, tmp_path / f"{order}.jsonl", batch_size=2, max_new_tokens=6,
+                           progress=False, by_length=order == "length")
+        rows[order] = in_order(tmp_path / f"{order}.jsonl", len(prompts))
     assert rows["length"] == rows["file"]  # in prompt order, the same greedy rows
     for row in rows["length"]:  # each the target's own greedy answer, generated alone
         alone = plain_greedy(target, torch.tensor([row["prompt_ids"]]), 6, stop_token_ids=[1])
@@ -144,3 +157,44 @@ def test_prompts_batched_by_length_give_generates_greedy_rows_with_less_padding(
 
     assert padding["file"] == pads([[0, 1], [2, 3], [4, 5]]) == [3, 2, 2]
     assert padding["length"] == pads([longest_first[k:k + 2] for k in (0, 2, 4)]) == [0, 1, 0]
+
+
+def test_the_store_holds_the_rows_in_prompt_order_then_the_conversations_cut_as_training_cuts_them(tmp_path):
+    from dflash_hf.training.data import conversation_row, training_rows
+    from dflash_hf.training.store import SequenceStore, part_file, write_sequences
+    from dflash_hf.training.trainer import training_sequences
+
+    rows = [{"index": i, "prompt_ids": [5 + i, 6], "response_ids": [7, 8 + i, 9][:3 - i % 2]} for i in range(5)]
+    rows.append({"index": 5, "prompt_ids": [5, 6, 7, 8, 9, 10], "response_ids": [9]})  # no label within 6 tokens
+    responses = tmp_path / "responses.jsonl"  # written in another order than the prompts', a line cut at the end
+    responses.write_text("".join(json.dumps(rows[i]) + "\n" for i in (3, 0, 5, 1, 4, 2)) + '{"index": 9, "pro')
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "w10"},
+                                             {"role": "assistant", "content": "w11 w12"}]}) + "\n\n")
+    tokenizer = make_tokenizer()
+    folder = tmp_path / "data"
+    folder.mkdir()
+    # two writers, as two processes: positions 0-3 and 4-6 of the 6 response rows from prompt 0 and the conversation
+    for shard, positions in enumerate((range(0, 4), range(4, 7))):
+        write_sequences(part_file(folder, "train", shard),
+                        training_rows(responses, range(6), [str(chat)], tokenizer, [1], positions), 6)
+    store = SequenceStore(folder, "train", 2)
+    chat_row = conversation_row(tokenizer, json.loads(chat.read_text())["messages"], [1], "chat.jsonl:1")
+    expected = training_sequences(rows + [chat_row], 6)  # row 5 left out
+    assert len(store) == len(expected) == 6
+    for (ids, mask), (expected_ids, expected_mask) in zip(store, expected, strict=True):
+        assert ids.dtype == torch.long and ids.tolist() == expected_ids.tolist()
+        assert mask.tolist() == expected_mask.tolist()
+    with pytest.raises(ValueError, match="no row for prompt 6: generate it again"):
+        list(training_rows(responses, range(8), [], tokenizer, [1], range(6, 8)))
+
+
+def test_training_without_datasets_names_the_install(monkeypatch):
+    import sys
+
+    from dflash_hf.training.store import check_datasets_installed
+
+    check_datasets_installed()
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if it were not installed
+    with pytest.raises(ImportError, match=r"pip install 'dflash-hf\[train\]'"):
+        check_datasets_installed()

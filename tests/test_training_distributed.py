@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -27,15 +28,18 @@ from safetensors.torch import load_file
 from transformers import get_cosine_schedule_with_warmup
 
 from dflash_hf.training.processes import epoch_order, gather_json, round_share
+from dflash_hf.training.store import PARTS, STORE_DIR, SequenceStore
 from dflash_hf.training.trainer import (
     CHECKPOINT_DIR,
     DRAFT_WEIGHTS_FILE,
+    OPTIMIZER_SCHEDULER_FILE,
     STATE_FILE,
     EpochPlan,
     TrainingLog,
     TrainingSettings,
     anchor_seed,
     train_draft,
+    training_sequences,
 )
 
 TESTS = Path(__file__).resolve().parent
@@ -111,6 +115,22 @@ def cli_run(tmp_path_factory) -> tuple[Path, list[dict], Path]:
         "--num-anchors", "6", "--eval-prompts", str(prompts), "--num-eval", "2", "--eval-max-new-tokens", "6",
         "--eval-dtype", "float32", "--process-group-timeout", "45", "--report-to", "tensorboard")
     return output, records, folder / "target"
+
+
+def checkpoint_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The draft's whole weights in a checkpoint: its safetensors file, or (sharded) its shards read back whole by
+    torch.distributed.checkpoint in this one process."""
+    if (folder / DRAFT_WEIGHTS_FILE).exists():
+        return load_file(folder / DRAFT_WEIGHTS_FILE)
+    import torch.distributed.checkpoint as dcp
+
+    stored = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    weights = {key.removeprefix("model."): torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+               for key, entry in stored.items() if key.startswith("model.")}
+    with warnings.catch_warnings():  # that it loads in one process, as meant
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load({"model": weights}, checkpoint_id=folder, no_dist=True)
+    return weights
 
 
 def training_log(output: Path) -> dict:
@@ -190,7 +210,13 @@ def test_fsdp_trains_the_sharded_draft_as_ddp_does_and_resumes_exactly(fsdp_run,
     for record in records:  # stopped after 3 steps and resumed from the checkpoint gathered from the shards
         assert record["resumed"]["losses"] == log["losses"]
         assert record["resumed"]["weights_sum"] == records[0]["weights_sum"]
-    assert records[1]["writes"] == []  # one writer; the others gathered with it, and nothing hung
+    # a sharded checkpoint: each process wrote its own shard (torch.distributed.checkpoint), nothing was gathered
+    assert {path for _, path in records[1]["writes"]} == {  # dcp.save's mkdir(exist_ok) of the folder, and its shard
+        f"{CHECKPOINT_DIR}.tmp", os.path.join(f"{CHECKPOINT_DIR}.tmp", "__1_0.distcp")}
+    for checkpoint in (CHECKPOINT_DIR, f"{CHECKPOINT_DIR}-4"):  # rotated as a whole checkpoint is (keep 2)
+        assert {path.name for path in (output / checkpoint).iterdir()} == {
+            ".metadata", "__0_0.distcp", "__1_0.distcp", OPTIMIZER_SCHEDULER_FILE, STATE_FILE}
+        assert json.loads((output / checkpoint / STATE_FILE).read_text())["sharded"] is True
     # the held-out evaluation saw the whole draft, gathered from the shards: the weights data-parallel training had
     held_out, ddp_held_out = records[0]["held_out"], train_run[1][0]["held_out"]
     assert [evaluation["step"] for evaluation in held_out] == [0, 3, 6] and records[1]["held_out"] == held_out
@@ -199,10 +225,20 @@ def test_fsdp_trains_the_sharded_draft_as_ddp_does_and_resumes_exactly(fsdp_run,
     # the same optimisation as data-parallel training: the losses and the saved weights agree to rounding
     ddp_output, _ = train_run
     assert log["losses"] == pytest.approx(training_log(ddp_output)["losses"], rel=1e-4)
-    sharded, whole = (load_file(run / CHECKPOINT_DIR / DRAFT_WEIGHTS_FILE) for run in (output, ddp_output))
-    assert sharded.keys() == whole.keys()
+    sharded, whole = (checkpoint_weights(run / CHECKPOINT_DIR) for run in (output, ddp_output))
+    exported = load_file(output.parent / "exported" / "model.safetensors")  # the trained draft: one safetensors file
+    assert sharded.keys() == whole.keys() == exported.keys()
     for name, tensor in whole.items():
         torch.testing.assert_close(sharded[name], tensor, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(exported[name], sharded[name], rtol=0, atol=0)
+
+
+def test_a_sharded_checkpoint_resumes_on_its_own_number_of_processes(fsdp_run, tmp_path):
+    output, _ = fsdp_run
+    shutil.copytree(output / CHECKPOINT_DIR, tmp_path / CHECKPOINT_DIR)  # 2 processes' shards; this test is 1
+    with pytest.raises(ValueError, match=r"run on 2 process\(es\), this one has 1.*--num_processes 2"):
+        train_draft(make_draft(5, block_size=4), make_target("qwen3", seed=4), train_rows(5),
+                    TrainingSettings(epochs=2, num_anchors=8), tmp_path, progress=False)
 
 
 def test_fsdp_accumulation_steps_as_packed_data_parallel_training_and_counts_every_sequence(batched_runs):
@@ -220,7 +256,7 @@ def test_fsdp_accumulation_steps_as_packed_data_parallel_training_and_counts_eve
     assert packed_log["tokens"] == fsdp_log["tokens"] == tokens
     assert fsdp_log["losses"] == pytest.approx(packed_log["losses"], rel=1e-4)
     assert fsdp[0]["weights_sum"] == fsdp[1]["weights_sum"]
-    sharded, whole = (load_file(run / CHECKPOINT_DIR / DRAFT_WEIGHTS_FILE) for run in (fsdp_output, packed_output))
+    sharded, whole = (checkpoint_weights(run / CHECKPOINT_DIR) for run in (fsdp_output, packed_output))
     for name, tensor in whole.items():
         torch.testing.assert_close(sharded[name], tensor, rtol=1e-4, atol=1e-5)
     for record in fsdp:  # stopped after 1 step and resumed: the uninterrupted run's losses, tokens and weights
@@ -242,15 +278,23 @@ def test_the_command_generates_each_response_once_and_only_the_main_process_writ
     assert [record["generated"] for record in records] == [[2, 1], [2]]  # rounds of one batch of 2 per process
     # the rows are the ones one process writes (the same batches: [0, 1] [2, 3] [4])
     from dflash_hf.loading import load_target
-    from dflash_hf.training.data import generate_responses, read_prompts
+    from dflash_hf.training.data import generate_responses, read_prompts, rows_by_index
 
     target, tokenizer = load_target(str(target_folder), torch.float32)
-    alone = generate_responses(target, tokenizer, read_prompts([target_folder.parent / "prompts.jsonl"]),
-                               target_folder.parent / "alone.jsonl", batch_size=2, max_new_tokens=8, progress=False)
-    assert sorted(rows, key=lambda row: row["index"]) == alone
+    generate_responses(target, tokenizer, read_prompts([target_folder.parent / "prompts.jsonl"]),
+                       target_folder.parent / "alone.jsonl", batch_size=2, max_new_tokens=8, progress=False)
+    assert sorted(rows, key=lambda row: row["index"]) == list(rows_by_index(target_folder.parent / "alone.jsonl",
+                                                                            range(5)))
 
-    assert records[1]["writes"] == [] and records[1]["evaluations"] == 0  # one writer, one evaluation
-    assert records[0]["evaluations"] == 1
+    # each process tokenized its own range of the rows into the store (data/), and wrote nothing else
+    assert {path for _, path in records[1]["writes"]} == {
+        os.path.join(STORE_DIR, name) for part in PARTS for name in (f"{part}-00001.arrow", f"{part}-00001.arrow.tmp")}
+    assert records[1]["evaluations"] == 0 and records[0]["evaluations"] == 1  # one evaluation
+    store = SequenceStore(output / STORE_DIR, "train", 2)  # what both processes trained on: every row, in order
+    expected = training_sequences(sorted(rows, key=lambda row: row["index"]), 3072)
+    assert len(store) == len(expected) == 5
+    for (ids, mask), (expected_ids, expected_mask) in zip(store, expected):
+        assert ids.tolist() == expected_ids.tolist() and mask.tolist() == expected_mask.tolist()
     written = {path.split(os.sep)[0] for _, path in records[0]["writes"]}
     assert {"responses.jsonl", "training_log.json", "evaluation.json", "draft", CHECKPOINT_DIR} <= written
     assert training_log(output)["steps"] == 3 and json.loads((output / "evaluation.json").read_text())["lossless"]
@@ -383,7 +427,7 @@ def test_the_main_process_alone_reports_to_tensorboard_the_global_values(cli_run
     assert [value for _, value in found["train/grad_norm"]] == pytest.approx(log["grad_norms"], rel=1e-6)
     assert len(log["grad_norms"]) == log["steps"] and all(norm > 0 for norm in log["grad_norms"])
     assert TRACKER_DIR in {path.split(os.sep)[0] for _, path in records[0]["writes"]}
-    assert records[1]["writes"] == []
+    assert {path.split(os.sep)[0] for _, path in records[1]["writes"]} == {STORE_DIR}  # its store files alone
 
 
 def test_an_epoch_order_is_distributed_samplers_and_wraps_round_to_whole_steps():

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from dflash_hf.cli import build_parser, main
 from dflash_hf.prompts import chat_prompt_ids
 from dflash_hf.training.command import training_settings, training_target_dtype
-from dflash_hf.training.data import answer_cap, generate_responses
+from dflash_hf.training.data import answer_cap, generate_responses, rows_by_index
 from dflash_hf.training.processes import process_group_kwargs
 from dflash_hf.training.trainer import (
     CHECKPOINT_DIR,
@@ -84,8 +84,9 @@ def test_settings_refuse_counts_that_cannot_run(field, value, message):
 def test_the_default_answer_fills_what_max_length_leaves_after_its_prompt(tmp_path):
     target, tokenizer = make_target("llama", seed=2), make_tokenizer()
     prompts = ["w5 w6", "w7 w8 w9 w10 w11 w12", "w13"]  # prompts of different lengths in one batch
-    rows = generate_responses(target, tokenizer, prompts, tmp_path / "responses.jsonl", batch_size=3,
-                              max_new_tokens=None, max_length=16, progress=False)
+    generate_responses(target, tokenizer, prompts, tmp_path / "responses.jsonl", batch_size=3, max_new_tokens=None,
+                       max_length=16, progress=False)
+    rows = rows_by_index(tmp_path / "responses.jsonl", range(len(prompts)))
     for row, prompt in zip(rows, prompts):
         prompt_ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
         cap = 16 - len(prompt_ids)

@@ -7,6 +7,7 @@ import argparse
 import copy
 import json
 import shlex
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from ..prompts import default_data_dir, user_prompt_ids
 from ..smollm2 import SMOLLM2_MASK_TOKEN
 from ..tokens_dflash import GenerationTokens, generation_tokens
 from ..validation_dflash import check_draft_target
-from .data import conversation_row, generate_responses, read_chat_rows, read_prompts
+from .data import generate_responses, iter_rows, read_chat_rows, read_prompts, training_rows
 from .processes import check_fsdp_applies, process_state
 from .recipe import (
     DEFAULT_DRAFT_BLOCK_SIZE,
@@ -31,7 +32,17 @@ from .recipe import (
     frequent_token_ids,
     initialize_from_target,
 )
-from .trainer import TrainingLog, TrainingSettings, check_trackers, row_tokens, train_draft
+from .store import (
+    PARTS,
+    STORE_DIR,
+    SequenceStore,
+    check_datasets_installed,
+    part_file,
+    read_store_facts,
+    write_sequences,
+    write_store_facts,
+)
+from .trainer import TrainingLog, TrainingSettings, check_trackers, train_draft
 
 # --gen-dtype, --target-dtype and --eval-dtype auto: bfloat16 on CUDA (the frozen target only gives features and
 # teacher logits while training); on CPU, float32 (few-row bfloat16 matmuls are slow without native bf16).
@@ -112,6 +123,8 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     output = Path(args.output)
     prompt_files, prompts, eval_file, eval_texts = train_and_eval_prompts(args)
     conversations = training_conversations(args)
+    if not args.generate_only:
+        check_datasets_installed()
     state = process_state(args.process_group_timeout)  # the first call: it starts the process group
     check_fsdp_applies(state)  # before any model is loaded
     if state.is_main_process:
@@ -120,23 +133,24 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     device = state.device
     target, tokenizer = load_target(args.target, training_target_dtype(args.gen_dtype, device))
     target = target.to(device)  # generation runs where training will
-    rows = generate_responses(target, tokenizer, prompts, output / "responses.jsonl",
-                              batch_size=args.gen_batch_size, max_new_tokens=args.gen_max_new_tokens,
-                              max_length=args.max_length, temperature=args.gen_temperature, seed=args.seed,
-                              by_length=args.gen_order == "length",
-                              draft=generation_draft(args.gen_draft, target), seed_paths=args.responses)
+    responses = output / "responses.jsonl"
+    num_rows = generate_responses(target, tokenizer, prompts, responses, batch_size=args.gen_batch_size,
+                                  max_new_tokens=args.gen_max_new_tokens, max_length=args.max_length,
+                                  temperature=args.gen_temperature, seed=args.seed,
+                                  by_length=args.gen_order == "length",
+                                  draft=generation_draft(args.gen_draft, target), seed_paths=args.responses)
     if args.generate_only:
         if state.is_main_process:
-            print(f"{len(rows)} rows in {output / 'responses.jsonl'}")
-        return {"num_rows": len(rows)}
-    training_rows = rows[args.first_prompt:]  # the draft vocabulary below still counts every row
-    training_rows += conversation_rows(conversations, target, tokenizer)
-    training_rows, held_out_rows = held_out_split(training_rows, args.held_out_rows)
+            print(f"{num_rows} rows in {responses}")
+        return {"num_rows": num_rows}
+    training_rows, held_out_rows = training_store(args, output, range(args.first_prompt, num_rows), conversations,
+                                                  generation_tokens(target, tokenizer).stop_token_ids, tokenizer,
+                                                  state)
     target = target.to(training_target_dtype(args.target_dtype, device))
     torch.manual_seed(args.seed)
     draft, mask_token = build_draft(args, target, tokenizer)
     if args.init_from_target:
-        initialize_from_target(draft, target, torch.tensor(row_tokens(training_rows[0])[0]))
+        initialize_from_target(draft, target, training_rows[0][0])
     settings = training_settings(args)
     tokens = generation_tokens(target, tokenizer)
     eval_prompts = [user_prompt_ids(tokenizer, prompt) for prompt in eval_texts]
@@ -151,7 +165,7 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         return {}                  # long evaluation): train_draft returned once the log and checkpoint were written
     if args.draft_vocab_size:  # the draft proposes from the target's most frequent tokens in its own responses
         draft.config.dflash_config["draft_vocab"] = frequent_token_ids(
-            [row["response_ids"] for row in rows], args.draft_vocab_size,
+            (row["response_ids"] for row in iter_rows(responses) if row["index"] < num_rows), args.draft_vocab_size,
             target.get_output_embeddings().weight.shape[0])
 
     eval_dtype = training_target_dtype(args.eval_dtype, device)
@@ -160,8 +174,8 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     if eval_texts:  # a copy of the draft in the evaluation dtype, where it differs
         measured = draft if eval_dtype == torch.float32 else copy.deepcopy(draft).to(eval_dtype)
         evaluation = evaluate_draft(measured, target, eval_prompts, args.eval_max_new_tokens, tokens=tokens)
-    training = training_facts(args, argv, prompt_files, len(training_rows) - len(conversations), mask_token,
-                              draft.mask_token_id, settings, log, time.perf_counter() - started, len(conversations))
+    training = training_facts(args, argv, prompt_files, num_rows - args.first_prompt, mask_token,
+                              draft.mask_token_id, settings, log, time.perf_counter() - started, conversations)
     save_trained_draft(args, draft, target, evaluation, eval_file, training, output / "draft")
     if evaluation is None:
         print(f"draft written to {output / 'draft'} (not evaluated: --num-eval 0)")
@@ -171,12 +185,43 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     return evaluation
 
 
-def held_out_split(rows: list[dict], count: int) -> tuple[list[dict], list[dict]]:
-    """(the rows to train on, the last `count` rows held out of training: `--held-out-rows`); exits when no row
-    would be left to train on."""
-    if count >= len(rows):
-        raise SystemExit(f"--held-out-rows {count}: there are only {len(rows)} training rows; hold out fewer")
-    return rows[:len(rows) - count], rows[len(rows) - count:]
+def training_store(args: argparse.Namespace, output: Path, prompts: range, num_conversations: int,
+                   stop_token_ids: list[int], tokenizer: Any, state: Any) -> tuple[SequenceStore, SequenceStore]:
+    """(the sequences to train on, the last `--held-out-rows` held out of training), tokenized once into
+    OUTPUT/data/ and memory-mapped by every process: the response rows of `prompts`, then the conversations. Each
+    process writes its own range of the rows (one file per part); a store built from the same sources and settings
+    is reused. Exits when no row would be left to train on."""
+    total = len(prompts) + num_conversations
+    if args.held_out_rows >= total:
+        raise SystemExit(f"--held-out-rows {args.held_out_rows}: there are only {total} training rows; hold out fewer")
+    folder, responses = output / STORE_DIR, output / "responses.jsonl"
+    sources = ([responses] if prompts else []) + [Path(path) for path in args.conversations]
+    facts = {"sources": [[str(path), path.stat().st_size, path.stat().st_mtime_ns] for path in sources],
+             "target": args.target, "prompts": [prompts.start, prompts.stop], "conversations": num_conversations,
+             "max_length": args.max_length, "held_out_rows": args.held_out_rows, "processes": state.num_processes}
+    if read_store_facts(folder) != facts:
+        state.wait_for_everyone()  # every process has read the old facts before they go
+        if state.is_main_process:
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+        state.wait_for_everyone()
+        rank, split = state.process_index, total - args.held_out_rows
+        mine = range(total * rank // state.num_processes, total * (rank + 1) // state.num_processes)
+        try:
+            for part, rows in zip(PARTS, (range(mine.start, min(mine.stop, split)),
+                                          range(max(mine.start, split), mine.stop))):
+                write_sequences(part_file(folder, part, rank), training_rows(
+                    responses, prompts, args.conversations, tokenizer, stop_token_ids, rows), args.max_length)
+        except ValueError as error:
+            raise SystemExit(f"dflash-hf train: {error}") from error
+        state.wait_for_everyone()  # every part file is written
+        if state.is_main_process:
+            write_store_facts(folder, facts)
+    stores = tuple(SequenceStore(folder, part, state.num_processes) for part in PARTS)
+    if not stores[0]:
+        raise SystemExit(f"dflash-hf train: none of the {total - args.held_out_rows} training rows has a label within "
+                         f"--max-length {args.max_length}")
+    return stores
 
 
 def held_out_evaluation(draft: DFlashDraftModel, target: torch.nn.Module, prompts: list[list[int]],
@@ -227,23 +272,12 @@ def training_prompts(prompt_files: list[str], counts: list[int] | None) -> list[
     return prompts
 
 
-def training_conversations(args: argparse.Namespace) -> list[tuple[str, list[dict[str, str]]]]:
-    """The `--conversations` rows ("file:line", messages), read and checked before any model is loaded; exits
-    naming the first malformed row."""
+def training_conversations(args: argparse.Namespace) -> int:
+    """How many `--conversations` rows there are, each read and checked (one at a time) before any model is loaded;
+    exits naming the first malformed row."""
     try:
-        return read_chat_rows(args.conversations)
+        return sum(1 for _ in read_chat_rows(args.conversations))
     except (ValueError, FileNotFoundError) as error:
-        raise SystemExit(f"dflash-hf train: {error}") from error
-
-
-def conversation_rows(conversations: list[tuple[str, list[dict[str, str]]]], target: torch.nn.Module,
-                      tokenizer: Any) -> list[dict[str, list[int]]]:
-    """The conversations rendered with the target's chat template, their assistant turns as labels; exits naming a
-    row the template does not render verbatim."""
-    stop_token_ids = generation_tokens(target, tokenizer).stop_token_ids
-    try:
-        return [conversation_row(tokenizer, messages, stop_token_ids, where) for where, messages in conversations]
-    except ValueError as error:
         raise SystemExit(f"dflash-hf train: {error}") from error
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import gzip
 import json
+from array import array
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -21,6 +22,7 @@ from ..prompts import read_conversations, user_prompt_ids
 from ..sampling_dflash import cut_after_stop
 from ..tokens_dflash import generation_tokens
 from .processes import gather_json, num_rounds, process_state, round_share
+from .store import row_tokens
 
 
 def read_prompts(paths: Iterable[str | Path], limit: int | None = None) -> list[str]:
@@ -31,20 +33,26 @@ def read_prompts(paths: Iterable[str | Path], limit: int | None = None) -> list[
 CHAT_ROLES = ("system", "user", "assistant")  # the turns a conversation row may hold (README, "Train your own draft")
 
 
-def read_chat_rows(paths: Iterable[str | Path]) -> list[tuple[str, list[dict[str, str]]]]:
-    """(where: "file:line", messages) of every row of JSONL conversation files, each {"messages": [{"role",
-    "content"}, ...]} with system, user and assistant turns, at least one of them the assistant's; a malformed row
-    raises a ValueError naming its file and line (read before any model is loaded)."""
-    conversations = []
+def read_chat_rows(paths: Iterable[str | Path], rows: range | None = None
+                   ) -> Iterator[tuple[str, list[dict[str, str]]]]:
+    """(where: "file:line", messages) of each row of JSONL conversation files, one at a time, each {"messages":
+    [{"role", "content"}, ...]} with system, user and assistant turns, at least one of them the assistant's; a
+    malformed row raises a ValueError naming its file and line. `rows`: only the rows at these positions (counted
+    over the files, blank lines skipped), the others not parsed."""
+    position = 0
     for path in paths:
         if not Path(path).is_file():
             raise FileNotFoundError(f"--conversations {path}: no such file")
         with open(path, encoding="utf-8") as handle:
             for number, line in enumerate(handle, 1):
-                if line.strip():
+                if not line.strip():
+                    continue
+                if rows is None or position in rows:
                     where = f"{path}:{number}"
-                    conversations.append((where, conversation_messages(line, where)))
-    return conversations
+                    yield where, conversation_messages(line, where)
+                position += 1
+                if rows is not None and position >= rows.stop:
+                    return
 
 
 def conversation_messages(line: str, where: str) -> list[dict[str, str]]:
@@ -102,24 +110,87 @@ def conversation_row(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str
 
 def read_rows(path: str | Path, repair: bool = True) -> list[dict]:
     """Complete rows of a response file (`.jsonl`, or a `.jsonl.gz` archive read as is); a line cut by an
-    interruption is dropped (and, in a `.jsonl` with `repair`, rewritten away)."""
+    interruption is dropped (and, in a `.jsonl` with `repair`, rewritten away: `repair_rows`)."""
     path = Path(path)
     if not path.exists():
         return []
-    archive = path.suffix == ".gz"
+    if repair and path.suffix != ".gz":
+        repair_rows(path)
     try:
-        text = gzip.decompress(path.read_bytes()).decode("utf-8") if archive else path.read_text(encoding="utf-8")
+        return list(iter_rows(path))
     except (EOFError, gzip.BadGzipFile) as error:
         raise ValueError(f"{path} is not a complete gzip archive ({error}); restore it from git") from error
-    rows, intact = [], True
-    for line in text.splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            intact = False
-    if not intact and not archive and repair:
-        path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-    return rows
+
+
+def repair_rows(path: str | Path) -> None:
+    """Rewrite a `.jsonl` response file without the line an interruption cut, one line at a time (nothing to do when
+    every line is whole, or there is no file)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    with open(path, encoding="utf-8") as handle:
+        if all(_whole(line) for line in handle):
+            return
+    staging = path.with_name(path.name + ".tmp")
+    with open(staging, "w", encoding="utf-8") as handle:
+        handle.writelines(json.dumps(row) + "\n" for row in iter_rows(path))
+    staging.replace(path)
+
+
+def _whole(line: str) -> bool:
+    """Whether a line of a response file is a whole JSON row."""
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def iter_rows(path: str | Path) -> Iterator[dict]:
+    """The complete rows of a response file (`.jsonl` or `.jsonl.gz`), one line at a time (a line cut by an
+    interruption is skipped; `read_rows` repairs it)."""
+    path = Path(path)
+    with gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8") as handle:
+        for line in handle:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+def rows_by_index(path: str | Path, indices: range) -> Iterator[dict]:
+    """The rows of a `.jsonl` response file whose "index" is in `indices`, in index order, one at a time: a first
+    pass notes where each one's line starts (8 bytes a row), then each is read where it is. A missing one raises a
+    ValueError naming the fix."""
+    starts = array("q", [-1]) * len(indices)
+    with open(path, "rb") as handle:
+        position = 0
+        for line in handle:
+            try:
+                index = json.loads(line)["index"]
+            except json.JSONDecodeError:  # a line cut by an interruption
+                index = -1
+            if index in indices:
+                starts[index - indices.start] = position
+            position += len(line)
+        for offset, start in enumerate(starts):
+            if start < 0:
+                raise ValueError(f"{path} has no row for prompt {indices.start + offset}: generate it again (the same "
+                                 "command resumes the generation)")
+            handle.seek(start)
+            yield json.loads(handle.readline())
+
+
+def training_rows(responses: Path, prompts: range, conversations: list[str], tokenizer: PreTrainedTokenizerBase,
+                  stop_token_ids: Iterable[int], rows: range) -> Iterator[tuple[list[int], list[int]]]:
+    """(token ids, loss mask) of the training rows at positions `rows`, one at a time: first the response rows of
+    the prompts at `prompts` (in prompt order), then the conversations (`conversation_row`, in file order)."""
+    answered = range(max(rows.start, 0), min(rows.stop, len(prompts)))
+    for row in rows_by_index(responses, prompts[answered.start:answered.stop]) if answered else ():
+        yield row_tokens(row)
+    chats = range(max(rows.start - len(prompts), 0), max(rows.stop - len(prompts), 0))
+    for where, messages in read_chat_rows(conversations, chats) if chats else ():
+        yield row_tokens(conversation_row(tokenizer, messages, stop_token_ids, where))
 
 
 @torch.no_grad()
@@ -137,35 +208,38 @@ def generate_responses(
     draft: torch.nn.Module | None = None,
     seed_paths: Sequence[str | Path] = (),
     by_length: bool = True,
-) -> list[dict]:
-    """Regenerate a response for every prompt with the target; returns all rows, in prompt order.
+) -> int:
+    """Regenerate a response for every prompt with the target into `output_path`; returns the number of prompts,
+    every one then answered there once (`rows_by_index` reads them back in prompt order).
 
-    Each row is {"index", "prompt_ids", "response_ids"}; rows already in `output_path` are kept. An answer takes
-    `max_new_tokens` tokens at most or, with `max_new_tokens` None, what `max_length` leaves after its prompt
-    (`answer_cap`). With `by_length`, the prompts still to answer go in batches by length, longest first: a batch
-    pads its prompts less, and one that does not fit in memory fails first (greedy rows are the same either way).
-    Rows of the `seed_paths` files (`.jsonl` or `.jsonl.gz`) answer the prompts whose rendered ids they hold,
-    wherever those prompts sit in `prompts` (copied in, re-indexed). With a `draft`, the batches run through
-    `spec_generate` (lossless, so the rows are the target's own output), otherwise `generate`. Under `accelerate
-    launch` / `torchrun` every process calls this with the same prompts: the prompts still to answer are shared out
-    in rounds of one batch per process, each round's rows gathered, and only the main process writes `output_path`;
-    every process returns all rows.
+    Each row is {"index", "prompt_ids", "response_ids"}; rows already in `output_path` are kept (checked against
+    their prompts one at a time: only a flag per prompt is held, and the rendered ids of the prompts still to
+    answer). An answer takes `max_new_tokens` tokens at most or, with `max_new_tokens` None, what `max_length`
+    leaves after its prompt (`answer_cap`). With `by_length`, the prompts still to answer go in batches by length,
+    longest first: a batch pads its prompts less, and one that does not fit in memory fails first (greedy rows are
+    the same either way). Rows of the `seed_paths` files (`.jsonl` or `.jsonl.gz`) answer the prompts whose rendered
+    ids they hold, wherever those prompts sit in `prompts` (copied in, re-indexed). With a `draft`, the batches run
+    through `spec_generate` (lossless, so the rows are the target's own output), otherwise `generate`. Under
+    `accelerate launch` / `torchrun` every process calls this with the same prompts: the prompts still to answer are
+    shared out in rounds of one batch per process, each round's rows gathered, and only the main process writes
+    `output_path`.
     """
     state = process_state()
-    prompt_ids = [user_prompt_ids(tokenizer, prompt) for prompt in prompts]  # rendered once, used below three times
     if state.is_main_process:  # repairs a cut line and appends the seeded rows before any other process reads
-        rows = _stored_rows(output_path, prompt_ids, seed_paths, writer=True)
+        answered = _answered_prompts(output_path, tokenizer, prompts, seed_paths, writer=True)
     state.wait_for_everyone()
     if not state.is_main_process:
-        rows = _stored_rows(output_path, prompt_ids, seed_paths, writer=False)
-    todo = [i for i in range(len(prompts)) if i not in rows]  # the same list on every process
+        answered = _answered_prompts(output_path, tokenizer, prompts, seed_paths, writer=False)
+    prompt_ids = {i: user_prompt_ids(tokenizer, prompts[i]) for i in range(len(prompts)) if not answered[i]}
+    todo = list(prompt_ids)  # the same list on every process
     if by_length:
         todo.sort(key=lambda i: -len(prompt_ids[i]))  # stable: prompts of one length stay in file order
     device = target_device(target)
     tokens = generation_tokens(target, tokenizer)  # stop on every EOS id, as bench and the evaluation do
     if temperature > 0:
         torch.manual_seed(seed + state.process_index)  # each process samples its own prompts
-    bar = _progress(len(prompts), len(rows), progress and state.is_main_process, "generating responses")
+    bar = _progress(len(prompts), len(prompts) - len(todo), progress and state.is_main_process,
+                    "generating responses")
     with open(output_path, "a", encoding="utf-8") if state.is_main_process else nullcontext() as handle:
         for round_index in range(num_rounds(len(todo), batch_size, state.num_processes)):
             indices = round_share(todo, batch_size, round_index, state.process_index, state.num_processes)
@@ -173,33 +247,38 @@ def generate_responses(
                                   [answer_cap(len(prompt_ids[i]), max_new_tokens, max_length) for i in indices],
                                   temperature)
             generated = gather_json(mine, state)  # every process's rows of this round, in todo order
-            rows.update((row["index"], row) for row in generated)
             if handle is not None:
                 handle.writelines(json.dumps(row) + "\n" for row in generated)
                 handle.flush()
             bar.update(len(generated))
     bar.close()
     state.wait_for_everyone()  # the file is complete before any process goes on
-    return [rows[i] for i in range(len(prompts))]
+    return len(prompts)
 
 
-def _stored_rows(output_path: str | Path, prompt_ids: list[list[int]], seed_paths: Sequence[str | Path],
-                 writer: bool) -> dict[int, dict]:
-    """The rows already answered, by index: those of `output_path` (checked against `prompt_ids`) and those of the
-    seed files; the `writer` (the main process) repairs a cut line and appends the seeded rows to `output_path`."""
-    rows = {row["index"]: row for row in read_rows(output_path, repair=writer)}
-    other = next((i for i, row in sorted(rows.items()) if i < len(prompt_ids) and row["prompt_ids"] != prompt_ids[i]),
-                 None)
-    if other is not None:
-        raise ValueError(f"row {other} of {output_path} answers another prompt than prompt {other} of these prompt "
-                         "files (other --prompts, or another tokenizer); "
-                         "pass the matching prompts, or use a new --output")
-    seeded = _seed_rows(prompt_ids, rows, seed_paths)
-    rows.update((row["index"], row) for row in seeded)
+def _answered_prompts(output_path: str | Path, tokenizer: PreTrainedTokenizerBase, prompts: list[str],
+                      seed_paths: Sequence[str | Path], writer: bool) -> bytearray:
+    """A flag per prompt: answered already, by a row of `output_path` (each checked against its prompt, read one at
+    a time) or of the seed files. The `writer` (the main process) repairs a cut line and appends the seeded rows to
+    `output_path`."""
+    answered = bytearray(len(prompts))
+    if writer:
+        repair_rows(output_path)
+    for row in iter_rows(output_path) if Path(output_path).exists() else ():
+        index = row["index"]
+        if index < len(prompts):
+            if row["prompt_ids"] != user_prompt_ids(tokenizer, prompts[index]):
+                raise ValueError(f"row {index} of {output_path} answers another prompt than prompt {index} of these "
+                                 "prompt files (other --prompts, or another tokenizer); pass the matching prompts, "
+                                 "or use a new --output")
+            answered[index] = 1
+    seeded = _seed_rows(tokenizer, prompts, answered, seed_paths)
+    for row in seeded:
+        answered[row["index"]] = 1
     if writer and seeded:
         with open(output_path, "a", encoding="utf-8") as handle:  # checked: now they are this run's rows
             handle.writelines(json.dumps(row) + "\n" for row in seeded)
-    return rows
+    return answered
 
 
 def answer_cap(prompt_length: int, max_new_tokens: int | None, max_length: int | None) -> int:
@@ -226,17 +305,18 @@ def _generate_rows(target: torch.nn.Module, draft: torch.nn.Module | None, promp
             for (index, ids), generated, cap in zip(prompts, responses, caps)]
 
 
-def _seed_rows(prompt_ids: list[list[int]], rows: dict[int, dict], seed_paths: Sequence[str | Path]) -> list[dict]:
-    """Rows of the seed files for the prompts `rows` lacks, matched by rendered prompt ids and re-indexed; a seed file
-    that answers none of the prompts is refused (other prompts or another tokenizer)."""
+def _seed_rows(tokenizer: PreTrainedTokenizerBase, prompts: list[str], answered: bytearray,
+               seed_paths: Sequence[str | Path]) -> list[dict]:
+    """Rows of the seed files for the prompts not `answered`, matched by rendered prompt ids and re-indexed; a seed
+    file that answers none of the prompts is refused (other prompts or another tokenizer)."""
     missing = [Path(path) for path in seed_paths if not Path(path).is_file()]
     if missing:
         raise FileNotFoundError(f"--responses {missing[0]}: no such file")
     if not seed_paths:
         return []
     prompt_indices: dict[tuple[int, ...], list[int]] = {}
-    for index, ids in enumerate(prompt_ids):
-        prompt_indices.setdefault(tuple(ids), []).append(index)
+    for index, prompt in enumerate(prompts):
+        prompt_indices.setdefault(tuple(user_prompt_ids(tokenizer, prompt)), []).append(index)
     seeded: dict[int, dict] = {}
     for path in seed_paths:
         seed = read_rows(path)
@@ -246,7 +326,7 @@ def _seed_rows(prompt_ids: list[list[int]], rows: dict[int, dict], seed_paths: S
                              "--prompts, or another tokenizer); pass the prompt files it was generated for")
         for row in answering:
             for index in prompt_indices[tuple(row["prompt_ids"])]:
-                if index not in rows and index not in seeded:
+                if not answered[index] and index not in seeded:
                     seeded[index] = {**row, "index": index}
     return [seeded[index] for index in sorted(seeded)]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -114,13 +114,27 @@ def initialize_from_target(draft: DFlashDraftModel, target: torch.nn.Module,
     return layer_ids
 
 
-def frequent_token_ids(token_lists: list[list[int]], size: int, vocab_size: int) -> list[int]:
-    """A draft vocabulary of `size` ids: the tokens of `token_lists` (the target's own generated text) by frequency,
-    most frequent first (ties: lower id first), then the lowest ids not seen (BPE ids come roughly by frequency)."""
+COUNT_CHUNK_TOKENS = 1 << 20  # tokens `frequent_token_ids` holds before it counts them
+
+
+def token_counts(tokens: list[int], vocab_size: int) -> torch.Tensor:
+    """How often each id below `vocab_size` occurs in `tokens` [V]."""
+    return torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=vocab_size)[:vocab_size]
+
+
+def frequent_token_ids(token_lists: Iterable[list[int]], size: int, vocab_size: int) -> list[int]:
+    """A draft vocabulary of `size` ids: the tokens of `token_lists` (the target's own generated text, read one list
+    at a time) by frequency, most frequent first (ties: lower id first), then the lowest ids not seen (BPE ids come
+    roughly by frequency)."""
     if not 0 < size <= vocab_size:
         raise ValueError(f"draft vocabulary size must be from 1 to the vocabulary size {vocab_size}, got {size}.")
-    counts = torch.bincount(torch.tensor([token for tokens in token_lists for token in tokens], dtype=torch.long),
-                            minlength=vocab_size)[:vocab_size]  # [V]
+    counts, pending = torch.zeros(vocab_size, dtype=torch.long), []  # [V]; tokens not counted yet
+    for tokens in token_lists:
+        pending += tokens
+        if len(pending) >= COUNT_CHUNK_TOKENS:
+            counts += token_counts(pending, vocab_size)
+            pending = []
+    counts += token_counts(pending, vocab_size)
     seen = (counts > 0).nonzero().flatten()
     ranked = seen[torch.argsort(-counts[seen], stable=True)].tolist()  # by count, then by id
     unseen = (counts == 0).nonzero().flatten().tolist()

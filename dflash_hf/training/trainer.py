@@ -1,12 +1,12 @@
 """The training loop: AdamW, cosine schedule with warm-up, gradient clipping, resumable checkpoints.
 
-An optimiser step is `batch_size` sequences (packed into one row) times `gradient_accumulation_steps` micro-batches
-per process, many anchors per sequence (docs/training.md). Runs as is on one CPU or GPU and data-parallel under
-`accelerate launch` or `torchrun` (Accelerate is the distributed engine): each epoch shuffles all sequences and
-strides them over the N processes (as `DistributedSampler`), the gradients are averaged, the schedule counts optimiser
-steps, the log holds global values and only the main process writes. Under Accelerate's FSDP plugin (`accelerate
-launch --config_file examples/accelerate_fsdp.yaml`) the draft is sharded over the processes, and checkpoints are
-gathered from the shards (docs/training.md, "FSDP"). The target's signals are computed per micro-batch; the opt-in
+An optimiser step is `batch_size` sequences (packed into one row) times `gradient_accumulation_steps` micro-batches per
+process, many anchors per sequence (docs/training.md). Runs as is on one CPU or GPU and data-parallel under `accelerate
+launch` or `torchrun` (Accelerate is the distributed engine): each epoch shuffles all sequences and strides them over
+the N processes (as `DistributedSampler`), the gradients are averaged, the schedule counts optimiser steps, the log
+holds global values and only the main process writes files. Under Accelerate's FSDP plugin (`accelerate launch
+--config_file examples/accelerate_fsdp.yaml`) the draft is sharded over the processes, and each process writes its own
+shards of the checkpoints (docs/training.md, "FSDP"). The target's signals are computed per micro-batch; the opt-in
 cache keeps them on the host (pinned when CUDA is available), after a size check, and moves one micro-batch's to the
 device at a time.
 """
@@ -22,7 +22,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -32,6 +32,7 @@ from transformers import get_cosine_schedule_with_warmup
 from ..modeling_dflash import DFlashDraftModel
 from .objective import StepResult, TargetSignals, packed_dflash_loss, target_signals, teacher_rows
 from .processes import check_fsdp_applies, epoch_order, gather_json, process_group_kwargs
+from .store import SequenceStore, row_tokens
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -128,7 +129,7 @@ def tracker_config(settings: TrainingSettings) -> dict[str, Any]:
 
 
 def held_out_loss(accelerator: Accelerator, model: torch.nn.Module, target: torch.nn.Module,
-                  sequences: list[tuple[torch.Tensor, torch.Tensor]], settings: TrainingSettings,
+                  sequences: Sequence[tuple[torch.Tensor, torch.Tensor]], settings: TrainingSettings,
                   signals_of: Callable[[torch.Tensor, torch.Tensor], TargetSignals]) -> dict[str, Any]:
     """The training loss, block tau and accuracy per block position of the draft on held-out `sequences`, every
     process computing its share (entries p, p + N, ...; wrapped round to equal shares, the repeats weighted 0, so
@@ -198,16 +199,12 @@ class TrainingLog:
     held_out_losses: list[dict] = field(default_factory=list)  # {"step", "loss", "block_tau", "position_accuracy"}
 
 
-def row_tokens(row: dict) -> tuple[list[int], list[int]]:
-    """(token ids, loss mask) of a training row: a generated row {"prompt_ids", "response_ids"} (the response
-    counts), or a conversation row {"input_ids", "loss_mask"} (`data.conversation_row`: the assistant turns count)."""
-    if "input_ids" in row:
-        return row["input_ids"], row["loss_mask"]
-    return row["prompt_ids"] + row["response_ids"], [0] * len(row["prompt_ids"]) + [1] * len(row["response_ids"])
-
-
-def training_sequences(rows: list[dict], max_length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(input_ids [T], loss_mask [T]) per row (`row_tokens`), cut to `max_length`; rows with no label are left out."""
+def training_sequences(rows: list[dict] | SequenceStore,
+                       max_length: int) -> Sequence[tuple[torch.Tensor, torch.Tensor]]:
+    """(input_ids [T], loss_mask [T]) per row (`row_tokens`), cut to `max_length`; rows with no label are left out.
+    A `SequenceStore` is returned as it is (`store.write_sequences` cut and filtered its rows)."""
+    if isinstance(rows, SequenceStore):
+        return rows
     sequences = []
     for row in rows:
         ids, mask = (values[:max_length] for values in row_tokens(row))
@@ -274,7 +271,7 @@ def anchor_seed(seed: int, process_index: int, micro_step: int) -> int:
     return int.from_bytes(digest, "little")
 
 
-def feature_cache_bytes(target: torch.nn.Module, sequences: list[tuple[torch.Tensor, torch.Tensor]],
+def feature_cache_bytes(target: torch.nn.Module, sequences: Sequence[tuple[torch.Tensor, torch.Tensor]],
                         num_features: int, teacher_top_k: int | None) -> int:
     """Host bytes the target-signal cache takes for `sequences`: per token, `num_features` hidden states in the
     target's dtype, and with a teacher its top-k probabilities (float32) and ids (int64)."""
@@ -307,7 +304,7 @@ def check_feature_cache(cache_bytes: int, limit_gib: float | None) -> None:
                          "(docs/training.md, 'Memory')")
 
 
-def host_feature_cache(target: torch.nn.Module, sequences: list[tuple[torch.Tensor, torch.Tensor]],
+def host_feature_cache(target: torch.nn.Module, sequences: Sequence[tuple[torch.Tensor, torch.Tensor]],
                        indices: list[int], num_features: int, settings: TrainingSettings,
                        signals_of: Callable[[torch.Tensor, torch.Tensor], TargetSignals],
                        progress: bool) -> dict[int, TargetSignals]:
@@ -330,17 +327,37 @@ def _sibling(folder: Path, suffix: str) -> Path:
 
 def save_checkpoint(folder: str | Path, draft: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: LRScheduler, log: TrainingLog, run_facts: dict[str, Any] | None = None,
-                    main_process: bool = True, keep: int = 1) -> None:
+                    main_process: bool = True, keep: int = 1, sharded: bool = False) -> None:
     """Write draft weights, optimiser and schedule states and the log to `folder`, replacing it atomically.
 
-    Every process of a run calls this (under FSDP the states are gathered from the shards); only `main_process`
-    writes. `run_facts` (`resume_facts`): what a resumed run must share with this one. `keep` > 1: the checkpoint
-    `folder` held before is kept beside it as `<folder>-<its step>`, and only the `keep` - 1 newest of those stay."""
-    weights, optimizer_state = whole_state(draft, optimizer)
+    Every process of a run calls this. Whole (the default): the states are gathered (under FSDP, from the shards) and
+    only `main_process` writes them, as safetensors. `sharded` (under FSDP): each process writes its own shards of
+    the weights and the optimiser's tensors through torch.distributed.checkpoint (`save_sharded_state`), nothing is
+    gathered, and the main process adds the rest. `run_facts` (`resume_facts`): what a resumed run must share with
+    this one. `keep` > 1: the checkpoint `folder` held before is kept beside it as `<folder>-<its step>`, and only
+    the `keep` - 1 newest of those stay."""
+    folder = Path(folder)
+    staging = _sibling(folder, ".tmp")
+    if sharded:
+        optimizer_rest = save_sharded_state(staging, draft, optimizer, main_process)
+    else:
+        weights, optimizer_state = whole_state(draft, optimizer)
     if not main_process:
         return
-    folder = Path(folder)
-    staging, previous = _sibling(folder, ".tmp"), _sibling(folder, ".old")
+    if not sharded:
+        optimizer_rest = save_whole_state(staging, weights, optimizer_state)
+    (staging / OPTIMIZER_SCHEDULER_FILE).write_text(
+        json.dumps({"optimizer": optimizer_rest, "scheduler": scheduler.state_dict()}))
+    run = {} if run_facts is None else {"run": run_facts}
+    (staging / STATE_FILE).write_text(json.dumps({"format": CHECKPOINT_FORMAT, "sharded": sharded, **run,
+                                                  **asdict(log)}))
+    replace_checkpoint(folder, staging, keep)
+
+
+def save_whole_state(staging: Path, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]
+                     ) -> dict[str, Any]:
+    """Write the whole weights and the optimiser's tensors (`whole_state`) into a new `staging` folder as
+    safetensors; returns the rest of the optimiser's state (JSON-ready)."""
     shutil.rmtree(staging, ignore_errors=True)  # a stale one from a save that was interrupted
     staging.mkdir(parents=True)
     # save_file refuses tensors that share memory; the draft has none (its embeddings and head are the target's)
@@ -348,10 +365,53 @@ def save_checkpoint(folder: str | Path, draft: torch.nn.Module, optimizer: torch
     save_file(weights, staging / DRAFT_WEIGHTS_FILE, metadata={"format": "pt"})
     optimizer_tensors, optimizer_rest = split_optimizer_state(optimizer_state)
     save_file(optimizer_tensors, staging / OPTIMIZER_TENSORS_FILE, metadata={"format": "pt"})
-    (staging / OPTIMIZER_SCHEDULER_FILE).write_text(
-        json.dumps({"optimizer": optimizer_rest, "scheduler": scheduler.state_dict()}))
-    run = {} if run_facts is None else {"run": run_facts}
-    (staging / STATE_FILE).write_text(json.dumps({"format": CHECKPOINT_FORMAT, **run, **asdict(log)}))
+    return optimizer_rest
+
+
+def sharded_state(draft: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """({"model": the weights, "optimizer": the optimiser's per-parameter tensors}, the optimiser's param groups),
+    each process's shards as they are (DTensors under FSDP; nothing gathered), keyed by parameter name
+    (torch.distributed.checkpoint.state_dict's `get_state_dict`)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    weights, named = get_state_dict(draft, optimizer)
+    return {"model": weights, "optimizer": named["state"]}, {"param_groups": named["param_groups"]}
+
+
+def save_sharded_state(staging: Path, draft: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                       main_process: bool) -> dict[str, Any]:
+    """Every process writes its shards of the weights and the optimiser's tensors into a new `staging` folder with
+    torch.distributed.checkpoint (`dcp.save`: one `__<process>_0.distcp` file each, and the main process the
+    `.metadata` index); a collective. Returns the optimiser's param groups (JSON-ready), which stay out of it."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    if main_process:
+        shutil.rmtree(staging, ignore_errors=True)  # a stale one from a save that was interrupted
+        staging.mkdir(parents=True)
+    dist.barrier()  # the folder is new before any process writes into it
+    tensors, rest = sharded_state(draft, optimizer)
+    dcp.save(tensors, checkpoint_id=staging)
+    return rest
+
+
+def load_sharded_state(folder: Path, draft: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                       rest: dict[str, Any]) -> None:
+    """Load a checkpoint `save_sharded_state` wrote into the draft and its optimiser: each process reads its own
+    shards (`dcp.load`), then `set_state_dict`; a collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    tensors, _ = sharded_state(draft, optimizer)  # the shapes and shards to read into
+    dcp.load(tensors, checkpoint_id=folder)
+    set_state_dict(draft, optimizer, model_state_dict=tensors["model"],
+                   optim_state_dict={"state": tensors["optimizer"], "param_groups": rest["param_groups"]})
+
+
+def replace_checkpoint(folder: Path, staging: Path, keep: int) -> None:
+    """Put the checkpoint written in `staging` in `folder`'s place; the one it replaces is kept as `<folder>-<its
+    step>` when `keep` > 1, and only the `keep` - 1 newest of those stay (whole or sharded alike)."""
+    previous = _sibling(folder, ".old")
     if folder.exists():  # a folder cannot replace a non-empty one: move it aside first
         shutil.rmtree(previous, ignore_errors=True)
         folder.replace(previous)
@@ -378,9 +438,9 @@ def load_checkpoint(folder: str | Path, draft: torch.nn.Module, optimizer: torch
                     processes: int | None = None) -> TrainingLog | None:
     """Restore draft, optimiser and schedule from `folder` and return its log; None when there is no checkpoint.
 
-    Every process of a run calls this (under FSDP each keeps its shard of the whole states). A checkpoint written
-    on another number of `processes` or with other `run_facts` (`resume_facts`) is refused before anything is
-    loaded."""
+    Every process of a run calls this: from a whole checkpoint, under FSDP each keeps its shard of the whole states;
+    from a sharded one (`save_checkpoint(sharded=True)`), each reads its own shards. A checkpoint written on another
+    number of `processes` or with other `run_facts` (`resume_facts`) is refused before anything is loaded."""
     folder = Path(folder)
     legacy = folder.parent / LEGACY_CHECKPOINT_FILE
     if legacy.exists():
@@ -404,9 +464,12 @@ def load_checkpoint(folder: str | Path, draft: torch.nn.Module, optimizer: torch
     check_run_facts(folder, state.pop("run", None), run_facts)
     optimizer_scheduler = json.loads((folder / OPTIMIZER_SCHEDULER_FILE).read_text())
     stored = optimizer_scheduler["optimizer"]
-    positional = join_optimizer_state(load_file(folder / OPTIMIZER_TENSORS_FILE), stored, optimizer.state_dict())
-    load_whole_state(draft, optimizer, load_file(folder / DRAFT_WEIGHTS_FILE),
-                     named_optimizer_state(positional, stored.get("parameter_names") or parameter_names(draft)))
+    if state.pop("sharded", False):
+        load_sharded_state(folder, draft, optimizer, stored)
+    else:
+        positional = join_optimizer_state(load_file(folder / OPTIMIZER_TENSORS_FILE), stored, optimizer.state_dict())
+        load_whole_state(draft, optimizer, load_file(folder / DRAFT_WEIGHTS_FILE),
+                         named_optimizer_state(positional, stored.get("parameter_names") or parameter_names(draft)))
     scheduler.load_state_dict(optimizer_scheduler["scheduler"])
     return TrainingLog(**state)
 
@@ -666,7 +729,7 @@ def _micro_batch_step(accelerator: Any, draft: torch.nn.Module, target: torch.nn
     return result, StepUpdate(learning_rate, float(grad_norm))
 
 
-def _micro_batches(sequences: list[tuple[torch.Tensor, torch.Tensor]], indices: list[int], batch_size: int,
+def _micro_batches(sequences: Sequence[tuple[torch.Tensor, torch.Tensor]], indices: list[int], batch_size: int,
                    device: torch.device, cached: dict[int, TargetSignals] | None,
                    signals_of: Callable[[torch.Tensor, torch.Tensor], TargetSignals]
                    ) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, TargetSignals]]]:
@@ -698,29 +761,30 @@ def _accumulated_step(accelerator: Any, draft: torch.nn.Module, target: torch.nn
 def train_draft(
     draft: DFlashDraftModel,
     target: torch.nn.Module,
-    rows: list[dict],
+    rows: list[dict] | SequenceStore,
     settings: TrainingSettings,
     output_dir: str | Path,
     progress: bool = True,
     max_steps: int | None = None,
     evaluate: Callable[[DFlashDraftModel], dict[str, Any]] | None = None,
     eval_every: int = 0,
-    held_out_rows: list[dict] | None = None,
+    held_out_rows: list[dict] | SequenceStore | None = None,
     held_out_every: int = 0,
 ) -> TrainingLog:
     """Train `draft` on the target's regenerated rows; resumes from `output_dir/checkpoint/` if present.
 
-    `max_steps` stops early (the schedule still spans all epochs), e.g. to interrupt a run on purpose. Under
-    `accelerate launch` / `torchrun` every process calls this with the same rows: each epoch is one shuffle of all
-    of them, strided over the processes (`epoch_order`, as `DistributedSampler`), an optimiser step is
-    `settings.sequences_per_step` sequences per process (the epoch wrapped round to whole steps), each process draws
-    its own anchors (`anchor_seed`), and only the main process writes `output_dir`; all return the same log once it
-    is written. Under Accelerate's FSDP a copy of the draft is sharded over the processes and the trained weights
-    are gathered back into `draft` at the end. `evaluate(draft)` (held-out tau and losslessness; JSON-ready values)
-    runs on the main process before the first step, every `eval_every` optimiser steps and after the last; its
-    results go to every process's `log.evaluations`. `held_out_rows` (never trained on): every process computes its
-    share of their training loss (`held_out_loss`) at the same steps, every `held_out_every` steps, into
-    `log.held_out_losses`."""
+    `rows` and `held_out_rows`: row dicts (`row_tokens`), or a `SequenceStore` every process memory-maps (what
+    `dflash-hf train` passes: each step reads only its own sequences). `max_steps` stops early (the schedule still
+    spans all epochs), e.g. to interrupt a run on purpose. Under `accelerate launch` / `torchrun` every process calls
+    this with the same rows: each epoch is one shuffle of all of them, strided over the processes (`epoch_order`, as
+    `DistributedSampler`), an optimiser step is `settings.sequences_per_step` sequences per process (the epoch wrapped
+    round to whole steps), each process draws its own anchors (`anchor_seed`), and only the main process writes
+    `output_dir` (under FSDP each process writes its own checkpoint shards); all return the same log once it is
+    written. Under Accelerate's FSDP a copy of the draft is sharded over the processes and the trained weights are
+    gathered back into `draft` at the end. `evaluate(draft)` (held-out tau and losslessness; JSON-ready values) runs on
+    the main process before the first step, every `eval_every` optimiser steps and after the last; its results go to
+    every process's `log.evaluations`. `held_out_rows` (never trained on): every process computes its share of their
+    training loss (`held_out_loss`) at the same steps, every `held_out_every` steps, into `log.held_out_losses`."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 
@@ -789,7 +853,7 @@ def train_draft(
         if log.steps % settings.checkpoint_every == 0 or log.steps == last:
             log.seconds = time.perf_counter() - started
             save_checkpoint(checkpoint_dir, unwrapped, optimizer, scheduler, log, facts, accelerator.is_main_process,
-                            settings.keep_checkpoints)
+                            settings.keep_checkpoints, sharded=sharded)
     shows.close()
     log.seconds = time.perf_counter() - started
     if sharded:  # every process's `draft` gets the trained weights, gathered from the shards
@@ -802,7 +866,7 @@ def train_draft(
     return log
 
 
-def check_held_out(rows: list[dict] | None, every: int) -> None:
+def check_held_out(rows: list[dict] | SequenceStore | None, every: int) -> None:
     """Refuse held-out rows without a number of steps between their measurements."""
     if rows and every < 1:
         raise ValueError(f"held_out_every {every}: held-out rows are measured every N >= 1 optimiser steps")
