@@ -185,15 +185,21 @@ class DraftRules:
             processed[index] = self.row_processors[row](prefix[None], processed[index][None])[0]
         return processed
 
-    def forbids(self, row: int, prefix: torch.Tensor, token: int) -> bool:
-        """Whether row `row`'s processors rule `token` out after `prefix` [L]: Transformers' own (`PREFIX_RULES`)
-        give it -inf whatever the logits (a mask: bad words, n-grams, lengths, suppression, a prefix constraint), so
-        the target's p is 0 there. A user's processor is not asked: what it does may depend on the logits."""
-        scores = torch.zeros((1, self.vocabulary_size), dtype=torch.float32, device=prefix.device)
-        for processor in self.row_processors[row]:
-            if type(processor) in PREFIX_RULES:
-                scores = processor(prefix[None], scores)
-        return bool(scores[0, token] == float("-inf"))
+    def forbidden(self, row: int, prefixes: list[torch.Tensor], tokens: list[int]) -> list[bool]:
+        """Whether row `row`'s processors rule tokens[i] out after prefixes[i] [L_i]: Transformers' own
+        (`PREFIX_RULES`) give it -inf whatever the logits (a mask: bad words, n-grams, lengths, suppression, a prefix
+        constraint), so the target's p is 0 there; read from the device at once. A user's processor is not asked:
+        what it does may depend on the logits."""
+        if not tokens:
+            return []
+        masks = []
+        for prefix, token in zip(prefixes, tokens):
+            scores = torch.zeros((1, self.vocabulary_size), dtype=torch.float32, device=prefix.device)
+            for processor in self.row_processors[row]:
+                if type(processor) in PREFIX_RULES:
+                    scores = processor(prefix[None], scores)
+            masks.append(scores[0, token])
+        return (torch.stack(masks) == float("-inf")).tolist()
 
 
 @dataclass

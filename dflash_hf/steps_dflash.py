@@ -393,7 +393,7 @@ class TreeStep:
                              *(() if transitions is None else (transitions,)))  # one device read: [n, b - 1, k], ...
         trees = build_trees(candidates[0].tolist(), candidates[1].tolist(), self.size,
                             [min(step.width - 1, count - 1) for count in step.counts], candidates[2].tolist(),
-                            None if transitions is None else candidates[3].tolist(), allowed_nodes(state, settings))
+                            None if transitions is None else candidates[3].tolist(), forbidden_nodes(state, settings))
         depths = host_to_device([[0] + depths for depths in trees.depths], state.device)  # [n, 1 + N]
         tree_step = StepPlan(1 + trees.size, step.counts, step.positions[:, :1] + depths, step.pending, trees)
         tokens = host_to_device(trees.tokens, state.device)  # [n, N]: the nodes; q stays per block position
@@ -431,21 +431,23 @@ class TreeStep:
                        *kept_scores(scores, logits, settings))
 
 
-def allowed_nodes(state: DecodeState, settings: DecodingSettings) -> Callable[[int, list[int], int], bool] | None:
-    """Under the call's processors: whether a tree node may hold a token after its path (`build_trees`' `allowed`;
-    its row: an index among the live rows), so that a token they forbid there is never verified (a sampled walk
-    still tries it in its place, refused for certain: the target's p is 0 there). None: no processor to ask."""
+def forbidden_nodes(state: DecodeState, settings: DecodingSettings
+                    ) -> Callable[[int, list[list[int]], list[int]], list[bool]] | None:
+    """Under the call's processors: which of a row's tree nodes hold a token they rule out after the node's parent
+    path (`build_trees`' `forbidden`; its row: an index among the live rows), so that such a token is never verified
+    (a sampled walk still tries it in its place, refused for certain: the target's p is 0 there). None: no processor
+    to ask."""
     rules = None if settings.rules is None else settings.rules.draft
     if rules is None:
         return None
-    committed = [torch.cat((state.input_ids[row], host_to_device(state.generated[row], state.device)))
-                 for row in state.active]  # [L] per live row
 
-    def allowed(index: int, path: list[int], token: int) -> bool:
-        prefix = torch.cat((committed[index], host_to_device(path, state.device))) if path else committed[index]
-        return not rules.forbids(state.active[index], prefix, token)
+    def forbidden(index: int, paths: list[list[int]], tokens: list[int]) -> list[bool]:
+        committed = torch.cat((state.input_ids[state.active[index]],
+                               host_to_device(state.generated[state.active[index]], state.device)))  # [L]
+        prefixes = [torch.cat((committed, host_to_device(path, state.device))) for path in paths]
+        return rules.forbidden(state.active[index], prefixes, tokens)
 
-    return allowed
+    return forbidden
 
 
 def step_strategy(settings: DecodingSettings) -> StepStrategy:

@@ -49,8 +49,8 @@ class DraftTree:
     depths: list[list[int]]  # per row: each node's depth (1: the first drafted position)
     real: list[list[bool]]  # per row: False for filler nodes (a row whose tree is smaller), never accepted
     # per row: (parent column, place among the parent's tried children, token) of each candidate the call's
-    # processors forbid under that parent (`build_trees`' `allowed`): not verified, but a sampled walk tries it there,
-    # a certain refusal, in its place among the children drawn (empty: none)
+    # processors forbid under that parent (`build_trees`' `forbidden`): not verified, but a sampled walk tries it
+    # there, a certain refusal, in its place among the children drawn (empty: none)
     refused: list[list[tuple[int, int, int]]] = field(default_factory=list)
 
     @property
@@ -126,21 +126,28 @@ def best_first_tree(tokens: list[list[int]], probabilities: list[list[float]], s
     return [node[0] for node in nodes], [node[1] for node in nodes], [node[2] for node in nodes]
 
 
-def drop_refused(tokens: list[int], parents: list[int], depths: list[int], allowed: Callable[[list[int], int], bool]
+def node_paths(tokens: list[int], parents: list[int]) -> list[list[int]]:
+    """Per node of one row's tree (parents before children): the tokens of its parent's path, from the root's child
+    down (the ids a node's position sees after the committed ones)."""
+    paths: list[list[int]] = [[]]  # per column
+    for token, parent in zip(tokens, parents):
+        paths.append(paths[parent] + [token])
+    return [paths[parent] for parent in parents]
+
+
+def drop_refused(tokens: list[int], parents: list[int], depths: list[int], forbidden: list[bool]
                  ) -> tuple[list[int], list[int], list[int], list[tuple[int, int, int]]]:
-    """One row's tree (`best_first_tree`'s) without the nodes `allowed(path, token)` refuses after their parent's
-    path (the call's processors forbid them there) and the subtrees under them: (tokens, parent columns, depths,
-    refused as `DraftTree.refused` holds them). The shape is the one planted, so which children a sampled walk tries
-    does not depend on which tokens were refused."""
+    """One row's tree (`best_first_tree`'s) without its `forbidden` nodes (the call's processors forbid them after
+    their parent's path) and the subtrees under them: (tokens, parent columns, depths, refused as `DraftTree.refused`
+    holds them). The shape is the one planted, so which children a sampled walk tries does not depend on which tokens
+    were forbidden."""
     columns = [0]  # per old column: its new one (-1: dropped)
-    paths: list[list[int]] = [[]]  # per old column: the tokens from the root's child down to it
     places: dict[int, int] = {}  # per old parent column: its children so far
     kept: tuple[list[int], list[int], list[int]] = ([], [], [])
     refused = []
-    for token, parent, depth in zip(tokens, parents, depths):
+    for token, parent, depth, refuse in zip(tokens, parents, depths, forbidden):
         place = places[parent] = places.get(parent, -1) + 1
-        paths.append(paths[parent] + [token])
-        if columns[parent] < 0 or not allowed(paths[parent], token):
+        if columns[parent] < 0 or refuse:
             if columns[parent] >= 0:
                 refused.append((columns[parent], place, token))
             columns.append(-1)
@@ -154,22 +161,22 @@ def drop_refused(tokens: list[int], parents: list[int], depths: list[int], allow
 def build_trees(candidate_tokens: list[list[list[int]]], candidate_probabilities: list[list[list[float]]],
                 size: int, max_depths: list[int], filler_token: list[int],
                 candidate_transitions: list[list[list[list[float]]]] | None = None,
-                allowed: Callable[[int, list[int], int], bool] | None = None) -> DraftTree:
+                forbidden: Callable[[int, list[list[int]], list[int]], list[bool]] | None = None) -> DraftTree:
     """Per row, the `size` nodes of highest draft path probability, best-first; at most `max_depths[row]` deep.
 
     candidate_tokens / candidate_probabilities: per row, per block position, the draft's top tokens and their
     probabilities (descending); candidate_transitions (DFlash2): per row, `best_first_tree`'s transitions;
-    `allowed(row, path, token)` (under the call's processors): whether `token` may follow the path (tokens from the
-    root's child down) in that row; the nodes it refuses are dropped (`drop_refused`). A row with fewer possible nodes
-    is filled with `filler_token[row]` nodes under the root that the walk never accepts.
+    `forbidden(row, paths, tokens)` (under the call's processors): per node, whether its token is ruled out after its
+    parent's path (`node_paths`) in that row; those nodes are dropped (`drop_refused`). A row with fewer possible
+    nodes is filled with `filler_token[row]` nodes under the root that the walk never accepts.
     """
     trees = DraftTree([], [], [], [])
     for row, (tokens, probabilities) in enumerate(zip(candidate_tokens, candidate_probabilities)):
         transitions = None if candidate_transitions is None else candidate_transitions[row]
         node_tokens, parents, depths = best_first_tree(tokens, probabilities, size, max_depths[row], transitions)
-        if allowed is not None:
+        if forbidden is not None:
             node_tokens, parents, depths, refused = drop_refused(
-                node_tokens, parents, depths, lambda path, token, row=row: allowed(row, path, token))
+                node_tokens, parents, depths, forbidden(row, node_paths(node_tokens, parents), node_tokens))
             trees.refused.append(refused)
         filler = size - len(node_tokens)
         trees.tokens.append(node_tokens + [filler_token[row]] * filler)

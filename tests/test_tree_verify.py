@@ -328,3 +328,31 @@ def test_tree_size_auto_gives_the_chain_where_trees_are_refused():
     tree_size, rates = choose_tree_size(draft, refused, random_prompt(0, 6)[0].tolist(), 4, 8, 1, [],
                                         draft.mask_token_id)
     assert tree_size is None and list(rates) == [0] and rates[0] > 0
+
+
+def test_forbidden_nodes_leave_the_tree_with_their_subtrees_and_keep_their_place_among_the_children_tried():
+    """Candidates [10, 11] then [20, 21] plant 10, 20 (under 10), 11, 20 (under 11), 21 (under 10). Forbidding 10
+    after the root drops it and both nodes under it; no other node takes their place (the planted shape stays), and
+    a sampled walk tries 10 first at the root, refused for certain, then 11 with q without 10."""
+    tokens, probabilities = [[10, 11], [20, 21]], [[0.6, 0.4], [0.7, 0.3]]
+    asked = []
+
+    def forbidden(row, paths, node_tokens):
+        asked.append((row, paths, node_tokens))
+        return [path == [] and token == 10 for path, token in zip(paths, node_tokens)]
+
+    trees = build_trees([tokens], [probabilities], 5, [2], [0], forbidden=forbidden)
+    assert asked == [(0, [[], [10], [], [11], [10]], [10, 20, 11, 20, 21])]  # once a row: each node's parent path
+    assert (trees.tokens, trees.parents, trees.depths, trees.real) == (
+        [[11, 20, 0, 0, 0]], [[0, 1, 0, 0, 0]], [[1, 2, 1, 1, 1]], [[True, True, False, False, False]])
+    assert trees.refused == [[(0, 0, 10)]]
+    assert trees.tried_children(0)[0] == [-10, 1]
+    p = torch.zeros(1 + trees.size, 30, dtype=torch.float64)  # the target's p: 10 is forbidden at the root
+    p[:, 11], p[:, 12] = 0.5, 0.5
+    q = torch.zeros(2, 30, dtype=torch.float64)
+    q[0, 10], q[0, 11], q[1, 20], q[1, 21] = 0.6, 0.4, 0.7, 0.3
+    # refusing 10 leaves r = norm(max(p - q, 0)) = {11: 1/6, 12: 5/6}; 11's q is then 1 (q without 10), so 11 is
+    # kept when its uniform is below 1/6 (were 10 skipped instead, r would stay p and 11 be kept below 1/2)
+    kept = sum(walk_sampled(trees, 0, p, q, [u / 100] * trees.size, [0.5] * (1 + trees.size))[0] == [1]
+               for u in range(100))
+    assert kept == 17
