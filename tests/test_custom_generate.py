@@ -77,6 +77,8 @@ RUN_WITHOUT_PACKAGE = textwrap.dedent("""
                      return_dict_in_generate=True)
     processed_plain = target.generate(**processed)
     processed_ours = target.generate(custom_generate=draft_dir, trust_remote_code=True, **processed)
+    drafted_all = target.generate(custom_generate=draft_dir, trust_remote_code=True, draft_processors="all",
+                                  **processed)  # the draft sees the user's processor too: the same output
     processed_alone = [target.generate(**dict(processed, input_ids=row[mask.bool()][None],
                                                 attention_mask=None)).sequences[0].tolist()
                        for row, mask in zip(input_ids, attention_mask)]
@@ -92,6 +94,7 @@ RUN_WITHOUT_PACKAGE = textwrap.dedent("""
         "no_mask": no_mask.tolist(), "stopped": stopped.tolist(), "stopped_plain": stopped_plain.tolist(),
         "processed_alone": processed_alone, "processed_ours": processed_ours.sequences.tolist(),
         "processed_class": type(processed_ours).__name__, "scores_match": scores_match,
+        "drafted_all": drafted_all.sequences.tolist(),
         "num_scores": len(processed_ours.scores),
     }))
 """)
@@ -129,6 +132,7 @@ def test_generate_with_custom_generate_runs_our_loop_without_the_package(tmp_pat
     assert result["processed_ours"][0][3:][: len(alone[0])] == alone[0]
     assert result["processed_ours"][1][: len(alone[1])] == alone[1]
     assert result["num_scores"] == max(len(alone[0]) + 3, len(alone[1])) - 6
+    assert result["drafted_all"] == result["processed_ours"]  # draft_processors passes through generate
 
 
 def test_the_standalone_copies_agree_with_the_package_functions():
