@@ -5,10 +5,11 @@ same two processes and process group (one launch, one import of the package), ea
 runs `train_draft` on tiny seeded models built here (two checkpoints kept); MODE `fsdp` the same under Accelerate's
 FSDP (started by `accelerate launch --config_file examples/accelerate_fsdp.yaml`); MODEs `train-batched` and
 `fsdp-batched` train two sequences per process per optimiser step (`run_batched`); MODE `cli` runs `dflash-hf train`
-with the CLI ARGS. Every process records what it did in each mode in FOLDER/<mode>/records/rank<i>.json (outside the
-run folder): the files it wrote under the run folder (seen by an audit hook), the loss of each of its own sequences,
-the rows and anchor seed of each of its micro-batches (by phase: the run, the interrupted and the resumed one), the
-prompts it generated, the evaluations it ran and its process group's timeout.
+with the CLI ARGS (their --output: FOLDER/cli/run). Every process records what it did in each mode in
+FOLDER/<mode>/records/rank<i>.json (outside the run folder): the files it wrote under the run folder (seen by an audit
+hook), the loss of each of its own sequences, the rows and anchor seed of each of its micro-batches (by phase: the
+run, the interrupted and the resumed one), the prompts it generated, the evaluations it ran and (the first mode's
+record: the group starts once per launch) its process group's timeout.
 """
 
 from __future__ import annotations
