@@ -1,13 +1,15 @@
-"""One process of a two-process training run (tests/test_training_distributed.py starts two with torchrun).
+"""The processes of two-process training runs (tests/test_training_distributed.py starts two with torchrun).
 
-`python distributed_worker.py MODE OUTPUT RECORDS [CLI ARGS...]`. MODE `train` runs `train_draft` on tiny seeded
-models built here (two checkpoints kept); MODE `fsdp` the same under Accelerate's FSDP (started by `accelerate
-launch --config_file examples/accelerate_fsdp.yaml`); MODEs `train-batched` and `fsdp-batched` train two sequences
-per process per optimiser step (`run_batched`); MODE `cli` runs `dflash-hf train` with the CLI ARGS. Every process
-records what it did in RECORDS/rank<i>.json (outside OUTPUT): the files it wrote under OUTPUT (seen by an audit
+`python distributed_worker.py MODES FOLDER [CLI ARGS...]`: MODES, comma-separated, run one after the other in the
+same two processes and process group (one launch, one import of the package), each in FOLDER/<mode>/run. MODE `train`
+runs `train_draft` on tiny seeded models built here (two checkpoints kept); MODE `fsdp` the same under Accelerate's
+FSDP (started by `accelerate launch --config_file examples/accelerate_fsdp.yaml`); MODEs `train-batched` and
+`fsdp-batched` train two sequences per process per optimiser step (`run_batched`); MODE `cli` runs `dflash-hf train`
+with the CLI ARGS (their --output: FOLDER/cli/run). Every process records what it did in each mode in
+FOLDER/<mode>/records/rank<i>.json (outside the run folder): the files it wrote under the run folder (seen by an audit
 hook), the loss of each of its own sequences, the rows and anchor seed of each of its micro-batches (by phase: the
-run, the interrupted and the resumed one), the prompts it generated, the evaluations it ran and its process group's
-timeout.
+run, the interrupted and the resumed one), the prompts it generated, the evaluations it ran and (the first mode's
+record: the group starts once per launch) its process group's timeout.
 """
 
 from __future__ import annotations
@@ -29,13 +31,19 @@ WRITE_EVENTS = {"os.mkdir", "os.rename", "os.replace", "os.remove", "os.rmdir", 
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 RANK = int(os.environ.get("RANK", 0))  # set by torchrun
-RECORD: dict[str, Any] = {"rank": RANK, "writes": [], "local_losses": [], "generated": [], "evaluations": 0,
-                          "recording": True, "phase": "run", "rows": {}, "process_group_timeouts": []}
+RECORD: dict[str, Any] = {}  # the current mode's record (`new_record`)
+WATCHED = {"root": ""}  # the current mode's run folder, as an absolute path
 
 
-def watch_writes(output: Path) -> None:
-    """Record every file-system write under `output` by this process (Python's audit events)."""
-    root = str(output.resolve())
+def new_record() -> dict[str, Any]:
+    """A mode's record before it runs."""
+    return {"rank": RANK, "writes": [], "local_losses": [], "generated": [], "evaluations": 0, "recording": True,
+            "phase": "run", "rows": {}, "process_group_timeouts": []}
+
+
+def watch_writes() -> None:
+    """Record every file-system write by this process under the current mode's run folder (`WATCHED`; Python's
+    audit events)."""
 
     def hook(event: str, args: tuple) -> None:
         if event == "open":
@@ -45,6 +53,9 @@ def watch_writes(output: Path) -> None:
         elif event in WRITE_EVENTS:
             paths = args[:2] if event in ("os.rename", "os.replace") else args[:1]  # both ends of a rename
         else:
+            return
+        root = WATCHED["root"]
+        if not root:  # between modes
             return
         for path in paths:
             if not isinstance(path, (str, os.PathLike)):  # a file descriptor
@@ -201,25 +212,36 @@ def force_fsdp() -> None:
     state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
-def main() -> None:
-    mode, output, records = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    torch.set_num_threads(1)
-    watch_writes(output)
-    record_calls()
-    if mode in ("train", "fsdp", "train-batched", "fsdp-batched"):
-        if mode.startswith("fsdp"):
-            force_fsdp()
-        if mode.endswith("batched"):
-            run_batched(output, sharded=mode.startswith("fsdp"))
-        else:
-            run_train(output)
+def run_mode(mode: str, output: Path, cli_args: list[str]) -> None:
+    """One mode's run in `output`."""
+    if mode in ("train", "fsdp"):
+        run_train(output)
+    elif mode in ("train-batched", "fsdp-batched"):
+        run_batched(output, sharded=mode.startswith("fsdp"))
     else:
         from dflash_hf.cli import main as cli
 
-        cli(sys.argv[4:])
+        cli(cli_args)
+
+
+def main() -> None:
+    modes, folder = sys.argv[1].split(","), Path(sys.argv[2])
+    torch.set_num_threads(1)
+    watch_writes()
+    record_calls()
+    for index, mode in enumerate(modes):
+        RECORD.clear()
+        RECORD.update(new_record())
+        output = folder / mode / "run"
+        WATCHED["root"] = str(output.resolve())
+        if mode.startswith("fsdp") and index == 0:  # the process group's state, once per launch
+            force_fsdp()
+        run_mode(mode, output, sys.argv[3:])
+        WATCHED["root"] = ""
+        records = folder / mode / "records"
+        records.mkdir(parents=True, exist_ok=True)
+        (records / f"rank{RANK}.json").write_text(json.dumps(RECORD))
     end_processes()  # the process group, before the interpreter exits
-    records.mkdir(parents=True, exist_ok=True)
-    (records / f"rank{RANK}.json").write_text(json.dumps(RECORD))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """Training on two processes (torchrun, gloo on the CPU), each result compared with one process or the plain values.
 
-Five runs, each shared by the tests below it: `train_draft` on 5 sequences (an uneven split: 3 + 2), the same under
-Accelerate's FSDP (started by `accelerate launch` with examples/accelerate_fsdp.yaml), two sequences per process per
-step packed data-parallel and accumulated under FSDP, and `dflash-hf train` end to end on a tiny saved target.
-tests/distributed_worker.py is the program of each process; it records what its process did (files written,
-per-micro-batch losses, generated prompts) next to the run's output.
+Five runs in three launches, each run shared by the tests below it: `train_draft` on 5 sequences (an uneven split:
+3 + 2) and two sequences per process per step packed data-parallel (one torchrun launch); the same two under
+Accelerate's FSDP (started by `accelerate launch` with examples/accelerate_fsdp.yaml; the second accumulated); and
+`dflash-hf train` end to end on a tiny saved target (its own launch: its process group starts with its timeout flag).
+tests/distributed_worker.py is the program of each process; it records what its process did in each run (files
+written, per-micro-batch losses, generated prompts) next to the run's output.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from dflash_hf.training.trainer import (
 
 TESTS = Path(__file__).resolve().parent
 NUM_SEQUENCES, EPOCHS, WARMUP_RATIO, LEARNING_RATE = 5, 2, 0.25, 2e-3  # as distributed_worker.run_train
-RUN_TIMEOUT_S = 120  # a run takes about 10 s on two cores
+RUN_TIMEOUT_S = 120  # per run; a run takes about 10 s on two cores
 
 
 def free_port() -> int:
@@ -57,50 +58,64 @@ def free_port() -> int:
 FSDP_CONFIG = TESTS.parent / "examples" / "accelerate_fsdp.yaml"
 
 
-def run_two_processes(mode: str, folder: Path, *cli_args: str) -> tuple[Path, list[dict]]:
-    """Run distributed_worker.py MODE on two processes (`fsdp...`: through `accelerate launch` and the FSDP config,
-    else torchrun); (the run's output folder, each process's record)."""
-    output, records = folder / "run", folder / "records"
-    sharded = mode.startswith("fsdp")
+def run_two_processes(modes: list[str], folder: Path, *cli_args: str) -> dict[str, tuple[Path, list[dict]]]:
+    """Run distributed_worker.py's MODES one after the other in one launch of two processes (`fsdp...`: through
+    `accelerate launch` and the FSDP config, else torchrun); for each mode, (its run's output folder, each process's
+    record)."""
+    sharded = modes[0].startswith("fsdp")
+    assert all(mode.startswith("fsdp") == sharded for mode in modes), "one launcher per launch"
     launcher = (["-m", "accelerate.commands.launch", "--config_file", str(FSDP_CONFIG), "--num_processes", "2",
                  "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port())] if sharded else
                 ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2", "--master_addr",
                  "127.0.0.1", "--master_port", str(free_port())])
-    command = [sys.executable, *launcher, str(TESTS / "distributed_worker.py"), mode, str(output), str(records),
+    command = [sys.executable, *launcher, str(TESTS / "distributed_worker.py"), ",".join(modes), str(folder),
                *cli_args]
     package_root = str(TESTS.parent)  # this checkout's dflash_hf, whatever is installed
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                    "CUDA_VISIBLE_DEVICES": "",  # CPU processes (gloo) on a GPU machine too: not two on one GPU
                    "PYTHONPATH": os.pathsep.join([package_root, str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    log = folder / "torchrun.log"  # a file, not a pipe: workers cannot keep the test waiting on their output
+    log, timeout = folder / "torchrun.log", RUN_TIMEOUT_S * len(modes)  # a file: workers cannot block on a pipe
     with open(log, "w") as handle:
         process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=environment, cwd=folder)
         try:
-            process.wait(timeout=RUN_TIMEOUT_S)
+            process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:  # a hang (processes waiting on a collective): torchrun stops its workers
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=60)
-            pytest.fail(f"the two processes did not finish in {RUN_TIMEOUT_S} s (a hang): {log.read_text()[-3000:]}")
+            pytest.fail(f"the two processes did not finish in {timeout} s (a hang): {log.read_text()[-3000:]}")
     assert process.returncode == 0, log.read_text()[-4000:]
-    return output, [json.loads((records / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return {mode: (folder / mode / "run", [json.loads((folder / mode / "records" / f"rank{rank}.json").read_text())
+                                           for rank in range(2)]) for mode in modes}
 
 
 @pytest.fixture(scope="module")
-def train_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+def torchrun_runs(tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
+    """`train_run` and the packed data-parallel run of `batched_runs`, in one torchrun launch."""
+    return run_two_processes(["train", "train-batched"], tmp_path_factory.mktemp("torchrun"))
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
+    """`fsdp_run` and the accumulated FSDP run of `batched_runs`, in one `accelerate launch`."""
+    return run_two_processes(["fsdp", "fsdp-batched"], tmp_path_factory.mktemp("fsdp"))
+
+
+@pytest.fixture(scope="module")
+def train_run(torchrun_runs) -> tuple[Path, list[dict]]:
     """`train_draft` on 5 sequences, 2 epochs, on two processes."""
-    return run_two_processes("train", tmp_path_factory.mktemp("train"))
+    return torchrun_runs["train"]
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+def fsdp_run(fsdp_runs) -> tuple[Path, list[dict]]:
     """The run of `train_run` under Accelerate's FSDP plugin (FSDP 2, one shard unit per decoder layer)."""
-    return run_two_processes("fsdp", tmp_path_factory.mktemp("fsdp"))
+    return fsdp_runs["fsdp"]
 
 
 @pytest.fixture(scope="module")
-def batched_runs(tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
+def batched_runs(torchrun_runs, fsdp_runs) -> dict[str, tuple[Path, list[dict]]]:
     """Two sequences per process per step on two processes: packed data-parallel, accumulated under FSDP."""
-    return {mode: run_two_processes(mode, tmp_path_factory.mktemp(mode)) for mode in ("train-batched", "fsdp-batched")}
+    return {"train-batched": torchrun_runs["train-batched"], "fsdp-batched": fsdp_runs["fsdp-batched"]}
 
 
 @pytest.fixture(scope="module")
@@ -109,11 +124,11 @@ def cli_run(tmp_path_factory) -> tuple[Path, list[dict], Path]:
     folder = tmp_path_factory.mktemp("cli")
     prompts = save_tiny_target_and_prompts(folder, 5)
     output, records = run_two_processes(
-        "cli", folder, "train", "--target", str(folder / "target"), "--output", str(folder / "run"),
+        ["cli"], folder, "train", "--target", str(folder / "target"), "--output", str(folder / "cli" / "run"),
         "--prompts", str(prompts), "--num-prompts", "5", "--gen-batch-size", "2", "--gen-max-new-tokens", "8",
         "--draft-block-size", "4", "--draft-layers", "1", "--mask-token", "w127", "--epochs", "1",
         "--num-anchors", "6", "--eval-prompts", str(prompts), "--num-eval", "2", "--eval-max-new-tokens", "6",
-        "--eval-dtype", "float32", "--process-group-timeout", "45", "--report-to", "tensorboard")
+        "--eval-dtype", "float32", "--process-group-timeout", "45", "--report-to", "tensorboard")["cli"]
     return output, records, folder / "target"
 
 
