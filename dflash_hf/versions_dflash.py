@@ -4,7 +4,8 @@
 Every difference the package depends on is answered here, and no other module asks which Transformers or torch is
 installed:
 
-- torch: what needs a newer torch than pyproject's floor (`torch_refusal`: `compile=True`), and whether SDPA's own
+- torch: what needs a newer torch than pyproject's floor (`torch_refusal`: `compile=True`, FSDP training's sharded
+  safetensors checkpoints), and whether SDPA's own
   grouped-query mode gives the numbers of Transformers' copied heads (`exact_grouped_query_sdpa`);
 - the forward's cache keyword (`cache_keyword`, `returned_cache`): `past_key_values` on 4.57, `cache` on 5.x;
 - recurrent states (`is_linear_attention_layer`): model-specific caches on 4.57, linear-attention cache layers on 5.x;
@@ -45,10 +46,18 @@ TORCH_VERSION = torch.__version__  # "2.15.0+cu130"
 TORCH_RELEASE = tuple(int(part) for part in TORCH_VERSION.split("+")[0].split(".")[:2])  # (2, 15)
 
 OLDEST_TORCH = (2, 6)  # pyproject's floor: Transformers 5.25 needs it (CI runs the oldest set on 2.6.0)
-# Features that need a newer torch than the floor: (the oldest release they were checked on here, why not older).
+# Features that need a newer torch than the floor: (the oldest release they were checked on here, why not older, the
+# way to run without them).
 NEWER_TORCH_FEATURES = {
     "compile=True": ((2, 13), "on torch 2.6 dynamo breaks Llama's and Gemma's forwards into several graphs and "
-                              "recompiles the verify after its first step"),
+                              "recompiles the verify after its first step", "leave compile=True off"),
+    # checked in the sources of torch 2.8.0, 2.9.0, 2.13.0, 2.14.1 and run on 2.15.0
+    "FSDP training": ((2, 9), "its sharded checkpoints are safetensors written and read by torch.distributed."
+                              "checkpoint's HuggingFaceStorageWriter(save_distributed=True) and "
+                              "HuggingFaceStorageReader, which 2.9 has as 2.15 does; 2.8's take other arguments "
+                              "through fsspec, and older torches have none (their own format pickles its index)",
+                      "train data-parallel without the FSDP config (accelerate launch without examples/"
+                      "accelerate_fsdp.yaml: whole checkpoints)"),
 }
 GROUPED_QUERY_SDPA_EXACT_FROM = (2, 9)  # measured: 2.6 and 2.8 differ in the last bits; 2.9 on are bit-equal
 
@@ -56,11 +65,11 @@ GROUPED_QUERY_SDPA_EXACT_FROM = (2, 9)  # measured: 2.6 and 2.8 differ in the la
 def torch_refusal(feature: str) -> str | None:
     """Why the installed torch cannot run `feature` (a key of NEWER_TORCH_FEATURES), naming the release it needs, or
     None."""
-    oldest, reason = NEWER_TORCH_FEATURES[feature]
+    oldest, reason, without = NEWER_TORCH_FEATURES[feature]
     if TORCH_RELEASE >= oldest:
         return None
     return (f"{feature} needs torch >= {oldest[0]}.{oldest[1]} ({reason}); this is torch {TORCH_VERSION}. Upgrade "
-            "torch (README, \"Which torch\") or leave the feature off.")
+            f"torch (README, \"Which torch\"), or {without}.")
 
 
 def exact_grouped_query_sdpa() -> bool:

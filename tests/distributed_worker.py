@@ -6,14 +6,15 @@ launch --config_file examples/accelerate_fsdp.yaml`); MODEs `train-batched` and 
 per process per optimiser step (`run_batched`); MODE `cli` runs `dflash-hf train` with the CLI ARGS. Every process
 records what it did in RECORDS/rank<i>.json (outside OUTPUT): the files it wrote under OUTPUT (seen by an audit
 hook), the loss of each of its own sequences, the rows and anchor seed of each of its micro-batches (by phase: the
-run, the interrupted and the resumed one), the prompts it generated, the evaluations it ran and its process group's
-timeout.
+run, the interrupted and the resumed one), the prompts it generated, the evaluations it ran, its process group's
+timeout and every call that reads a pickle from a file (`pickle.load`, `torch.load`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,8 @@ WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 RANK = int(os.environ.get("RANK", 0))  # set by torchrun
 RECORD: dict[str, Any] = {"rank": RANK, "writes": [], "local_losses": [], "generated": [], "evaluations": 0,
-                          "recording": True, "phase": "run", "rows": {}, "process_group_timeouts": []}
+                          "recording": True, "phase": "run", "rows": {}, "process_group_timeouts": [],
+                          "unpickled": []}
 
 
 def watch_writes(output: Path) -> None:
@@ -57,7 +59,8 @@ def watch_writes(output: Path) -> None:
 
 
 def record_calls() -> None:
-    """Wrap the loss, the generation and the evaluation so this process counts its own calls."""
+    """Wrap the loss, the generation and the evaluation so this process counts its own calls, and the two ways to
+    read a pickle file (torch.distributed's object collectives unpickle in memory, through `pickle.Unpickler`)."""
     loss, respond = trainer.packed_dflash_loss, dflash_hf.training.data._respond
     evaluate = dflash_hf.training.command.evaluate_draft
 
@@ -91,6 +94,14 @@ def record_calls() -> None:
         RECORD["process_group_timeouts"].append(None if timeout is None else timeout.total_seconds())
         return init_process_group(*args, **kwargs)
 
+    def recorded_unpickling(name: str, load: Any) -> Any:  # records the call (and its phase), then unpickles
+        def recorded(*args, **kwargs):
+            RECORD["unpickled"].append([name, RECORD["phase"]])
+            return load(*args, **kwargs)
+        return recorded
+
+    pickle.load = recorded_unpickling("pickle.load", pickle.load)
+    torch.load = torch.serialization.load = recorded_unpickling("torch.load", torch.load)
     init_process_group = torch.distributed.init_process_group
     torch.distributed.init_process_group = counted_init
     trainer.packed_dflash_loss = counted_loss
