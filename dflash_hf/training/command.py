@@ -137,7 +137,7 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     num_rows = generate_responses(target, tokenizer, prompts, responses, batch_size=args.gen_batch_size,
                                   max_new_tokens=args.gen_max_new_tokens, max_length=args.max_length,
                                   temperature=args.gen_temperature, seed=args.seed,
-                                  by_length=args.gen_order == "length",
+                                  by_length=args.gen_order == "length", engine=args.gen_engine,
                                   draft=generation_draft(args.gen_draft, target), seed_paths=args.responses)
     if args.generate_only:
         if state.is_main_process:
