@@ -18,7 +18,7 @@ installed:
   function modules, whose calls a chain's rollback replays (`gated_delta_functions`): from 5.25 on;
 - Transformers' own assisted decoding on recurrent targets (`assisted_decoding_runs_recurrent_targets`): refused
   (`_is_stateful`) before 5.25; from 5.25 on it runs them by recording past states and cropping them;
-- Transformers' continuous batching (`continuous_batching_refusal`, `generate_batch_arguments`): 5.x runs it on the
+- Transformers' continuous batching (`continuous_batching_refusal`, `generate_batch_arguments`): 5.25 runs it on the
   CPU too and stops on a list of EOS ids; 4.57 sizes its cache from GPU memory only and stops on one id;
 - where a `StaticCache` writes (`static_write_arguments`, `rewind_static_cache`): at the forward's `cache_position`
   on 4.57; at the cache's own tensor counter on 5.x, which takes no `cache_position` and is cut back by `crop`.
@@ -196,22 +196,26 @@ def rewind_static_cache(cache: Any, columns: int) -> None:
             layer.crop(-columns)
 
 
+CONTINUOUS_BATCHING_ON_CPU_FROM = (5, 25)  # checked: 4.57.6 fails on the CPU, 5.25 runs (releases between: unchecked)
+
+
 def continuous_batching_refusal(device: torch.device) -> str | None:
     """Why Transformers' continuous batching (`generate_batch`) cannot run on `device` here, or None: 4.57 sizes its
-    paged cache from GPU memory only (4.57.6 fails on the CPU); 5.x runs on both (5.25 checked)."""
-    if TRANSFORMERS_RELEASE >= (5, 0) or device.type == "cuda":
+    paged cache from GPU memory only (4.57.6 fails on the CPU); 5.25 runs on both."""
+    if TRANSFORMERS_RELEASE >= CONTINUOUS_BATCHING_ON_CPU_FROM or device.type == "cuda":
         return None
     return (f"--gen-engine continuous on the {device.type}: Transformers {TRANSFORMERS_VERSION}'s continuous batching "
-            "sizes its cache from GPU memory only; use --gen-engine generate here, or Transformers >= 5")
+            "sizes its cache from GPU memory only (4.57.6 fails on the CPU); use --gen-engine generate here, or "
+            "Transformers 5.25")
 
 
 def generate_batch_arguments(model: torch.nn.Module, settings: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments of `model.generate_batch` (Transformers' continuous batching) for `settings` (a
     `GenerationConfig`'s, eos_token_id a list): where it takes `warmup` (5.25), none (it captures CUDA graphs first);
-    on 4.57 the first EOS id alone (it compares a token with one id: the caller cuts after a later stop id)."""
+    before 5.25 the first EOS id alone (4.57 compares a token with one id: the caller cuts after a later stop id)."""
     from transformers import GenerationConfig
 
-    if TRANSFORMERS_RELEASE < (5, 0):
+    if TRANSFORMERS_RELEASE < CONTINUOUS_BATCHING_ON_CPU_FROM:
         settings = {**settings, "eos_token_id": settings["eos_token_id"][0]}
     warmup = {"warmup": False} if "warmup" in inspect.signature(model.generate_batch).parameters else {}
     return {"generation_config": GenerationConfig(**settings), **warmup}

@@ -237,7 +237,8 @@ def test_an_engine_is_refused_where_it_cannot_run(tmp_path, monkeypatch):
                            draft=make_draft(0))
     monkeypatch.setattr(versions_dflash, "TRANSFORMERS_RELEASE", (4, 57))
     monkeypatch.setattr(versions_dflash, "TRANSFORMERS_VERSION", "4.57.6")
-    with pytest.raises(ValueError, match=r"continuous on the cpu: Transformers 4\.57\.6's continuous batching sizes "
-                                         r"its cache from GPU memory only; use --gen-engine generate here"):
+    refused = (r"continuous on the cpu: Transformers 4\.57\.6.s continuous batching sizes its cache from GPU memory "
+               r"only \(4\.57\.6 fails on the CPU\); use --gen-engine generate here")
+    with pytest.raises(ValueError, match=refused):
         generate_responses(target, tokenizer, ["w5"], tmp_path / "rows.jsonl", progress=False, engine="continuous")
     assert not (tmp_path / "rows.jsonl").exists()  # refused before anything is generated or written

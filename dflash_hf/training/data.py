@@ -379,8 +379,9 @@ def _respond_continuously(target: torch.nn.Module, batch_ids: list[list[int]], t
     for output in outputs.values():
         if output.error is None:
             answers.setdefault(tuple(output.prompt_ids), []).append(list(output.generated_tokens))
-    if sum(map(len, answers.values())) != len(batch_ids):
-        raise RuntimeError(f"continuous batching answered {len(outputs)} of {len(batch_ids)} prompts (its log above "
+    answered = sum(map(len, answers.values()))
+    if answered != len(batch_ids):
+        raise RuntimeError(f"continuous batching answered {answered} of {len(batch_ids)} prompts (its log above "
                            "names the error): rerun with --gen-engine generate")
     return [answers[tuple(ids)].pop() for ids in batch_ids]
 
