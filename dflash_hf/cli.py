@@ -13,6 +13,7 @@ import torch
 
 from .configuration_dflash import DFLASH_HF_VERSION
 from .loading import DTYPES, PUBLISHED_CONFIGS, SMOLLM2, device_description, load_target
+from .training.data import GEN_ENGINES
 from .training.trainer import TrainingSettings
 from .versions_dflash import torch_refusal
 
@@ -93,13 +94,20 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train on prompts I.. only (all are still generated or read; counted over the prompt "
                              "files in order), e.g. a later --init-from stage on rows the draft has not seen")
     parser.add_argument("--gen-batch-size", type=int, default=16,
-                        help='prompts per batched generate call while regenerating responses')
+                        help="prompts per call of the --gen-engine while regenerating responses, per process "
+                             "(generate: one lock-step batch; continuous: the prompts it schedules itself, so give "
+                             "it more, e.g. 256)")
     parser.add_argument("--gen-max-new-tokens", type=int, default=None,
                         help="new tokens of each regenerated response at most (default: what --max-length leaves "
                              "after its prompt, so that no answer is cut before training would cut it)")
     parser.add_argument("--gen-order", choices=["length", "file"], default="length",
                         help="length: the prompts go in batches by length, longest first (less padding, and a batch "
                              "that does not fit fails first); file: in file order. Greedy rows are the same")
+    parser.add_argument("--gen-engine", choices=GEN_ENGINES, default="generate",
+                        help="generate: each batch in lock-step (batched generate, run to its longest answer); "
+                             "continuous: Transformers' continuous batching (generate_batch, paged attention; "
+                             "Transformers 5.25 on the CPU). Greedy rows are the same "
+                             "(docs/training.md, 'Regeneration engines')")
     parser.add_argument("--gen-temperature", type=float, default=0.0,
                         help='temperature of the regenerated responses (0: greedy)')
     parser.add_argument("--gen-dtype", choices=["auto", *DTYPES], default="auto",

@@ -4,7 +4,8 @@
 Every difference the package depends on is answered here, and no other module asks which Transformers or torch is
 installed:
 
-- torch: what needs a newer torch than pyproject's floor (`torch_refusal`: `compile=True`), and whether SDPA's own
+- torch: what needs a newer torch than pyproject's floor (`torch_refusal`: `compile=True`, FSDP training's sharded
+  safetensors checkpoints), and whether SDPA's own
   grouped-query mode gives the numbers of Transformers' copied heads (`exact_grouped_query_sdpa`);
 - the forward's cache keyword (`cache_keyword`, `returned_cache`): `past_key_values` on 4.57, `cache` on 5.x;
 - recurrent states (`is_linear_attention_layer`): model-specific caches on 4.57, linear-attention cache layers on 5.x;
@@ -17,6 +18,8 @@ installed:
   function modules, whose calls a chain's rollback replays (`gated_delta_functions`): from 5.25 on;
 - Transformers' own assisted decoding on recurrent targets (`assisted_decoding_runs_recurrent_targets`): refused
   (`_is_stateful`) before 5.25; from 5.25 on it runs them by recording past states and cropping them;
+- Transformers' continuous batching (`continuous_batching_refusal`, `generate_batch_arguments`): 5.25 runs it on the
+  CPU too and stops on a list of EOS ids; 4.57 sizes its cache from GPU memory only and stops on one id;
 - where a `StaticCache` writes (`static_write_arguments`, `rewind_static_cache`): at the forward's `cache_position`
   on 4.57; at the cache's own tensor counter on 5.x, which takes no `cache_position` and is cut back by `crop`.
 
@@ -45,10 +48,18 @@ TORCH_VERSION = torch.__version__  # "2.15.0+cu130"
 TORCH_RELEASE = tuple(int(part) for part in TORCH_VERSION.split("+")[0].split(".")[:2])  # (2, 15)
 
 OLDEST_TORCH = (2, 6)  # pyproject's floor: Transformers 5.25 needs it (CI runs the oldest set on 2.6.0)
-# Features that need a newer torch than the floor: (the oldest release they were checked on here, why not older).
+# Features that need a newer torch than the floor: (the oldest release they were checked on here, why not older, the
+# way to run without them).
 NEWER_TORCH_FEATURES = {
     "compile=True": ((2, 13), "on torch 2.6 dynamo breaks Llama's and Gemma's forwards into several graphs and "
-                              "recompiles the verify after its first step"),
+                              "recompiles the verify after its first step", "leave compile=True off"),
+    # checked in the sources of torch 2.8.0, 2.9.0, 2.13.0, 2.14.1 and run on 2.15.0
+    "FSDP training": ((2, 9), "its sharded checkpoints are safetensors written and read by torch.distributed."
+                              "checkpoint's HuggingFaceStorageWriter(save_distributed=True) and "
+                              "HuggingFaceStorageReader, which 2.9 has as 2.15 does; 2.8's take other arguments "
+                              "through fsspec, and older torches have none (their own format pickles its index)",
+                      "train data-parallel without the FSDP config (accelerate launch without examples/"
+                      "accelerate_fsdp.yaml: whole checkpoints)"),
 }
 GROUPED_QUERY_SDPA_EXACT_FROM = (2, 9)  # measured: 2.6 and 2.8 differ in the last bits; 2.9 on are bit-equal
 
@@ -56,11 +67,11 @@ GROUPED_QUERY_SDPA_EXACT_FROM = (2, 9)  # measured: 2.6 and 2.8 differ in the la
 def torch_refusal(feature: str) -> str | None:
     """Why the installed torch cannot run `feature` (a key of NEWER_TORCH_FEATURES), naming the release it needs, or
     None."""
-    oldest, reason = NEWER_TORCH_FEATURES[feature]
+    oldest, reason, without = NEWER_TORCH_FEATURES[feature]
     if TORCH_RELEASE >= oldest:
         return None
     return (f"{feature} needs torch >= {oldest[0]}.{oldest[1]} ({reason}); this is torch {TORCH_VERSION}. Upgrade "
-            "torch (README, \"Which torch\") or leave the feature off.")
+            f"torch (README, \"Which torch\"), or {without}.")
 
 
 def exact_grouped_query_sdpa() -> bool:
@@ -183,3 +194,28 @@ def rewind_static_cache(cache: Any, columns: int) -> None:
     for layer in cache.layers:  # attention layers only (a recurrent layer of a hybrid target has no columns)
         if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
             layer.crop(-columns)
+
+
+CONTINUOUS_BATCHING_ON_CPU_FROM = (5, 25)  # checked: 4.57.6 fails on the CPU, 5.25 runs (releases between: unchecked)
+
+
+def continuous_batching_refusal(device: torch.device) -> str | None:
+    """Why Transformers' continuous batching (`generate_batch`) cannot run on `device` here, or None: 4.57 sizes its
+    paged cache from GPU memory only (4.57.6 fails on the CPU); 5.25 runs on both."""
+    if TRANSFORMERS_RELEASE >= CONTINUOUS_BATCHING_ON_CPU_FROM or device.type == "cuda":
+        return None
+    return (f"--gen-engine continuous on the {device.type}: Transformers {TRANSFORMERS_VERSION}'s continuous batching "
+            "sizes its cache from GPU memory only (4.57.6 fails on the CPU); use --gen-engine generate here, or "
+            "Transformers 5.25")
+
+
+def generate_batch_arguments(model: torch.nn.Module, settings: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of `model.generate_batch` (Transformers' continuous batching) for `settings` (a
+    `GenerationConfig`'s, eos_token_id a list): where it takes `warmup` (5.25), none (it captures CUDA graphs first);
+    before 5.25 the first EOS id alone (4.57 compares a token with one id: the caller cuts after a later stop id)."""
+    from transformers import GenerationConfig
+
+    if TRANSFORMERS_RELEASE < CONTINUOUS_BATCHING_ON_CPU_FROM:
+        settings = {**settings, "eos_token_id": settings["eos_token_id"][0]}
+    warmup = {"warmup": False} if "warmup" in inspect.signature(model.generate_batch).parameters else {}
+    return {"generation_config": GenerationConfig(**settings), **warmup}

@@ -8,14 +8,16 @@ FSDP (started by `accelerate launch --config_file examples/accelerate_fsdp.yaml`
 with the CLI ARGS (their --output: FOLDER/cli/run). Every process records what it did in each mode in
 FOLDER/<mode>/records/rank<i>.json (outside the run folder): the files it wrote under the run folder (seen by an audit
 hook), the loss of each of its own sequences, the rows and anchor seed of each of its micro-batches (by phase: the
-run, the interrupted and the resumed one), the prompts it generated, the evaluations it ran and (the first mode's
-record: the group starts once per launch) its process group's timeout.
+run, the interrupted and the resumed one), the prompts it generated, the evaluations it ran, every call that reads
+a pickle from a file (`pickle.load`, `torch.load`) and (the first mode's record: the group starts once per launch)
+its process group's timeout.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,7 @@ WATCHED = {"root": ""}  # the current mode's run folder, as an absolute path
 def new_record() -> dict[str, Any]:
     """A mode's record before it runs."""
     return {"rank": RANK, "writes": [], "local_losses": [], "generated": [], "evaluations": 0, "recording": True,
-            "phase": "run", "rows": {}, "process_group_timeouts": []}
+            "phase": "run", "rows": {}, "process_group_timeouts": [], "unpickled": []}
 
 
 def watch_writes() -> None:
@@ -68,7 +70,8 @@ def watch_writes() -> None:
 
 
 def record_calls() -> None:
-    """Wrap the loss, the generation and the evaluation so this process counts its own calls."""
+    """Wrap the loss, the generation and the evaluation so this process counts its own calls, and the two ways to
+    read a pickle file (torch.distributed's object collectives unpickle in memory, through `pickle.Unpickler`)."""
     loss, respond = trainer.packed_dflash_loss, dflash_hf.training.data._respond
     evaluate = dflash_hf.training.command.evaluate_draft
 
@@ -102,6 +105,14 @@ def record_calls() -> None:
         RECORD["process_group_timeouts"].append(None if timeout is None else timeout.total_seconds())
         return init_process_group(*args, **kwargs)
 
+    def recorded_unpickling(name: str, load: Any) -> Any:  # records the call (and its phase), then unpickles
+        def recorded(*args, **kwargs):
+            RECORD["unpickled"].append([name, RECORD["phase"]])
+            return load(*args, **kwargs)
+        return recorded
+
+    pickle.load = recorded_unpickling("pickle.load", pickle.load)
+    torch.load = torch.serialization.load = recorded_unpickling("torch.load", torch.load)
     init_process_group = torch.distributed.init_process_group
     torch.distributed.init_process_group = counted_init
     trainer.packed_dflash_loss = counted_loss

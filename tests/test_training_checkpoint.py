@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from dataclasses import asdict, replace
@@ -14,6 +15,8 @@ from safetensors.torch import load_file
 from transformers import get_cosine_schedule_with_warmup
 
 import dflash_hf
+import dflash_hf.versions_dflash as versions_dflash
+from dflash_hf.training.processes import check_fsdp_applies
 from dflash_hf.training.trainer import (
     CHECKPOINT_DIR,
     DRAFT_WEIGHTS_FILE,
@@ -163,6 +166,38 @@ def test_a_checkpoint_of_the_torch_file_format_is_refused_with_the_way_out(tmp_p
     (folder / STATE_FILE).write_text(json.dumps({"format": 7}))
     with pytest.raises(ValueError, match="unknown checkpoint format 7, expected 2"):
         load_checkpoint(folder, *[None] * 3)
+
+
+def test_fsdp_is_refused_exactly_where_torch_lacks_the_safetensors_storage_of_its_sharded_checkpoints():
+    """FSDP checkpoints are sharded safetensors through torch.distributed.checkpoint's HuggingFaceStorageWriter
+    (`save_distributed`) and HuggingFaceStorageReader: the installed torch is refused exactly when it lacks them (on
+    CI's oldest end, torch 2.6, it is refused)."""
+    import torch.distributed.checkpoint as dcp
+
+    writer = getattr(dcp, "HuggingFaceStorageWriter", None)
+    storage = (writer is not None and "save_distributed" in inspect.signature(writer).parameters
+               and hasattr(dcp, "HuggingFaceStorageReader"))
+    assert (versions_dflash.torch_refusal("FSDP training") is None) == storage
+
+
+def test_fsdp_on_an_older_torch_is_refused_before_loading_naming_the_release_and_the_way_out(tmp_path, monkeypatch):
+    from accelerate.utils import DistributedType
+
+    monkeypatch.setattr(versions_dflash, "TORCH_RELEASE", (2, 8))
+    monkeypatch.setattr(versions_dflash, "TORCH_VERSION", "2.8.0+cu128")
+    oldest = versions_dflash.NEWER_TORCH_FEATURES["FSDP training"][0]
+    needs = (rf"FSDP training needs torch >= {oldest[0]}\.{oldest[1]} \(.*HuggingFaceStorageWriter.*\); this is "
+             r"torch 2\.8\.0\+cu128\. Upgrade torch \(README, \"Which torch\"\), or train data-parallel without the "
+             r"FSDP config")
+    fsdp_gpu = type("State", (), {"distributed_type": DistributedType.FSDP, "device": torch.device("cuda")})()
+    with pytest.raises(ValueError, match=needs):  # what `dflash-hf train` and `train_draft` check first
+        check_fsdp_applies(fsdp_gpu)
+    folder = tmp_path / CHECKPOINT_DIR  # a sharded checkpoint: refused before torch.distributed.checkpoint reads it
+    folder.mkdir()
+    (folder / STATE_FILE).write_text(json.dumps({"format": 2, "sharded": True, **asdict(TrainingLog(steps=2))}))
+    (folder / OPTIMIZER_SCHEDULER_FILE).write_text(json.dumps({"optimizer": {"param_groups": []}, "scheduler": {}}))
+    with pytest.raises(ValueError, match=needs):
+        load_checkpoint(folder, make_draft(0, block_size=4), None, None)
 
 
 def test_optimizer_state_splits_into_tensors_and_json_and_joins_back_exactly():

@@ -12,6 +12,7 @@ from helpers import make_draft, make_target, make_tokenizer, plain_greedy
 from dflash_hf.prompts import chat_prompt_ids
 from dflash_hf.smollm2 import publish_folder
 from dflash_hf.training.data import generate_responses, read_prompts, read_rows, rows_by_index
+from dflash_hf.versions_dflash import continuous_batching_refusal
 
 
 def in_order(path, count: int) -> list[dict]:
@@ -198,3 +199,46 @@ def test_training_without_datasets_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if it were not installed
     with pytest.raises(ImportError, match=r"pip install 'dflash-hf\[train\]'"):
         check_datasets_installed()
+
+
+@pytest.mark.skipif(continuous_batching_refusal(torch.device("cpu")) is not None,
+                    reason="this Transformers' continuous batching runs on a GPU only")
+def test_continuous_batching_gives_generates_greedy_rows(tmp_path, monkeypatch):
+    import dflash_hf.training.data as data
+
+    target, tokenizer = make_target("llama", seed=2), make_tokenizer()
+    prompts = ["w5 w6", "w40 w41 w42 w43 w44", "w33 w34 w35", "w5 w6", "w60 w61 w62 w63 w64 w65 w66"]  # one twice
+    calls, generate_batch = [], target.generate_batch
+
+    def counted_generate_batch(inputs, **kwargs):
+        calls.append(len(inputs))
+        return generate_batch(inputs, **kwargs)
+
+    monkeypatch.setattr(target, "generate_batch", counted_generate_batch)
+    monkeypatch.setattr(data, "_respond", None)  # batched generate is not called
+    generate_responses(target, tokenizer, prompts, tmp_path / "rows.jsonl", batch_size=len(prompts), max_new_tokens=6,
+                       progress=False, engine="continuous")
+    assert calls == [len(prompts)]  # one call: the engine schedules the prompts itself
+    rows = in_order(tmp_path / "rows.jsonl", len(prompts))
+    for row in rows:  # each the target's own greedy answer, generated alone (cut after its stop token)
+        alone = plain_greedy(target, torch.tensor([row["prompt_ids"]]), 6, stop_token_ids=[1])
+        assert row["response_ids"] == alone[0, len(row["prompt_ids"]):].tolist()
+    assert rows[0]["response_ids"] == rows[3]["response_ids"]  # a prompt given twice: each copy answered
+
+
+def test_an_engine_is_refused_where_it_cannot_run(tmp_path, monkeypatch):
+    import dflash_hf.versions_dflash as versions_dflash
+
+    target, tokenizer = make_target("llama", seed=2), make_tokenizer()
+    with pytest.raises(ValueError, match=r"--gen-engine 'vllm': expected one of \['generate', 'continuous'\]"):
+        generate_responses(target, tokenizer, ["w5"], tmp_path / "rows.jsonl", progress=False, engine="vllm")
+    with pytest.raises(ValueError, match="--gen-draft runs spec_generate on its own batches"):
+        generate_responses(target, tokenizer, ["w5"], tmp_path / "rows.jsonl", progress=False, engine="continuous",
+                           draft=make_draft(0))
+    monkeypatch.setattr(versions_dflash, "TRANSFORMERS_RELEASE", (4, 57))
+    monkeypatch.setattr(versions_dflash, "TRANSFORMERS_VERSION", "4.57.6")
+    refused = (r"continuous on the cpu: Transformers 4\.57\.6.s continuous batching sizes its cache from GPU memory "
+               r"only \(4\.57\.6 fails on the CPU\); use --gen-engine generate here")
+    with pytest.raises(ValueError, match=refused):
+        generate_responses(target, tokenizer, ["w5"], tmp_path / "rows.jsonl", progress=False, engine="continuous")
+    assert not (tmp_path / "rows.jsonl").exists()  # refused before anything is generated or written

@@ -25,6 +25,7 @@ import pytest
 import torch
 from distributed_worker import train_rows
 from helpers import make_draft, make_target, save_tiny_target_and_prompts
+from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import get_cosine_schedule_with_warmup
 
@@ -139,13 +140,25 @@ def checkpoint_weights(folder: Path) -> dict[str, torch.Tensor]:
         return load_file(folder / DRAFT_WEIGHTS_FILE)
     import torch.distributed.checkpoint as dcp
 
-    stored = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    reader = dcp.HuggingFaceStorageReader(str(folder))
+    stored = reader.read_metadata().state_dict_metadata
     weights = {key.removeprefix("model."): torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
                for key, entry in stored.items() if key.startswith("model.")}
     with warnings.catch_warnings():  # that it loads in one process, as meant
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load({"model": weights}, checkpoint_id=folder, no_dist=True)
+        dcp.load({"model": weights}, storage_reader=reader, no_dist=True)
     return weights
+
+
+def assert_no_pickle(folder: Path) -> None:
+    """Every file of a checkpoint `folder` is JSON or safetensors (whose header is JSON): none is a pickle."""
+    for path in folder.iterdir():
+        if path.suffix == ".json":
+            json.loads(path.read_text())
+        else:
+            assert path.suffix == ".safetensors", path
+            with safe_open(path, framework="pt") as handle:  # a pickle fails here: its first 8 bytes are no length
+                assert len(handle.keys()) > 0
 
 
 def training_log(output: Path) -> dict:
@@ -226,12 +239,16 @@ def test_fsdp_trains_the_sharded_draft_as_ddp_does_and_resumes_exactly(fsdp_run,
         assert record["resumed"]["losses"] == log["losses"]
         assert record["resumed"]["weights_sum"] == records[0]["weights_sum"]
     # a sharded checkpoint: each process wrote its own shard (torch.distributed.checkpoint), nothing was gathered
+    shards = [f"shard-0000{rank}-model-00001-of-00001.safetensors" for rank in (1, 2)]  # HuggingFaceStorageWriter's
     assert {path for _, path in records[1]["writes"]} == {  # dcp.save's mkdir(exist_ok) of the folder, and its shard
-        f"{CHECKPOINT_DIR}.tmp", os.path.join(f"{CHECKPOINT_DIR}.tmp", "__1_0.distcp")}
+        f"{CHECKPOINT_DIR}.tmp", os.path.join(f"{CHECKPOINT_DIR}.tmp", shards[1])}
     for checkpoint in (CHECKPOINT_DIR, f"{CHECKPOINT_DIR}-4"):  # rotated as a whole checkpoint is (keep 2)
-        assert {path.name for path in (output / checkpoint).iterdir()} == {
-            ".metadata", "__0_0.distcp", "__1_0.distcp", OPTIMIZER_SCHEDULER_FILE, STATE_FILE}
+        assert {path.name for path in (output / checkpoint).iterdir()} == {*shards, OPTIMIZER_SCHEDULER_FILE,
+                                                                          STATE_FILE}
         assert json.loads((output / checkpoint / STATE_FILE).read_text())["sharded"] is True
+        assert_no_pickle(output / checkpoint)
+    # no pickle: no process read one from a file (pickle.load, torch.load), in the run or the resumed one
+    assert [record["unpickled"] for record in records] == [[], []]
     # the held-out evaluation saw the whole draft, gathered from the shards: the weights data-parallel training had
     held_out, ddp_held_out = records[0]["held_out"], train_run[1][0]["held_out"]
     assert [evaluation["step"] for evaluation in held_out] == [0, 3, 6] and records[1]["held_out"] == held_out

@@ -14,6 +14,7 @@ from helpers import make_draft, make_target, make_tokenizer, plain_greedy, save_
 from safetensors.torch import load_file
 
 from dflash_hf.cli import build_parser, main
+from dflash_hf.devices_dflash import GROUPED_QUERY_SDPA
 from dflash_hf.prompts import chat_prompt_ids
 from dflash_hf.training.command import training_settings, training_target_dtype
 from dflash_hf.training.data import answer_cap, generate_responses, rows_by_index
@@ -26,6 +27,7 @@ from dflash_hf.training.trainer import (
     kept_checkpoints,
     train_draft,
 )
+from dflash_hf.versions_dflash import continuous_batching_refusal
 
 SETTINGS = TrainingSettings(epochs=2, learning_rate=2e-3, num_anchors=8, checkpoint_every=2, keep_checkpoints=3)
 
@@ -135,3 +137,26 @@ def test_every_prompt_is_answered_by_default_the_last_row_held_out_and_a_bf16_ev
         assert saved[name].dtype == torch.float32 and torch.equal(saved[name], tensor), name
     card = (run / "draft" / "README.md").read_text()
     assert "bfloat16" in card and "up to 14 tokens with the prompt" in card
+
+
+@pytest.mark.skipif(continuous_batching_refusal(torch.device("cpu")) is not None,
+                    reason="this Transformers' continuous batching runs on a GPU only")
+def test_generate_only_through_continuous_batching_writes_generates_rows(tmp_path, monkeypatch):
+    import dflash_hf.training.command as command
+
+    prompts = save_tiny_target_and_prompts(tmp_path, 3)
+    attention, generate = {}, command.generate_responses
+
+    def recorded(target, *args, engine, **kwargs):  # the attention each engine generates with
+        attention[engine] = target.config._attn_implementation
+        return generate(target, *args, engine=engine, **kwargs)
+
+    monkeypatch.setattr(command, "generate_responses", recorded)
+    for engine in ("generate", "continuous"):
+        main(["train", "--target", str(tmp_path / "target"), "--output", str(tmp_path / engine), "--prompts",
+              str(prompts), "--gen-max-new-tokens", "6", "--gen-batch-size", "3", "--generate-only",
+              "--gen-engine", engine])
+    generated, continuous = (rows_by_index(tmp_path / engine / "responses.jsonl", range(3))
+                             for engine in ("generate", "continuous"))
+    assert list(continuous) == list(generated)
+    assert attention == {"generate": GROUPED_QUERY_SDPA, "continuous": "sdpa"}  # the CPU target's, and paged sdpa's

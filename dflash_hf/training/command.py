@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from ..devices_dflash import target_device
+from ..devices_dflash import GROUPED_QUERY_SDPA, target_device
 from ..evaluation import evaluate_draft
+from ..kernels_dflash import use_grouped_query_sdpa
 from ..loading import DTYPES, SHIPPED_DRAFT, SMOLLM2, SMOLLM2_HUB_ID, device_description, load_target
 from ..model_card import card_info_for_config, write_model_card
 from ..modeling_dflash import DFlashDraftModel
@@ -114,6 +115,24 @@ def training_settings(args: argparse.Namespace) -> TrainingSettings:
         process_group_timeout_minutes=args.process_group_timeout, report_to=args.report_to)
 
 
+def regenerate(args: argparse.Namespace, target: torch.nn.Module, tokenizer: Any, prompts: list[str],
+               responses: Path) -> int:
+    """Answer every prompt into `responses` (`generate_responses` with the --gen-* flags); returns the row count.
+    Continuous batching pages "sdpa" itself: a target `load_target` switched to grouped_query_sdpa generates with
+    "sdpa" and is switched back after."""
+    paged = args.gen_engine == "continuous" and target.config._attn_implementation == GROUPED_QUERY_SDPA
+    if paged:  # continuous batching pages "sdpa" itself, not load_target's grouped_query_sdpa: back to it after
+        target.set_attn_implementation("sdpa")
+    rows = generate_responses(target, tokenizer, prompts, responses, batch_size=args.gen_batch_size,
+                              max_new_tokens=args.gen_max_new_tokens, max_length=args.max_length,
+                              temperature=args.gen_temperature, seed=args.seed,
+                              by_length=args.gen_order == "length", engine=args.gen_engine,
+                              draft=generation_draft(args.gen_draft, target), seed_paths=args.responses)
+    if paged:
+        use_grouped_query_sdpa(target)
+    return rows
+
+
 def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     """Generate data, train, measure tau and speed the way `bench` does, save `OUTPUT/draft` with its card.
 
@@ -134,11 +153,7 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     target, tokenizer = load_target(args.target, training_target_dtype(args.gen_dtype, device))
     target = target.to(device)  # generation runs where training will
     responses = output / "responses.jsonl"
-    num_rows = generate_responses(target, tokenizer, prompts, responses, batch_size=args.gen_batch_size,
-                                  max_new_tokens=args.gen_max_new_tokens, max_length=args.max_length,
-                                  temperature=args.gen_temperature, seed=args.seed,
-                                  by_length=args.gen_order == "length",
-                                  draft=generation_draft(args.gen_draft, target), seed_paths=args.responses)
+    num_rows = regenerate(args, target, tokenizer, prompts, responses)
     if args.generate_only:
         if state.is_main_process:
             print(f"{num_rows} rows in {responses}")

@@ -21,8 +21,11 @@ from ..devices_dflash import target_device
 from ..prompts import read_conversations, user_prompt_ids
 from ..sampling_dflash import cut_after_stop
 from ..tokens_dflash import generation_tokens
+from ..versions_dflash import continuous_batching_refusal, generate_batch_arguments
 from .processes import gather_json, num_rounds, process_state, round_share
 from .store import row_tokens
+
+GEN_ENGINES = ("generate", "continuous")  # --gen-engine: how the target answers prompts (generate_responses)
 
 
 def read_prompts(paths: Iterable[str | Path], limit: int | None = None) -> list[str]:
@@ -208,6 +211,7 @@ def generate_responses(
     draft: torch.nn.Module | None = None,
     seed_paths: Sequence[str | Path] = (),
     by_length: bool = True,
+    engine: str = "generate",
 ) -> int:
     """Regenerate a response for every prompt with the target into `output_path`; returns the number of prompts,
     every one then answered there once (`rows_by_index` reads them back in prompt order).
@@ -219,11 +223,22 @@ def generate_responses(
     longest first: a batch pads its prompts less, and one that does not fit in memory fails first (greedy rows are
     the same either way). Rows of the `seed_paths` files (`.jsonl` or `.jsonl.gz`) answer the prompts whose rendered
     ids they hold, wherever those prompts sit in `prompts` (copied in, re-indexed). With a `draft`, the batches run
-    through `spec_generate` (lossless, so the rows are the target's own output), otherwise `generate`. Under
+    through `spec_generate` (lossless, so the rows are the target's own output), otherwise through the `engine`
+    (GEN_ENGINES): "generate", the batch in lock-step, padded to its longest prompt and run to its longest answer;
+    "continuous", Transformers' continuous batching (`generate_batch`: paged attention, a finished answer's slot goes
+    to the next prompt at once), the same rows greedy. Under
     `accelerate launch` / `torchrun` every process calls this with the same prompts: the prompts still to answer are
     shared out in rounds of one batch per process, each round's rows gathered, and only the main process writes
     `output_path`.
     """
+    if engine not in GEN_ENGINES:
+        raise ValueError(f"--gen-engine {engine!r}: expected one of {list(GEN_ENGINES)}")
+    if draft is not None and engine != "generate":
+        raise ValueError(f"--gen-draft runs spec_generate on its own batches: leave --gen-engine {engine} out "
+                         "(generate), or the draft")
+    refusal = continuous_batching_refusal(target_device(target)) if engine == "continuous" else None
+    if refusal is not None:
+        raise ValueError(refusal)
     state = process_state()
     if state.is_main_process:  # repairs a cut line and appends the seeded rows before any other process reads
         answered = _answered_prompts(output_path, tokenizer, prompts, seed_paths, writer=True)
@@ -245,7 +260,7 @@ def generate_responses(
             indices = round_share(todo, batch_size, round_index, state.process_index, state.num_processes)
             mine = _generate_rows(target, draft, [(i, prompt_ids[i]) for i in indices], tokens, device,
                                   [answer_cap(len(prompt_ids[i]), max_new_tokens, max_length) for i in indices],
-                                  temperature)
+                                  temperature, engine)
             generated = gather_json(mine, state)  # every process's rows of this round, in todo order
             if handle is not None:
                 handle.writelines(json.dumps(row) + "\n" for row in generated)
@@ -292,14 +307,19 @@ def answer_cap(prompt_length: int, max_new_tokens: int | None, max_length: int |
 
 
 def _generate_rows(target: torch.nn.Module, draft: torch.nn.Module | None, prompts: list[tuple[int, list[int]]],
-                   tokens: Any, device: torch.device, caps: list[int], temperature: float) -> list[dict]:
-    """The rows {"index", "prompt_ids", "response_ids"} of one batch of (index, prompt ids), each answer at most its
-    cap of new tokens (the batch runs to the largest, then each is cut to its own); none for no prompts."""
+                   tokens: Any, device: torch.device, caps: list[int], temperature: float,
+                   engine: str = "generate") -> list[dict]:
+    """The rows {"index", "prompt_ids", "response_ids"} of one batch of (index, prompt ids) through `engine`, each
+    answer at most its cap of new tokens (the batch runs to the largest, then each is cut to its own and after its
+    first stop token); none for no prompts."""
     if not prompts:  # a process with nothing left in this round still joins its gather
         return []
     batch_ids = [ids for _, ids in prompts]
-    input_ids, attention_mask = left_pad(batch_ids, tokens.pad_token_id, device)  # [n, T]
-    responses = _respond(target, draft, input_ids, attention_mask, tokens, max(caps), temperature)
+    if engine == "continuous":
+        responses = _respond_continuously(target, batch_ids, tokens, max(caps), temperature)
+    else:
+        input_ids, attention_mask = left_pad(batch_ids, tokens.pad_token_id, device)  # [n, T]
+        responses = _respond(target, draft, input_ids, attention_mask, tokens, max(caps), temperature)
     return [{"index": index, "prompt_ids": ids,
              "response_ids": cut_after_stop(generated[:cap], frozenset(tokens.stop_token_ids))}
             for (index, ids), generated, cap in zip(prompts, responses, caps)]
@@ -345,6 +365,25 @@ def _respond(target: torch.nn.Module, draft: torch.nn.Module | None, input_ids: 
                              pad_token_id=tokens.pad_token_id, eos_token_id=tokens.stop_token_ids,
                              do_sample=temperature > 0, **sampling)
     return output[:, input_ids.shape[1]:].tolist()
+
+
+def _respond_continuously(target: torch.nn.Module, batch_ids: list[list[int]], tokens: Any, max_new_tokens: int,
+                          temperature: float) -> list[list[int]]:
+    """The new tokens of each prompt through Transformers' continuous batching (`generate_batch`), in prompt order;
+    a prompt it did not answer (its generation thread logs the error and returns the others) raises."""
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    settings = {"max_new_tokens": max_new_tokens, "pad_token_id": tokens.pad_token_id,
+                "eos_token_id": list(tokens.stop_token_ids), **sampling}
+    outputs = target.generate_batch(batch_ids, progress_bar=False, **generate_batch_arguments(target, settings))
+    answers: dict[tuple[int, ...], list[list[int]]] = {}  # by prompt: a prompt given twice has two answers
+    for output in outputs.values():
+        if output.error is None:
+            answers.setdefault(tuple(output.prompt_ids), []).append(list(output.generated_tokens))
+    answered = sum(map(len, answers.values()))
+    if answered != len(batch_ids):
+        raise RuntimeError(f"continuous batching answered {answered} of {len(batch_ids)} prompts (its log above "
+                           "names the error): rerun with --gen-engine generate")
+    return [answers[tuple(ids)].pop() for ids in batch_ids]
 
 
 def _progress(total: int, done: int, enabled: bool, description: str):

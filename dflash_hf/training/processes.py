@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..versions_dflash import torch_refusal
+
 if TYPE_CHECKING:
     from accelerate import PartialState
     from accelerate.utils import InitProcessGroupKwargs
@@ -94,13 +96,24 @@ def gather_json(items: list[Any], state: PartialState) -> list[Any]:
     return [item for row, length in zip(everyone, lengths) for item in json.loads(bytes(row[:length].tolist()))]
 
 
+def check_fsdp_torch() -> None:
+    """Refuse FSDP training, whose checkpoints are sharded safetensors, on a torch without their storage
+    (`versions_dflash.torch_refusal`, feature "FSDP training")."""
+    refusal = torch_refusal("FSDP training")
+    if refusal is not None:
+        raise ValueError(refusal)
+
+
 def check_fsdp_applies(state: PartialState) -> None:
-    """Refuse an FSDP launch (`accelerate launch --config_file` of a config with `distributed_type: FSDP`) that
-    Accelerate would run unsharded: it applies its FSDP plugin to GPU processes only (CPU processes are
-    `MULTI_CPU`, DDP), so the draft would not be sharded as asked."""
+    """Refuse an FSDP launch (`accelerate launch --config_file` of a config with `distributed_type: FSDP`) on a torch
+    too old for its sharded checkpoints (`check_fsdp_torch`), or one that Accelerate would run unsharded: it applies
+    its FSDP plugin to GPU processes only (CPU processes are `MULTI_CPU`, DDP), so the draft would not be sharded as
+    asked."""
     from accelerate.utils import DistributedType
 
     asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if asked or state.distributed_type == DistributedType.FSDP:
+        check_fsdp_torch()
     if asked and state.device.type == "cpu" and state.distributed_type != DistributedType.FSDP:
         raise ValueError("the Accelerate config asks for FSDP, which Accelerate applies on GPUs only: these are CPU "
                          "processes, which would train unsharded. On a CPU launch without the FSDP config "

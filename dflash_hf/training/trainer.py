@@ -31,7 +31,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from ..modeling_dflash import DFlashDraftModel
 from .objective import StepResult, TargetSignals, packed_dflash_loss, target_signals, teacher_rows
-from .processes import check_fsdp_applies, epoch_order, gather_json, process_group_kwargs
+from .processes import check_fsdp_applies, check_fsdp_torch, epoch_order, gather_json, process_group_kwargs
 from .store import SequenceStore, row_tokens
 
 if TYPE_CHECKING:
@@ -380,30 +380,34 @@ def sharded_state(draft: torch.nn.Module, optimizer: torch.optim.Optimizer) -> t
 
 def save_sharded_state(staging: Path, draft: torch.nn.Module, optimizer: torch.optim.Optimizer,
                        main_process: bool) -> dict[str, Any]:
-    """Every process writes its shards of the weights and the optimiser's tensors into a new `staging` folder with
-    torch.distributed.checkpoint (`dcp.save`: one `__<process>_0.distcp` file each, and the main process the
-    `.metadata` index); a collective. Returns the optimiser's param groups (JSON-ready), which stay out of it."""
+    """Every process writes its shards of the weights and the optimiser's tensors into a new `staging` folder as one
+    safetensors file (`dcp.save` through `HuggingFaceStorageWriter(save_distributed=True)`: keys "model.<param>",
+    "optimizer.<param>.<name>", each shard's offsets in the file's metadata; no index file, nothing pickled); a
+    collective. Returns the optimiser's param groups (JSON-ready), which stay out of it."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    check_fsdp_torch()
     if main_process:
         shutil.rmtree(staging, ignore_errors=True)  # a stale one from a save that was interrupted
         staging.mkdir(parents=True)
     dist.barrier()  # the folder is new before any process writes into it
     tensors, rest = sharded_state(draft, optimizer)
-    dcp.save(tensors, checkpoint_id=staging)
+    dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(staging), save_distributed=True))
     return rest
 
 
 def load_sharded_state(folder: Path, draft: torch.nn.Module, optimizer: torch.optim.Optimizer,
                        rest: dict[str, Any]) -> None:
     """Load a checkpoint `save_sharded_state` wrote into the draft and its optimiser: each process reads its own
-    shards (`dcp.load`), then `set_state_dict`; a collective."""
+    shards from the safetensors files (`dcp.load` through `HuggingFaceStorageReader`, which finds the shards from the
+    files' own headers), then `set_state_dict`; a collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    check_fsdp_torch()
     tensors, _ = sharded_state(draft, optimizer)  # the shapes and shards to read into
-    dcp.load(tensors, checkpoint_id=folder)
+    dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(folder)))
     set_state_dict(draft, optimizer, model_state_dict=tensors["model"],
                    optim_state_dict={"state": tensors["optimizer"], "param_groups": rest["param_groups"]})
 
