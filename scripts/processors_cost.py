@@ -4,7 +4,7 @@ the same arguments, its draft shaped by the processors (draft_processors="built"
 (draft_processors="none"); greedy, SmolLM2-135M-Instruct with the shipped draft, one thread (MEASUREMENTS.md,
 "generate's processors").
 
-    python scripts/processors_cost.py --dataset gsm8k humaneval --num-prompts 4 --max-new-tokens 128
+    python scripts/processors_cost.py --dataset gsm8k humaneval --num-prompts 4 --max-new-tokens 128 [--block-size 3]
 """
 
 from __future__ import annotations
@@ -45,14 +45,16 @@ def main() -> None:
     parser.add_argument("--dataset", nargs="+", default=["gsm8k", "humaneval"], choices=sorted(FILES))
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=None, help="default: the draft's trained size")
     args = parser.parse_args()
     torch.set_num_threads(1)
     target, tokenizer, draft = load_demo()
     stops = generation_tokens(target, tokenizer).stop_token_ids
     common = {"max_new_tokens": args.max_new_tokens, "pad_token_id": stops[0]}
+    spec = {"block_size": args.block_size} if args.block_size else {}
     warm = torch.tensor([user_prompt_ids(tokenizer, "Hello")])  # first calls time the CPU kernels: not measured
     target.generate(warm, attention_mask=torch.ones_like(warm), do_sample=False, **common)
-    draft.spec_generate(target=target, input_ids=warm, temperature=0.0, stop_token_ids=stops, **common)
+    draft.spec_generate(target=target, input_ids=warm, temperature=0.0, stop_token_ids=stops, **common, **spec)
     print("| set | arguments | generate s | draft sees them: s, speedup, tau | draft does not: s, speedup, tau "
           "| equal |\n|---|---|---:|---|---|---|")
     for dataset in args.dataset:
@@ -71,7 +73,7 @@ def main() -> None:
                 for prompt, plain in zip(prompts, outputs):
                     seconds, result = timed(draft.spec_generate, target=target, input_ids=prompt,
                                             temperature=0.0, stop_token_ids=stops, return_stats=True,
-                                            draft_processors=choice, **common, **arguments)
+                                            draft_processors=choice, **common, **spec, **arguments)
                     spec_seconds += seconds
                     equal &= torch.equal(result.output_ids, plain)
                     taus.append(result.tau)
