@@ -68,11 +68,11 @@ def rollback_mixers(target: torch.nn.Module, cache: Any) -> list[Mixer]:
     mixers = find_mixers(target, layer_ids)
     if isinstance(mixers, str):
         raise ValueError(f"Target {type(target).__name__} has recurrent layers {layer_ids}, but {mixers}: dflash-hf "
-                         "cannot roll their state back after a verify. See README, \"Hybrid targets\".")
+                         "cannot roll their state back after a verify. See docs/hybrid.md.")
     kernels = sorted({name for mixer in mixers for name in kernel_replacements(mixer.module)})
     if kernels:
         raise ValueError(f"Target {type(target).__name__} runs Hub kernels in its recurrent layers that are handed "
                          f"the cache ({', '.join(kernels)}): they may keep state outside the cache, where dflash-hf "
                          "cannot roll it back after a verify. Load the target with `use_kernels=False` (or call "
-                         "`target.reset_kernels()`). See README, \"Hybrid targets\".")
+                         "`target.reset_kernels()`). See docs/hybrid.md.")
     return mixers

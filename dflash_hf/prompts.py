@@ -39,7 +39,7 @@ def read_conversations(paths: str | Path | Iterable[str | Path], field: str | No
     for path in [paths] if isinstance(paths, (str, Path)) else paths:
         if not Path(path).is_file():
             raise FileNotFoundError(f"No prompt file at {path} (JSONL, one object per line); pass --data-dir or the "
-                                    "file's path (README, 'Benchmark data').")
+                                    "file's path (README, 'Benchmark'; docs/benchmark.md).")
         with open(path, encoding="utf-8") as handle:
             for number, line in enumerate(handle, 1):
                 if limit is not None and len(conversations) >= limit:

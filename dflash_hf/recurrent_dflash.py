@@ -26,7 +26,7 @@ After acceptance the kept columns are the root and the accepted path, replayed t
 Why inputs and not per-column states: a column's input is H numbers per layer, its state Hv * Dk * Dv (about 16,000
 times more at Qwen3.5-27B's shapes), and Transformers' chunked kernel yields only the final state. The price is the
 recurrence over the accepted columns once more (a whole mixer, projections included, for other layers and after a
-tree; see README, "Hybrid targets"). compile=True rolls back at fixed shapes instead: `static_recurrent_dflash`.
+tree; see docs/hybrid.md). compile=True rolls back at fixed shapes instead: `static_recurrent_dflash`.
 
 Hub remote code: imports only torch and transformers.
 """
@@ -152,7 +152,7 @@ class RecurrentStates:
         missing = [mixer.layer_idx for mixer in self.mixers if mixer.layer_idx not in self.inputs]
         if missing:
             raise RuntimeError(f"The verify did not run the recurrent mixers of layers {missing} (a patched "
-                               "forward?): their states cannot be rolled back. See README, \"Hybrid targets\".")
+                               "forward?): their states cannot be rolled back. See docs/hybrid.md.")
         verified = next(iter(self.inputs.values()))  # [n, b, H]
         kept_counts = [len(columns) for columns in kept_columns]
         complete = None if self.tree else verified.shape[1]  # rows keeping that many columns keep the verify's states

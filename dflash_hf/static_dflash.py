@@ -355,7 +355,7 @@ def compile_refusal(target: torch.nn.Module, step_costs: Any, cpu_kernels: bool 
             return (f"compile=True is not supported with {type(target).__name__}: it rolls back Gated DeltaNet "
                     f"layers (Transformers >= 5.25) at fixed shapes, and this target's recurrent layers are "
                     f"{', '.join(others)}; pass compile=False (the eager loop runs it exactly, chains and trees; "
-                    "README, \"Hybrid targets\").")
+                    "docs/hybrid.md).")
     refusal = windowed_mask_refusal(config)
     if refusal is not None:
         return (f"compile=True is not supported with {type(target).__name__}: {refusal}; pass compile=False.")

@@ -128,8 +128,7 @@ class StaticRecurrentStates:
         missing = [mixer.layer_idx for mixer in self.mixers if mixer.layer_idx not in self.rules]
         if missing:
             raise RuntimeError(f"The prefill did not run the gated delta rule of layers {missing} (a patched "
-                               "forward?): compile=True cannot roll their states back. See README, \"Hybrid "
-                               "targets\".")
+                               "forward?): compile=True cannot roll their states back. See docs/hybrid.md.")
         for (layer_idx, state_idx), record in self.convolutions.items():
             state = cache.get_conv_state(layer_idx, state_idx=state_idx)  # [N, C, K]
             if record.before is None or record.before.shape != state.shape:

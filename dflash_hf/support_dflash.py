@@ -128,7 +128,7 @@ def target_refusal(target: torch.nn.Module, config: Any, cache: Any = None) -> s
         return None
     return (f"Target {type(target).__name__} ({getattr(config, 'model_type', '?')}) is not supported: {refusal}. "
             "DFlash cuts the target's cache back to the accepted prefix of every verified block; the draft itself "
-            "loads fine. See README, \"Hybrid targets\".")
+            "loads fine. See docs/hybrid.md.")
 
 
 def check_cache(cache: Any, target: torch.nn.Module, num_rows: int) -> None:

@@ -148,7 +148,7 @@ def kernel_replacements(mixer: torch.nn.Module) -> list[str]:
 
 def assisted_decoding_runs_recurrent_targets() -> bool:
     """Whether Transformers' own assisted decoding (prompt lookup, its DFlash) runs targets with recurrent layers: from
-    5.25 on, by recording past states and cropping them (not always exactly: README, "Hybrid targets"); not before."""
+    5.25 on, by recording past states and cropping them (not always exactly: docs/hybrid.md); not before."""
     return TRANSFORMERS_RELEASE >= (5, 25)
 
 
