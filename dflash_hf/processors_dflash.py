@@ -11,8 +11,8 @@ The processors are built here, in `generate`'s order, from Transformers' public 
 private and moves between releases). Each position is processed as a batch of one row, so a processor is called at
 every verified position (rejected ones included) and must depend only on its arguments; `prefix_allowed_tokens_fn`
 is still given its row's index in the call's batch. The draft's proposals go through the same processors
-(`DraftRules`: Transformers' prefix rules, a user's own only when asked), so a penalty the target pays for is not a
-rejected proposal. README, "What generate's arguments do".
+(`DraftRules`: Transformers' prefix rules, a user's own only when asked), so a token they forbid is never proposed
+and a token they penalise is penalised in the draft too. README, "What generate's arguments do".
 
 Hub remote code: imports only torch and transformers.
 """
