@@ -33,7 +33,15 @@ from .processors_dflash import PositionRules
 from .proposer_dflash import DraftStep, Proposal, Proposer, SampledProposal
 from .sampling_dflash import commit_block, draw_uniforms, process_logits, sample_from, speculative_sample
 from .settings_dflash import DecodingSettings, StepCosts
-from .tree_dflash import MAX_CANDIDATES, DraftTree, build_trees, tree_sees, walk_greedy, walk_sampled
+from .tree_dflash import (
+    MAX_CANDIDATES,
+    DraftTree,
+    build_trees,
+    column_paths,
+    tree_sees,
+    walk_greedy,
+    walk_sampled,
+)
 
 # --- What a step reads and changes -----------------------------------------------------------------------------------
 
@@ -136,20 +144,24 @@ def pick_block(scores: torch.Tensor, rows: list[int], settings: DecodingSettings
     return sample_from(scores.softmax(dim=-1), uniforms)
 
 
+def committed_ids(state: DecodeState, row: int) -> torch.Tensor:
+    """Row `row`'s ids [L] as `generate` would hold them before its next position: the prompt as passed (left padding
+    kept), then its committed tokens (the pending one last)."""
+    return torch.cat((state.input_ids[row], host_to_device(state.generated[row], state.device)))
+
+
 def position_prefixes(state: DecodeState, step: StepPlan, nodes: torch.Tensor) -> list[list[torch.Tensor]]:
     """Per active row, the ids [L] before each verify column, as `generate` would hold them: the prompt as passed,
     the committed tokens (the pending one last), then a chain's proposals before the column, or a tree node's path
     (nodes [n, b - 1]: the proposals or the tree's nodes)."""
     prefixes = []
     for index, row in enumerate(state.active):
-        committed = torch.cat((state.input_ids[row], host_to_device(state.generated[row], state.device)))  # [L]
+        committed = committed_ids(state, row)  # [L]
         if step.tree is None:
             sequence = torch.cat((committed, nodes[index]))
             prefixes.append([sequence[: committed.shape[0] + column] for column in range(step.width)])
             continue
-        paths: list[list[int]] = [[]]  # per column: the tokens from the root's child down to it
-        for token, parent in zip(step.tree.tokens[index], step.tree.parents[index]):
-            paths.append(paths[parent] + [token])
+        paths = column_paths(step.tree.tokens[index], step.tree.parents[index])
         prefixes.append([torch.cat((committed, host_to_device(path, state.device))) for path in paths])
     return prefixes
 
@@ -442,8 +454,7 @@ def forbidden_nodes(state: DecodeState, settings: DecodingSettings
         return None
 
     def forbidden(index: int, paths: list[list[int]], tokens: list[int]) -> list[bool]:
-        committed = torch.cat((state.input_ids[state.active[index]],
-                               host_to_device(state.generated[state.active[index]], state.device)))  # [L]
+        committed = committed_ids(state, state.active[index])  # [L]
         prefixes = [torch.cat((committed, host_to_device(path, state.device))) for path in paths]
         return rules.forbidden(state.active[index], prefixes, tokens)
 

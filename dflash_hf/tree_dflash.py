@@ -126,13 +126,13 @@ def best_first_tree(tokens: list[list[int]], probabilities: list[list[float]], s
     return [node[0] for node in nodes], [node[1] for node in nodes], [node[2] for node in nodes]
 
 
-def node_paths(tokens: list[int], parents: list[int]) -> list[list[int]]:
-    """Per node of one row's tree (parents before children): the tokens of its parent's path, from the root's child
-    down (the ids a node's position sees after the committed ones)."""
-    paths: list[list[int]] = [[]]  # per column
+def column_paths(tokens: list[int], parents: list[int]) -> list[list[int]]:
+    """Per column of one row's tree (0: the root; node j: column j + 1, parents before children): the tokens from the
+    root's child down to it (the ids after the committed ones that the position after it sees)."""
+    paths: list[list[int]] = [[]]
     for token, parent in zip(tokens, parents):
         paths.append(paths[parent] + [token])
-    return [paths[parent] for parent in parents]
+    return paths
 
 
 def drop_refused(tokens: list[int], parents: list[int], depths: list[int], forbidden: list[bool]
@@ -167,7 +167,7 @@ def build_trees(candidate_tokens: list[list[list[int]]], candidate_probabilities
     candidate_tokens / candidate_probabilities: per row, per block position, the draft's top tokens and their
     probabilities (descending); candidate_transitions (DFlash2): per row, `best_first_tree`'s transitions;
     `forbidden(row, paths, tokens)` (under the call's processors): per node, whether its token is ruled out after its
-    parent's path (`node_paths`) in that row; those nodes are dropped (`drop_refused`). A row with fewer possible
+    parent's path (`column_paths`) in that row; those nodes are dropped (`drop_refused`). A row with fewer possible
     nodes is filled with `filler_token[row]` nodes under the root that the walk never accepts.
     """
     trees = DraftTree([], [], [], [])
@@ -175,8 +175,9 @@ def build_trees(candidate_tokens: list[list[list[int]]], candidate_probabilities
         transitions = None if candidate_transitions is None else candidate_transitions[row]
         node_tokens, parents, depths = best_first_tree(tokens, probabilities, size, max_depths[row], transitions)
         if forbidden is not None:
+            paths = column_paths(node_tokens, parents)
             node_tokens, parents, depths, refused = drop_refused(
-                node_tokens, parents, depths, forbidden(row, node_paths(node_tokens, parents), node_tokens))
+                node_tokens, parents, depths, forbidden(row, [paths[parent] for parent in parents], node_tokens))
             trees.refused.append(refused)
         filler = size - len(node_tokens)
         trees.tokens.append(node_tokens + [filler_token[row]] * filler)
