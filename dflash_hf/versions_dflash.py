@@ -209,13 +209,29 @@ def continuous_batching_refusal(device: torch.device) -> str | None:
             "Transformers 5.25")
 
 
-def generate_batch_arguments(model: torch.nn.Module, settings: dict[str, Any]) -> dict[str, Any]:
+CONTINUOUS_BATCHING_PAGE = 256  # tokens of one paged-cache block (Transformers 5.25's default page size)
+
+
+def generate_batch_arguments(model: torch.nn.Module, settings: dict[str, Any],
+                             row_tokens: list[int]) -> dict[str, Any]:
     """The keyword arguments of `model.generate_batch` (Transformers' continuous batching) for `settings` (a
-    `GenerationConfig`'s, eos_token_id a list): where it takes `warmup` (5.25), none (it captures CUDA graphs first);
-    before 5.25 the first EOS id alone (4.57 compares a token with one id: the caller cuts after a later stop id)."""
+    `GenerationConfig`'s, eos_token_id a list) over rows of `row_tokens` tokens each (prompt and answer): where it
+    takes `warmup` (5.25), none (it captures CUDA graphs first); where it takes a `ContinuousBatchingConfig` (5.25),
+    a cache of the blocks these rows need, not the 90 % of free memory it takes by default (on a CPU that is most of
+    the host's, which other processes then run out of); before 5.25 the first EOS id alone (4.57 compares a token
+    with one id: the caller cuts after a later stop id)."""
     from transformers import GenerationConfig
 
     if TRANSFORMERS_RELEASE < CONTINUOUS_BATCHING_ON_CPU_FROM:
         settings = {**settings, "eos_token_id": settings["eos_token_id"][0]}
-    warmup = {"warmup": False} if "warmup" in inspect.signature(model.generate_batch).parameters else {}
-    return {"generation_config": GenerationConfig(**settings), **warmup}
+    parameters = inspect.signature(model.generate_batch).parameters
+    arguments: dict[str, Any] = {"generation_config": GenerationConfig(**settings)}
+    if "warmup" in parameters:
+        arguments["warmup"] = False
+    if "continuous_batching_config" in parameters:
+        from transformers.generation import ContinuousBatchingConfig
+
+        blocks = sum(-(-tokens // CONTINUOUS_BATCHING_PAGE) for tokens in row_tokens) + 1
+        arguments["continuous_batching_config"] = ContinuousBatchingConfig(
+            page_size=CONTINUOUS_BATCHING_PAGE, num_blocks=blocks, max_batch_tokens=sum(row_tokens))
+    return arguments

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 
@@ -210,6 +211,7 @@ def test_continuous_batching_gives_generates_greedy_rows(tmp_path, monkeypatch):
     prompts = ["w5 w6", "w40 w41 w42 w43 w44", "w33 w34 w35", "w5 w6", "w60 w61 w62 w63 w64 w65 w66"]  # one twice
     calls, generate_batch = [], target.generate_batch
 
+    @functools.wraps(generate_batch)  # its signature stays visible (generate_batch_arguments reads it)
     def counted_generate_batch(inputs, **kwargs):
         calls.append(len(inputs))
         return generate_batch(inputs, **kwargs)

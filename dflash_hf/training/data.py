@@ -374,7 +374,8 @@ def _respond_continuously(target: torch.nn.Module, batch_ids: list[list[int]], t
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     settings = {"max_new_tokens": max_new_tokens, "pad_token_id": tokens.pad_token_id,
                 "eos_token_id": list(tokens.stop_token_ids), **sampling}
-    outputs = target.generate_batch(batch_ids, progress_bar=False, **generate_batch_arguments(target, settings))
+    outputs = target.generate_batch(batch_ids, progress_bar=False, **generate_batch_arguments(
+        target, settings, [len(ids) + max_new_tokens for ids in batch_ids]))
     answers: dict[tuple[int, ...], list[list[int]]] = {}  # by prompt: a prompt given twice has two answers
     for output in outputs.values():
         if output.error is None:
