@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The first thing to run on a lent GPU (no internet there): environment, tests/test_cuda.py, a synthetic bench where
-# `dflash-hf bench --synthetic` exists, then eager against compiled steps on the proxy (scripts/step_ops_proxy.py).
+# `dflash-hf bench --synthetic` exists, a few training steps in bf16 (scripts/training_throughput.py), then eager
+# against compiled steps on the proxy (scripts/step_ops_proxy.py).
 # Installs nothing from the internet. Everything goes to stdout and, when $OUT is set, to $OUT/gpu_check.log
 # (pytest's JUnit XML and the bench JSON next to it). 14 minutes at most (the proxy's four compilations, then the
 # hybrid proxy in what is left).
@@ -95,6 +96,18 @@ elif timeout 30 "$PY" -m dflash_hf.cli bench --help 2>/dev/null | grep -q -- --s
     echo "tree bench exit status: $?"
 else
     echo "skipped: this version of dflash-hf bench has no --synthetic"
+fi
+
+section "training: a few steps of the real loop, one GPU, bf16, FSDP off"
+# train_draft end to end (scripts/training_throughput.py): a random Qwen3-shaped target of 8 layers, width 1024, in
+# bfloat16, the draft's forward under bf16 autocast, 8 sequences of 2,048 tokens, 512 anchors, blocks of 16; prints
+# tokens/s and peak GPU memory
+if [ -f scripts/training_throughput.py ] && [ $((SECONDS - STARTED)) -lt "${TRAIN_START_BEFORE:-420}" ]; then
+    timeout "${TRAIN_TIMEOUT:-120}" "$PY" scripts/training_throughput.py --hidden 1024 --target-layers 8 \
+        --length 2048 --sequences 8 --anchors 512
+    echo "training exit status: $?"
+else
+    echo "skipped: no scripts/training_throughput.py, or ${TRAIN_START_BEFORE:-420} s have passed"
 fi
 
 section "compiled path: eager against compile=True (CUDA graphs) on a launch-bound proxy"
