@@ -7,6 +7,8 @@ once per shape and runs each product with the fastest. Everything here is switch
 (`cpu_kernels(enabled)`), and what a call packs lives and dies with it: a packed copy is made from the weight's values
 at its first use in the call, so no edit of a weight between calls (in place, through `.data`, new storage) can leave
 a stale copy in use. Models are never changed (no hooks, no attributes). Calls in other threads have their own scope.
+Where rerouting a target's layers measured slower than `F.linear` (`cost_model.choose_cpu_kernels`), the target joins
+`HEAD_ONLY_MODELS` and only its LM head keeps the kernel table.
 
 Hub remote code: imports only torch and transformers.
 """
