@@ -1,5 +1,6 @@
 """The cost model: what one step of the loop costs on this machine, the block size (or adaptive verify width) worth
-running, and whether the few-row CPU kernels pay here. It times the loop's own stages through `generation_dflash.DecodeSession`, the loop's step API.
+running, and whether the few-row CPU kernels pay here. It times the loop's own stages through
+`generation_dflash.DecodeSession`, the loop's step API.
 
 speedup <= tau * t(target, 1 token) / (t(target, B-token verify) + t(draft pass)); docs/architecture.md, "The cost
 model". `bench`, `demo` and `train` choose "auto" and "adaptive" block sizes through `resolve_block_choice`; `demo`
