@@ -184,7 +184,7 @@ def measure_verify_costs(draft: DFlashDraftModel, target: torch.nn.Module, conte
     return StepCosts(timings["draft"], tuple(verify))
 
 
-CPU_KERNEL_WAYS = {"off": False, "LM head": True, "all": True}  # choose_cpu_kernels' candidates: cpu_kernels
+CPU_KERNEL_WAYS = {"off": False, "LM head": True, "all": True}  # choose_cpu_kernels' ways: their cpu_kernels
 
 
 @torch.no_grad()
