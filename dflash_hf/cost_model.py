@@ -1,8 +1,10 @@
-"""The cost model: what one step of the loop costs on this machine, and the block size (or adaptive verify width)
-worth running. It times the loop's own stages through `generation_dflash.DecodeSession`, the loop's step API.
+"""The cost model: what one step of the loop costs on this machine, the block size (or adaptive verify width) worth
+running, and whether the few-row CPU kernels pay here. It times the loop's own stages through
+`generation_dflash.DecodeSession`, the loop's step API.
 
 speedup <= tau * t(target, 1 token) / (t(target, B-token verify) + t(draft pass)); docs/architecture.md, "The cost
-model". `bench`, `demo` and `train` choose "auto" and "adaptive" block sizes through `resolve_block_choice`.
+model". `bench`, `demo` and `train` choose "auto" and "adaptive" block sizes through `resolve_block_choice`; `demo`
+chooses its CPU kernels through `choose_cpu_kernels`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from .backends_dflash import TimedBackend
 from .devices_dflash import target_device
 from .generation_dflash import DecodeSession, dflash_proposer, synchronize
-from .kernels_dflash import MAX_FEW_ROWS, cpu_kernels, few_row_product, is_plain_linear
+from .kernels_dflash import HEAD_ONLY_MODELS, MAX_FEW_ROWS, cpu_kernels, few_row_product, is_plain_linear
 from .modeling_dflash import DFlashDraftModel
 from .proposer_dflash import DraftVocabulary, Proposal, draft_vocab_ids
 from .settings_dflash import StepCosts, neutral_overrides, resolve_block_size, resolve_settings
@@ -138,14 +140,17 @@ def time_step_stages(
     repeats: int = 5,
     batch_size: int = 1,
     tree_sizes: tuple[int, ...] = (),
+    cpu_kernels: bool | None = None,
 ) -> dict[str, Any]:
     """Median seconds after a context [1, T] copied to `batch_size` rows: "target_1" (one token of plain decoding per
     row), "draft" (a draft pass over a `block_size` block), "verify" {w: a w-token verify per row} and "tree_verify"
     {N: the verify of a tree of N drafted nodes per row, planted from the draft's candidates, with its greedy walk}.
-    The stages are the loop's own (`StepStages`, through `DecodeSession`)."""
+    The stages are the loop's own (`StepStages`, through `DecodeSession`); `cpu_kernels` as `spec_generate` takes
+    it."""
     input_ids = context_ids.repeat(batch_size, 1)
     settings = resolve_settings(target, input_ids, draft, block_size=block_size, max_new_tokens=block_size + 1,
                                 mask_token_id=mask_token_id, temperature=0.0, stop_token_ids=[],
+                                cpu_kernels=cpu_kernels,
                                 **neutral_overrides(getattr(target, "generation_config", None)))
     session = DecodeSession(target, dflash_proposer(draft, target, settings), settings)
     with session.running():
@@ -163,24 +168,58 @@ def time_step_stages(
 
 
 def measure_step_costs(draft: DFlashDraftModel, target: torch.nn.Module, context_ids: torch.Tensor, block_size: int,
-                       mask_token_id: int, repeats: int = 5, batch_size: int = 1) -> dict[str, float]:
+                       mask_token_id: int, repeats: int = 5, batch_size: int = 1,
+                       cpu_kernels: bool | None = None) -> dict[str, float]:
     """The cost model's terms (median seconds, `time_step_stages`): "target_1", "target_block" (a `block_size`-token
     verify per row) and "draft"."""
     timings = time_step_stages(draft, target, context_ids, block_size, mask_token_id, [block_size], repeats,
-                               batch_size)
+                               batch_size, cpu_kernels=cpu_kernels)
     return {"target_1": timings["target_1"], "target_block": timings["verify"][block_size], "draft": timings["draft"]}
 
 
 def measure_verify_costs(draft: DFlashDraftModel, target: torch.nn.Module, context_ids: torch.Tensor,
                          mask_token_id: int, block_size: int | None = None, repeats: int = 5,
-                         batch_size: int = 1) -> StepCosts:
+                         batch_size: int = 1, cpu_kernels: bool | None = None) -> StepCosts:
     """This machine's `StepCosts` for `spec_generate(step_costs=...)`: a draft pass over a block (default: the
     draft's trained size) and a verify of every width 1 .. block (made non-decreasing), after a context [1, T]."""
     block_size = resolve_block_size(block_size, draft.block_size)
     timings = time_step_stages(draft, target, context_ids, block_size, mask_token_id, list(range(1, block_size + 1)),
-                               repeats, batch_size)
+                               repeats, batch_size, cpu_kernels=cpu_kernels)
     verify = nondecreasing([timings["verify"][width] for width in range(1, block_size + 1)])
     return StepCosts(timings["draft"], tuple(verify))
+
+
+CPU_KERNEL_WAYS = {"off": False, "LM head": True, "all": True}  # choose_cpu_kernels' ways: their cpu_kernels
+
+
+@torch.no_grad()
+def choose_cpu_kernels(draft: DFlashDraftModel, target: torch.nn.Module, context_ids: torch.Tensor, block_size: int,
+                       mask_token_id: int, batch_size: int = 1, rounds: int = 3
+                       ) -> tuple[bool, str, dict[str, dict[str, float]]]:
+    """`cpu_kernels` for this machine and target: the way a step (a `block_size`-token verify and a draft pass, after
+    a context [1, T]) costs least, of "off" (every product by `F.linear`), "LM head" (the few-row kernels for the
+    target's LM head only: the target joins `kernels_dflash.HEAD_ONLY_MODELS`) and "all" (every few-row product of
+    target and draft by the kernel table). Returns (cpu_kernels, the way, the step costs of each way: the least of
+    `rounds` medians of `measure_step_costs`, the ways taking turns). A target that does not compute on the CPU:
+    (False, "off", {}), nothing timed (the kernels never run there)."""
+    if target_device(target).type != "cpu":
+        return False, "off", {}
+    samples: dict[str, list[dict[str, float]]] = {way: [] for way in CPU_KERNEL_WAYS}
+    try:
+        for _ in range(rounds):
+            for way, enabled in CPU_KERNEL_WAYS.items():
+                if way == "LM head":
+                    HEAD_ONLY_MODELS.add(target)
+                samples[way].append(measure_step_costs(draft, target, context_ids, block_size, mask_token_id,
+                                                       repeats=3, batch_size=batch_size, cpu_kernels=enabled))
+                HEAD_ONLY_MODELS.discard(target)
+    finally:
+        HEAD_ONLY_MODELS.discard(target)
+    costs = {way: {term: min(run[term] for run in runs) for term in runs[0]} for way, runs in samples.items()}
+    way = min(costs, key=lambda name: costs[name]["target_block"] + costs[name]["draft"])
+    if way == "LM head":
+        HEAD_ONLY_MODELS.add(target)
+    return CPU_KERNEL_WAYS[way], way, costs
 
 
 def nondecreasing(values: list[float]) -> list[float]:
@@ -220,8 +259,8 @@ def truncated_tau(acceptance_histogram: list[int], block_size: int) -> float:
 
 @torch.no_grad()
 def choose_block_size(draft: DFlashDraftModel, target: torch.nn.Module, context_ids: torch.Tensor,
-                      acceptance_histogram: list[int], batch_size: int, mask_token_id: int
-                      ) -> tuple[int, dict[int, float]]:
+                      acceptance_histogram: list[int], batch_size: int, mask_token_id: int,
+                      cpu_kernels: bool | None = None) -> tuple[int, dict[int, float]]:
     """The block size with the best predicted speedup for `batch_size` rows on this machine, and every prediction.
 
     Prediction for B: truncated_tau(B) * t(1 token) / (t(B-token verify) + t(draft)), timed here at N rows;
@@ -231,15 +270,16 @@ def choose_block_size(draft: DFlashDraftModel, target: torch.nn.Module, context_
     candidates = sorted({b for b in BLOCK_SIZE_CANDIDATES if b <= draft.block_size} | {draft.block_size})
     predictions = {1: 1.0}
     for block_size in candidates:
-        costs = measure_step_costs(draft, target, context_ids, block_size, mask_token_id, batch_size=batch_size)
+        costs = measure_step_costs(draft, target, context_ids, block_size, mask_token_id, batch_size=batch_size,
+                                   cpu_kernels=cpu_kernels)
         predictions[block_size] = cost_model_bound(truncated_tau(acceptance_histogram, block_size), costs)
     return max(predictions, key=predictions.get), predictions
 
 
 @torch.no_grad()
 def choose_tree_size(draft: DFlashDraftModel, target: torch.nn.Module, prompt: list[int], block_size: int,
-                     max_new_tokens: int, batch_size: int, stop_token_ids: list[int], mask_token_id: int
-                     ) -> tuple[int | None, dict[int, float]]:
+                     max_new_tokens: int, batch_size: int, stop_token_ids: list[int], mask_token_id: int,
+                     cpu_kernels: bool | None = None) -> tuple[int | None, dict[int, float]]:
     """tree_size "auto": the tree size (None: a chain) with the most tokens per second for `batch_size` copies of
     `prompt` on this machine, and the tokens/s of every candidate (0: the chain).
 
@@ -254,7 +294,8 @@ def choose_tree_size(draft: DFlashDraftModel, target: torch.nn.Module, prompt: l
     def tokens_per_second(tree_size: int | None) -> float:
         output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=calibration_tokens,
                                      block_size=block_size, temperature=0.0, stop_token_ids=stop_token_ids,
-                                     mask_token_id=mask_token_id, tree_size=tree_size, return_stats=True, **neutral)
+                                     mask_token_id=mask_token_id, tree_size=tree_size, return_stats=True,
+                                     cpu_kernels=cpu_kernels, **neutral)
         return output.tokens_per_second
 
     candidates = [None, *(TREE_SIZE_CANDIDATES if tree_refusal(target, draft) is None else ())]
@@ -282,23 +323,25 @@ class BlockChoice:
 @torch.no_grad()
 def resolve_block_choice(choice: int | str | None, draft: DFlashDraftModel, target: torch.nn.Module,
                          prompt: list[int], max_new_tokens: int, batch_size: int, stop_token_ids: list[int],
-                         mask_token_id: int) -> BlockChoice:
+                         mask_token_id: int, cpu_kernels: bool | None = None) -> BlockChoice:
     """A block size as `bench` and `demo` take it: an integer (None: the draft's trained size), "auto" (the best
     predicted for `batch_size` rows here) or "adaptive" (the trained block, verified by this machine's step costs).
 
     "auto" and "adaptive" are calibrated on one greedy run of `prompt` at the trained block: its acceptance histogram,
-    and step costs timed after its typical context."""
+    and step costs timed after its typical context; `cpu_kernels` as `spec_generate` takes it."""
     if choice not in BLOCK_CHOICES:
         return BlockChoice(draft.block_size if choice is None else int(choice))
     device = target_device(target)
     calibration = draft.spec_generate(target=target, input_ids=torch.tensor([prompt], device=device),
                                       max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop_token_ids,
-                                      mask_token_id=mask_token_id, return_stats=True,
+                                      mask_token_id=mask_token_id, return_stats=True, cpu_kernels=cpu_kernels,
                                       **neutral_overrides(getattr(target, "generation_config", None)))
     context = typical_context(prompt, calibration.new_tokens(0), device)
     if choice == "adaptive":
-        costs = measure_verify_costs(draft, target, context, mask_token_id, batch_size=batch_size)
+        costs = measure_verify_costs(draft, target, context, mask_token_id, batch_size=batch_size,
+                                     cpu_kernels=cpu_kernels)
         return BlockChoice(draft.block_size, step_costs=costs)
     histogram = acceptance_histogram(calibration.acceptance_lengths[0], draft.block_size)
-    block_size, predictions = choose_block_size(draft, target, context, histogram, batch_size, mask_token_id)
+    block_size, predictions = choose_block_size(draft, target, context, histogram, batch_size, mask_token_id,
+                                                cpu_kernels)
     return BlockChoice(block_size, predictions=predictions)

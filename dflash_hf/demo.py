@@ -43,11 +43,12 @@ def run_demo(max_new_tokens: int = 256, dtype: torch.dtype = torch.float32, draf
     block_size "auto": the block with the best predicted speedup on this machine, chosen on the first prompt before
     anything is timed; "adaptive": draft the trained block, verify per step the prefix worth its cost
     (`cost_model.resolve_block_choice`, as bench chooses). tree_size "auto": a tree of the size that decodes
-    fastest here, or the chain (`cost_model.choose_tree_size`); None: the chain. `cpu_kernels`, `compile`: see
+    fastest here, or the chain (`cost_model.choose_tree_size`); None: the chain. `cpu_kernels`: see `spec_generate`;
+    None: on where a step costs less with them here (`cost_model.choose_cpu_kernels`, timed first). `compile`: see
     `spec_generate` (compiled: a chain, or a tree of a given size; compiled by the untimed warm-up, which also
     compiles `generate` for the compiled baseline).
     """
-    from .cost_model import choose_tree_size, resolve_block_choice
+    from .cost_model import choose_cpu_kernels, choose_tree_size, resolve_block_choice
     from .evaluation import evaluate_draft
     from .prompts import user_prompt_ids
     from .tokens_dflash import generation_tokens
@@ -55,8 +56,16 @@ def run_demo(max_new_tokens: int = 256, dtype: torch.dtype = torch.float32, draf
     target, tokenizer, draft = load_demo(dtype, draft_path)
     prompts = [user_prompt_ids(tokenizer, prompt) for prompt in DEMO_PROMPTS]
     tokens = generation_tokens(target, tokenizer, draft)  # as bench and train's evaluation stop
+    if cpu_kernels is None and not compile:  # the few-row kernels where a step costs less with them here
+        cpu_kernels, way, costs = choose_cpu_kernels(draft, target, torch.tensor([prompts[0]]), draft.block_size,
+                                                     tokens.mask_token_id)
+        if costs:
+            print(f"step costs on this machine (one token: {costs['off']['target_1'] * 1000:.1f} ms), a "
+                  f"{draft.block_size}-token verify + a draft pass with the few-row CPU kernels for "
+                  + ", ".join(f"{name}: {(terms['target_block'] + terms['draft']) * 1000:.1f} ms"
+                              for name, terms in costs.items()) + f" -> {way}", flush=True)
     choice = resolve_block_choice(block_size, draft, target, prompts[0], max_new_tokens, 1, tokens.stop_token_ids,
-                                  tokens.mask_token_id)
+                                  tokens.mask_token_id, cpu_kernels)
     if choice.predictions is not None:
         print("predicted speedup per block size on this machine: "
               + ", ".join(f"{size}: {value:.2f}x" for size, value in sorted(choice.predictions.items()))
@@ -69,7 +78,7 @@ def run_demo(max_new_tokens: int = 256, dtype: torch.dtype = torch.float32, draf
 
     if tree_size == "auto" and choice.step_costs is None:  # adaptive verify widths and trees do not combine
         tree_size, rates = choose_tree_size(draft, target, prompts[0], choice.block_size, max_new_tokens, 1,
-                                            tokens.stop_token_ids, tokens.mask_token_id)
+                                            tokens.stop_token_ids, tokens.mask_token_id, cpu_kernels)
         print("tokens/s per tree size on this machine: "
               + ", ".join(f"{size or 'chain'}: {rate:.1f}" for size, rate in sorted(rates.items()))
               + f" -> {f'a tree of {tree_size}' if tree_size else 'the chain'}", flush=True)

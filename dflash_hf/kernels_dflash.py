@@ -7,6 +7,8 @@ once per shape and runs each product with the fastest. Everything here is switch
 (`cpu_kernels(enabled)`), and what a call packs lives and dies with it: a packed copy is made from the weight's values
 at its first use in the call, so no edit of a weight between calls (in place, through `.data`, new storage) can leave
 a stale copy in use. Models are never changed (no hooks, no attributes). Calls in other threads have their own scope.
+Where rerouting a target's layers measured slower than `F.linear` (`cost_model.choose_cpu_kernels`), the target joins
+`HEAD_ONLY_MODELS` and only its LM head keeps the kernel table.
 
 Hub remote code: imports only torch and transformers.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Callable, Iterator
@@ -32,6 +35,11 @@ KERNEL_TIMING_REPEATS = 3
 # a property of the machine, so it outlives a call (the packed copies do not).
 FEW_ROW_KERNEL_CHOICE: dict[tuple[torch.dtype, tuple[int, ...], int, int], str] = {}
 _CHOICE_LOCK = threading.Lock()  # threads choosing kernels at once
+# Models whose layers' products run `F.linear` even inside `cpu_kernels()`, their LM head alone by the kernel table:
+# where the cost model timed a step cheaper so (`cost_model.choose_cpu_kernels`; the mode that reroutes the layers
+# costs every op of a forward some time). A property of the machine and the model, so it outlives a call; an entry
+# dies with its model.
+HEAD_ONLY_MODELS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
 def _has_onednn_linear() -> bool:
@@ -195,9 +203,10 @@ class FewRowLinear(TorchFunctionMode):
 @contextmanager
 def few_row_kernels(model: torch.nn.Module) -> Iterator[bool]:
     """While the block runs (one verify or draft pass), inside `cpu_kernels()`, a model that computes on the CPU (not
-    dispatched by Accelerate) has its few-row Linear products run by `FewRowLinear`. Yields whether they do."""
+    dispatched by Accelerate, not in `HEAD_ONLY_MODELS`) has its few-row Linear products run by `FewRowLinear`.
+    Yields whether they do."""
     switch = (_CALL_KERNELS.get() is not None and execution_device(model).type == "cpu"
-              and getattr(model, "hf_device_map", None) is None)
+              and getattr(model, "hf_device_map", None) is None and model not in HEAD_ONLY_MODELS)
     if not switch:
         yield False
         return

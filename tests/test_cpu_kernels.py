@@ -202,3 +202,54 @@ def test_a_model_dispatched_by_accelerate_keeps_its_own_kernels():
     target.hf_device_map = {"": "cpu"}
     with cpu_kernels(), few_row_kernels(target) as rerouted:
         assert not rerouted
+
+
+@pytest.mark.parametrize("cheapest", ["off", "LM head", "all"])
+def test_the_cost_model_keeps_the_kernels_only_where_a_step_costs_less_with_them(cheapest, monkeypatch):
+    from dflash_hf import cost_model
+
+    target, draft = make_target("llama", seed=6), make_draft(6, block_size=4)
+    timed = []
+
+    def step_costs(draft, target_model, context_ids, block_size, mask_token_id, repeats=5, batch_size=1,
+                   cpu_kernels=None):
+        way = "off" if not cpu_kernels else "LM head" if target_model in kernels_dflash.HEAD_ONLY_MODELS else "all"
+        timed.append(way)
+        verify = 0.010 if way == cheapest else 0.020
+        return {"target_1": 0.012, "target_block": verify + 0.001 * len(timed), "draft": 0.002}
+
+    monkeypatch.setattr(cost_model, "measure_step_costs", step_costs)
+    enabled, way, costs = cost_model.choose_cpu_kernels(draft, target, torch.arange(5, 15)[None], 4, VOCAB_SIZE - 1,
+                                                        rounds=2)
+    assert (enabled, way) == (cheapest != "off", cheapest)
+    assert timed == ["off", "LM head", "all"] * 2  # the ways take turns
+    assert costs[cheapest]["target_block"] == pytest.approx(0.010 + 0.001 * (timed.index(cheapest) + 1))  # least
+    assert (target in kernels_dflash.HEAD_ONLY_MODELS) == (cheapest == "LM head")
+    kernels_dflash.HEAD_ONLY_MODELS.discard(target)
+
+
+def test_a_head_only_target_verifies_its_layers_by_f_linear_and_its_head_by_the_kernel_table(forced_kernel):
+    routed = forced_kernel("transposed")
+    target, draft = make_target("llama", seed=8), make_draft(8, block_size=4)
+    input_ids = torch.randint(0, VOCAB_SIZE - 1, (1, 9), generator=torch.Generator().manual_seed(8))
+    expected = plain_greedy(target, input_ids, max_new_tokens=20)
+    kernels_dflash.HEAD_ONLY_MODELS.add(target)
+    try:
+        assert torch.equal(draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=20), expected)
+        with cpu_kernels(), few_row_kernels(target) as rerouted:
+            assert not rerouted
+    finally:
+        kernels_dflash.HEAD_ONLY_MODELS.discard(target)
+    assert tuple(target.get_output_embeddings().weight.shape) in {shape for shape, _ in routed}  # the head was
+
+
+def test_step_costs_can_be_timed_without_the_kernels(forced_kernel):
+    from dflash_hf.cost_model import measure_step_costs
+
+    routed = forced_kernel("transposed")
+    target, draft = make_target("llama", seed=7), make_draft(7, block_size=4)
+    costs = measure_step_costs(draft, target, torch.arange(5, 15)[None], 4, VOCAB_SIZE - 1, repeats=1,
+                               cpu_kernels=False)
+    assert routed == [] and costs["target_block"] > 0
+    measure_step_costs(draft, target, torch.arange(5, 15)[None], 4, VOCAB_SIZE - 1, repeats=1)
+    assert routed  # the default (None): on for a CPU target
