@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .configuration_dflash import DFLASH_HF_VERSION
+from .kernels_dflash import CPU_KERNEL_NAMES
 from .loading import DTYPES, PUBLISHED_CONFIGS, SMOLLM2, device_description, load_target
 from .training.data import GEN_ENGINES
 from .training.trainer import TrainingSettings
@@ -65,9 +66,11 @@ SHARED_OPTIONS: dict[str, dict] = {
                         help="drafted tokens verified per step as a tree (docs/sampling.md, \"Trees\"); 0: a chain; "
                              "'auto': the size (or the chain) that decodes fastest here, timed on the first prompt "
                              "(bench: of each dataset; several values run in turn, e.g. 0 4 8 16 auto)"),
-    "--cpu-kernels": dict(choices=["auto", "on", "off"], default="auto",
+    "--cpu-kernels": dict(choices=["auto", *CPU_KERNEL_NAMES.values()], default="auto",
                           help="few-row products of the verify and draft passes by the fastest kernel timed on "
-                               "this machine (auto: on for a CPU target); the output is the same either way"),
+                               "this machine: on, off, or lm-head (the LM heads' products only); auto: bench runs "
+                               "them on for a CPU target, demo times the three and keeps the cheapest step; the "
+                               "output is the same either way"),
     "--compile": dict(action="store_true",
                       help="verify with the compiled static-shape path (spec_generate(compile=True); README "
                            "\"Compiled decoding\"): chains and trees; the untimed warm-up compiles, and compiled "
@@ -266,9 +269,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                            help="divide the widths by this (auto: 1 on a GPU, 8 on a CPU)")
 
 
-def cpu_kernels_choice(text: str) -> bool | None:
-    """`--cpu-kernels`: auto (None: on for a CPU target), on, off."""
-    return {"auto": None, "on": True, "off": False}[text]
+def cpu_kernels_choice(text: str) -> bool | str | None:
+    """`--cpu-kernels`: auto (None: `bench` runs them on for a CPU target, `demo` times which mode pays), or a mode's
+    name (`kernels_dflash.CPU_KERNEL_NAMES`)."""
+    return {"auto": None, **{name: mode for mode, name in CPU_KERNEL_NAMES.items()}}[text]
 
 
 

@@ -19,7 +19,7 @@ import torch
 from .backends_dflash import TimedBackend
 from .devices_dflash import target_device
 from .generation_dflash import DecodeSession, dflash_proposer, synchronize
-from .kernels_dflash import HEAD_ONLY_MODELS, MAX_FEW_ROWS, cpu_kernels, few_row_product, is_plain_linear
+from .kernels_dflash import CPU_KERNEL_MODES, MAX_FEW_ROWS, cpu_kernels, few_row_product, is_plain_linear
 from .modeling_dflash import DFlashDraftModel
 from .proposer_dflash import DraftVocabulary, Proposal, draft_vocab_ids
 from .settings_dflash import StepCosts, neutral_overrides, resolve_block_size, resolve_settings
@@ -140,7 +140,7 @@ def time_step_stages(
     repeats: int = 5,
     batch_size: int = 1,
     tree_sizes: tuple[int, ...] = (),
-    cpu_kernels: bool | None = None,
+    cpu_kernels: bool | str | None = None,
 ) -> dict[str, Any]:
     """Median seconds after a context [1, T] copied to `batch_size` rows: "target_1" (one token of plain decoding per
     row), "draft" (a draft pass over a `block_size` block), "verify" {w: a w-token verify per row} and "tree_verify"
@@ -169,7 +169,7 @@ def time_step_stages(
 
 def measure_step_costs(draft: DFlashDraftModel, target: torch.nn.Module, context_ids: torch.Tensor, block_size: int,
                        mask_token_id: int, repeats: int = 5, batch_size: int = 1,
-                       cpu_kernels: bool | None = None) -> dict[str, float]:
+                       cpu_kernels: bool | str | None = None) -> dict[str, float]:
     """The cost model's terms (median seconds, `time_step_stages`): "target_1", "target_block" (a `block_size`-token
     verify per row) and "draft"."""
     timings = time_step_stages(draft, target, context_ids, block_size, mask_token_id, [block_size], repeats,
@@ -179,7 +179,7 @@ def measure_step_costs(draft: DFlashDraftModel, target: torch.nn.Module, context
 
 def measure_verify_costs(draft: DFlashDraftModel, target: torch.nn.Module, context_ids: torch.Tensor,
                          mask_token_id: int, block_size: int | None = None, repeats: int = 5,
-                         batch_size: int = 1, cpu_kernels: bool | None = None) -> StepCosts:
+                         batch_size: int = 1, cpu_kernels: bool | str | None = None) -> StepCosts:
     """This machine's `StepCosts` for `spec_generate(step_costs=...)`: a draft pass over a block (default: the
     draft's trained size) and a verify of every width 1 .. block (made non-decreasing), after a context [1, T]."""
     block_size = resolve_block_size(block_size, draft.block_size)
@@ -189,37 +189,24 @@ def measure_verify_costs(draft: DFlashDraftModel, target: torch.nn.Module, conte
     return StepCosts(timings["draft"], tuple(verify))
 
 
-CPU_KERNEL_WAYS = {"off": False, "LM head": True, "all": True}  # choose_cpu_kernels' ways: their cpu_kernels
-
-
 @torch.no_grad()
 def choose_cpu_kernels(draft: DFlashDraftModel, target: torch.nn.Module, context_ids: torch.Tensor, block_size: int,
                        mask_token_id: int, batch_size: int = 1, rounds: int = 3
-                       ) -> tuple[bool, str, dict[str, dict[str, float]]]:
-    """`cpu_kernels` for this machine and target: the way a step (a `block_size`-token verify and a draft pass, after
-    a context [1, T]) costs least, of "off" (every product by `F.linear`), "LM head" (the few-row kernels for the
-    target's LM head only: the target joins `kernels_dflash.HEAD_ONLY_MODELS`) and "all" (every few-row product of
-    target and draft by the kernel table). Returns (cpu_kernels, the way, the step costs of each way: the least of
-    `rounds` medians of `measure_step_costs`, the ways taking turns). A target that does not compute on the CPU:
-    (False, "off", {}), nothing timed (the kernels never run there)."""
+                       ) -> tuple[bool | str, dict[bool | str, dict[str, float]]]:
+    """`cpu_kernels` for this machine and target: the mode (`kernels_dflash.CPU_KERNEL_MODES`: off, the LM heads
+    only, every few-row product) in which a step (a `block_size`-token verify and a draft pass, after a context
+    [1, T]) costs least. Returns (the mode, the step costs of each mode: the least of `rounds` medians of
+    `measure_step_costs`, the modes taking turns). A target that does not compute on the CPU: (False, {}), nothing
+    timed (the kernels never run there)."""
     if target_device(target).type != "cpu":
-        return False, "off", {}
-    samples: dict[str, list[dict[str, float]]] = {way: [] for way in CPU_KERNEL_WAYS}
-    try:
-        for _ in range(rounds):
-            for way, enabled in CPU_KERNEL_WAYS.items():
-                if way == "LM head":
-                    HEAD_ONLY_MODELS.add(target)
-                samples[way].append(measure_step_costs(draft, target, context_ids, block_size, mask_token_id,
-                                                       repeats=3, batch_size=batch_size, cpu_kernels=enabled))
-                HEAD_ONLY_MODELS.discard(target)
-    finally:
-        HEAD_ONLY_MODELS.discard(target)
-    costs = {way: {term: min(run[term] for run in runs) for term in runs[0]} for way, runs in samples.items()}
-    way = min(costs, key=lambda name: costs[name]["target_block"] + costs[name]["draft"])
-    if way == "LM head":
-        HEAD_ONLY_MODELS.add(target)
-    return CPU_KERNEL_WAYS[way], way, costs
+        return False, {}
+    samples: dict[bool | str, list[dict[str, float]]] = {mode: [] for mode in CPU_KERNEL_MODES}
+    for _ in range(rounds):
+        for mode in CPU_KERNEL_MODES:
+            samples[mode].append(measure_step_costs(draft, target, context_ids, block_size, mask_token_id,
+                                                    repeats=3, batch_size=batch_size, cpu_kernels=mode))
+    costs = {mode: {term: min(run[term] for run in runs) for term in runs[0]} for mode, runs in samples.items()}
+    return min(costs, key=lambda mode: costs[mode]["target_block"] + costs[mode]["draft"]), costs
 
 
 def nondecreasing(values: list[float]) -> list[float]:
@@ -260,7 +247,7 @@ def truncated_tau(acceptance_histogram: list[int], block_size: int) -> float:
 @torch.no_grad()
 def choose_block_size(draft: DFlashDraftModel, target: torch.nn.Module, context_ids: torch.Tensor,
                       acceptance_histogram: list[int], batch_size: int, mask_token_id: int,
-                      cpu_kernels: bool | None = None) -> tuple[int, dict[int, float]]:
+                      cpu_kernels: bool | str | None = None) -> tuple[int, dict[int, float]]:
     """The block size with the best predicted speedup for `batch_size` rows on this machine, and every prediction.
 
     Prediction for B: truncated_tau(B) * t(1 token) / (t(B-token verify) + t(draft)), timed here at N rows;
@@ -279,7 +266,7 @@ def choose_block_size(draft: DFlashDraftModel, target: torch.nn.Module, context_
 @torch.no_grad()
 def choose_tree_size(draft: DFlashDraftModel, target: torch.nn.Module, prompt: list[int], block_size: int,
                      max_new_tokens: int, batch_size: int, stop_token_ids: list[int], mask_token_id: int,
-                     cpu_kernels: bool | None = None) -> tuple[int | None, dict[int, float]]:
+                     cpu_kernels: bool | str | None = None) -> tuple[int | None, dict[int, float]]:
     """tree_size "auto": the tree size (None: a chain) with the most tokens per second for `batch_size` copies of
     `prompt` on this machine, and the tokens/s of every candidate (0: the chain).
 
@@ -323,7 +310,7 @@ class BlockChoice:
 @torch.no_grad()
 def resolve_block_choice(choice: int | str | None, draft: DFlashDraftModel, target: torch.nn.Module,
                          prompt: list[int], max_new_tokens: int, batch_size: int, stop_token_ids: list[int],
-                         mask_token_id: int, cpu_kernels: bool | None = None) -> BlockChoice:
+                         mask_token_id: int, cpu_kernels: bool | str | None = None) -> BlockChoice:
     """A block size as `bench` and `demo` take it: an integer (None: the draft's trained size), "auto" (the best
     predicted for `batch_size` rows here) or "adaptive" (the trained block, verified by this machine's step costs).
 

@@ -36,7 +36,7 @@ def load_demo(dtype: torch.dtype = torch.float32, draft_path: str | Path | None 
 
 
 def run_demo(max_new_tokens: int = 256, dtype: torch.dtype = torch.float32, draft_path: str | Path | None = None,
-             block_size: int | str = "auto", cpu_kernels: bool | None = None,
+             block_size: int | str = "auto", cpu_kernels: bool | str | None = None,
              tree_size: int | str | None = "auto", compile: bool = False) -> dict:
     """Answer the demo prompts with spec_generate; print answers, tau, tokens/s and the speedup over generate.
 
@@ -50,6 +50,7 @@ def run_demo(max_new_tokens: int = 256, dtype: torch.dtype = torch.float32, draf
     """
     from .cost_model import choose_cpu_kernels, choose_tree_size, resolve_block_choice
     from .evaluation import evaluate_draft
+    from .kernels_dflash import CPU_KERNEL_NAMES
     from .prompts import user_prompt_ids
     from .tokens_dflash import generation_tokens
 
@@ -57,13 +58,14 @@ def run_demo(max_new_tokens: int = 256, dtype: torch.dtype = torch.float32, draf
     prompts = [user_prompt_ids(tokenizer, prompt) for prompt in DEMO_PROMPTS]
     tokens = generation_tokens(target, tokenizer, draft)  # as bench and train's evaluation stop
     if cpu_kernels is None and not compile:  # the few-row kernels where a step costs less with them here
-        cpu_kernels, way, costs = choose_cpu_kernels(draft, target, torch.tensor([prompts[0]]), draft.block_size,
-                                                     tokens.mask_token_id)
+        cpu_kernels, costs = choose_cpu_kernels(draft, target, torch.tensor([prompts[0]]), draft.block_size,
+                                                tokens.mask_token_id)
         if costs:
-            print(f"step costs on this machine (one token: {costs['off']['target_1'] * 1000:.1f} ms), a "
-                  f"{draft.block_size}-token verify + a draft pass with the few-row CPU kernels for "
-                  + ", ".join(f"{name}: {(terms['target_block'] + terms['draft']) * 1000:.1f} ms"
-                              for name, terms in costs.items()) + f" -> {way}", flush=True)
+            print(f"step costs on this machine (one token: {costs[False]['target_1'] * 1000:.1f} ms), a "
+                  f"{draft.block_size}-token verify + a draft pass with the few-row CPU kernels "
+                  + ", ".join(f"{CPU_KERNEL_NAMES[mode]}: {(terms['target_block'] + terms['draft']) * 1000:.1f} ms"
+                              for mode, terms in costs.items()) + f" -> {CPU_KERNEL_NAMES[cpu_kernels]}",
+                  flush=True)
     choice = resolve_block_choice(block_size, draft, target, prompts[0], max_new_tokens, 1, tokens.stop_token_ids,
                                   tokens.mask_token_id, cpu_kernels)
     if choice.predictions is not None:

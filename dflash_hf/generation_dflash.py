@@ -374,7 +374,7 @@ def spec_generate(
     acceptance: str = "rejection",
     draft_vocab: bool | Sequence[int] | torch.Tensor | None = None,
     step_costs: StepCosts | None = None,
-    cpu_kernels: bool | None = None,
+    cpu_kernels: bool | str | None = None,
     do_sample: bool | None = None,
     generation_config: Any = None,
     tree_size: int | None = None,

@@ -4,11 +4,11 @@ over grouped key/value heads without copies. See docs/architecture.md, "CPU kern
 A verify (a few tokens per row) and a draft pass multiply a few rows by every weight of a model. On some CPUs MKL's
 kernels for such products are 2-4x slower than oneDNN's packed weights, on others faster; the loop times the kernels
 once per shape and runs each product with the fastest. Everything here is switched on for one call
-(`cpu_kernels(enabled)`), and what a call packs lives and dies with it: a packed copy is made from the weight's values
-at its first use in the call, so no edit of a weight between calls (in place, through `.data`, new storage) can leave
-a stale copy in use. Models are never changed (no hooks, no attributes). Calls in other threads have their own scope.
-Where rerouting a target's layers measured slower than `F.linear` (`cost_model.choose_cpu_kernels`), the target joins
-`HEAD_ONLY_MODELS` and only its LM head keeps the kernel table.
+(`cpu_kernels(mode)`: every few-row product, or the LM heads' alone, where rerouting the layers costs more than it
+saves: `cost_model.choose_cpu_kernels`), and what a call packs lives and dies with it: a packed copy is made from the
+weight's values at its first use in the call, so no edit of a weight between calls (in place, through `.data`, new
+storage) can leave a stale copy in use. Models are never changed (no hooks, no attributes). Calls in other threads
+have their own scope.
 
 Hub remote code: imports only torch and transformers.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Callable, Iterator
@@ -29,17 +28,16 @@ from .devices_dflash import GROUPED_QUERY_SDPA, execution_device, target_text_co
 from .versions_dflash import exact_grouped_query_sdpa
 
 MAX_FEW_ROWS = 64  # more rows than this: F.linear, a product BLAS handles well
+# `spec_generate(cpu_kernels=...)`: False, every product by F.linear; "lm_head", the LM heads' few-row products by the
+# kernel table, the layers' by F.linear; True, every few-row product by the kernel table (README, "Results")
+CPU_KERNEL_MODES = (False, "lm_head", True)
+CPU_KERNEL_NAMES = {False: "off", "lm_head": "lm-head", True: "on"}  # the modes as `--cpu-kernels` names them
 KERNEL_TIMING_REPEATS = 3
 
 # (dtype, weight shape, rows, threads) -> the kernel `few_row_product` timed fastest for that shape in this process:
 # a property of the machine, so it outlives a call (the packed copies do not).
 FEW_ROW_KERNEL_CHOICE: dict[tuple[torch.dtype, tuple[int, ...], int, int], str] = {}
 _CHOICE_LOCK = threading.Lock()  # threads choosing kernels at once
-# Models whose layers' products run `F.linear` even inside `cpu_kernels()`, their LM head alone by the kernel table:
-# where the cost model timed a step cheaper so (`cost_model.choose_cpu_kernels`; the mode that reroutes the layers
-# costs every op of a forward some time). A property of the machine and the model, so it outlives a call; an entry
-# dies with its model.
-HEAD_ONLY_MODELS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
 def _has_onednn_linear() -> bool:
@@ -58,8 +56,9 @@ class PackedWeights:
     """oneDNN packed copies of the weights one generation call multiplies with oneDNN: made at a weight's first use in
     the call (again if it changes in place or gets new storage during the call), dropped with the call."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: bool = True) -> None:
         self.copies: dict[int, tuple[torch.Tensor, int, int, torch.Tensor]] = {}  # id -> (weight, version, ptr, copy)
+        self.layers = layers  # the models' own Linear layers are rerouted too (`few_row_kernels`), not only the heads
 
     def packed(self, weight: torch.Tensor) -> torch.Tensor:
         """The packed copy of a CPU weight [V, H] as its values are now."""
@@ -83,15 +82,29 @@ _CALL_KERNELS: ContextVar[PackedWeights | None] = ContextVar("dflash_hf_cpu_kern
 
 
 @contextmanager
-def cpu_kernels(enabled: bool = True) -> Iterator[PackedWeights | None]:
-    """The few-row kernels for the block (a generation call), with packed copies of its own; `enabled=False`: every
-    product runs `F.linear`, as the models compute it. Yields the call's packed copies (None when disabled)."""
-    packed = PackedWeights() if enabled else None
+def cpu_kernels(mode: bool | str = True) -> Iterator[PackedWeights | None]:
+    """The few-row kernels for the block (a generation call), with packed copies of its own: `mode` True, every
+    few-row product; "lm_head", the LM heads' only (`few_row_logits`, `few_row_product`), the models' layers as they
+    compute; False, every product runs `F.linear`, as the models compute it. Yields the call's packed copies (None
+    when off)."""
+    mode = cpu_kernel_mode(mode, "cpu")
+    packed = PackedWeights(layers=mode is True) if mode else None
     token = _CALL_KERNELS.set(packed)
     try:
         yield packed
     finally:
         _CALL_KERNELS.reset(token)
+
+
+def cpu_kernel_mode(choice: bool | str | None, device_type: str) -> bool | str:
+    """A `cpu_kernels` choice as one of CPU_KERNEL_MODES: None is on (True) for a target computing on the CPU (its
+    `device_type`), off elsewhere; anything else not in CPU_KERNEL_MODES is refused by name."""
+    if choice is None:
+        return device_type == "cpu"
+    if isinstance(choice, bool) or choice == "lm_head":
+        return choice
+    raise ValueError(f"cpu_kernels={choice!r}: expected True, False, 'lm_head' or None (on for a CPU target); "
+                     "docs/api.md describes them")
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None, states: torch.Tensor) -> torch.Tensor:
@@ -202,11 +215,11 @@ class FewRowLinear(TorchFunctionMode):
 
 @contextmanager
 def few_row_kernels(model: torch.nn.Module) -> Iterator[bool]:
-    """While the block runs (one verify or draft pass), inside `cpu_kernels()`, a model that computes on the CPU (not
-    dispatched by Accelerate, not in `HEAD_ONLY_MODELS`) has its few-row Linear products run by `FewRowLinear`.
-    Yields whether they do."""
-    switch = (_CALL_KERNELS.get() is not None and execution_device(model).type == "cpu"
-              and getattr(model, "hf_device_map", None) is None and model not in HEAD_ONLY_MODELS)
+    """While the block runs (one verify or draft pass), inside `cpu_kernels(True)`, a model that computes on the CPU
+    (not dispatched by Accelerate) has its few-row Linear products run by `FewRowLinear`. Yields whether they do."""
+    packed = _CALL_KERNELS.get()
+    switch = (packed is not None and packed.layers and execution_device(model).type == "cpu"
+              and getattr(model, "hf_device_map", None) is None)
     if not switch:
         yield False
         return

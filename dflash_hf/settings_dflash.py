@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from .devices_dflash import target_device
+from .kernels_dflash import cpu_kernel_mode
 from .processors_dflash import CallPrompts, PositionRules, position_rules
 from .proposer_dflash import DFlashDraft, draft_vocab_ids
 from .static_dflash import check_compile, compile_options, compile_refusal
@@ -97,7 +98,7 @@ class DecodingSettings:
     pad_token_id: int = 0  # fills rows that ended early
     mask_token_id: int | None = None  # the draft's mask id (None: no DFlash draft)
     acceptance: str = "rejection"  # sampling: speculative sampling of the draft's q, or the equality rule
-    cpu_kernels: bool = True  # few-row products by the fastest kernel timed here (a CPU target only)
+    cpu_kernels: bool | str = True  # few-row products by the kernel timed fastest here: one of CPU_KERNEL_MODES
     generators: tuple[torch.Generator | None, ...] = ()  # one per row
     streamers: tuple[Any, ...] | None = None  # one per row
     step_costs: StepCosts | None = None  # given: each step verifies only the prefix of proposals worth its cost
@@ -239,7 +240,7 @@ def resolve_settings(
     block_size: int | None = None,
     mask_token_id: int | None = None,
     acceptance: str = "rejection",
-    cpu_kernels: bool | None = None,
+    cpu_kernels: bool | str | None = None,
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
     seed: int | None = None,
     streamer: Any = None,
@@ -256,8 +257,10 @@ def resolve_settings(
 ) -> DecodingSettings:
     """Every setting of one call, checked: the call's arguments over `generation_config` (default: the target's) as in
     `generate`, then the draft's (block size, mask id, draft vocabulary). `draft=None`: a proposer of the caller's,
-    which needs `block_size`. `cpu_kernels=None`: on for a target that computes on the CPU."""
+    which needs `block_size`. `cpu_kernels=None`: on for a target that computes on the CPU
+    (`kernels_dflash.cpu_kernel_mode`)."""
     check_target(target)
+    kernels = cpu_kernel_mode(cpu_kernels, target_device(target).type)  # None: on for a CPU target
     if acceptance not in ACCEPTANCE_RULES:
         raise ValueError(f"acceptance must be 'rejection' or 'equality', got {acceptance!r}.")
     choices = resolve_generation_choices(
@@ -290,12 +293,12 @@ def resolve_settings(
                                   None if draft is None else draft.target_layer_ids)
         if refusal is not None:
             raise ValueError(refusal)
-        cpu_kernels = False
+        kernels = False
     return DecodingSettings(
         max_new_tokens=choices.max_new_tokens, block_size=size, temperature=choices.temperature,
         top_k=choices.top_k, top_p=choices.top_p, stop_token_ids=frozenset(choices.stop_token_ids),
         pad_token_id=choices.pad_token_id, mask_token_id=mask_token_id, acceptance=acceptance,
-        cpu_kernels=device.type == "cpu" if cpu_kernels is None else bool(cpu_kernels),
+        cpu_kernels=kernels,
         generators=row_generators(generator, num_rows, device, seed if choices.temperature > 0 else None),
         streamers=row_streamers(streamer, num_rows), step_costs=step_costs,
         draft_vocab=None if draft is None else draft_vocab_ids(draft, draft_vocab, vocabulary_size),

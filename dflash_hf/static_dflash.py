@@ -334,7 +334,7 @@ class FixedRowBatch:
 # --- Whether a call can run compiled --------------------------------------------------------------------------
 
 
-def compile_refusal(target: torch.nn.Module, step_costs: Any, cpu_kernels: bool | None,
+def compile_refusal(target: torch.nn.Module, step_costs: Any, cpu_kernels: bool | str | None,
                     layer_ids: list[int] | None) -> str | None:
     """Why `compile=True` cannot run this call (`spec_generate` raises it), or None."""
     config = target_text_config(target)

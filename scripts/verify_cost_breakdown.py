@@ -206,10 +206,11 @@ def part_two(target, rows_list, repeats) -> dict:
 
 def step_costs(target, tokenizer, draft, widths: list[int], rounds: int) -> dict:
     """The loop's step costs (`cost_model.time_step_stages`, as bench times them) after the demo's first prompt, for
-    each of `cost_model.choose_cpu_kernels`' ways, in turn for `rounds` rounds: {(way, stage): min ms}."""
-    from dflash_hf.cost_model import CPU_KERNEL_WAYS, time_step_stages
+    each of the modes `cost_model.choose_cpu_kernels` times, in turn for `rounds` rounds: {(mode's name, stage): min
+    ms}."""
+    from dflash_hf.cost_model import time_step_stages
     from dflash_hf.demo import DEMO_PROMPTS
-    from dflash_hf.kernels_dflash import HEAD_ONLY_MODELS
+    from dflash_hf.kernels_dflash import CPU_KERNEL_MODES, CPU_KERNEL_NAMES
     from dflash_hf.prompts import user_prompt_ids
     from dflash_hf.tokens_dflash import generation_tokens
 
@@ -217,12 +218,10 @@ def step_costs(target, tokenizer, draft, widths: list[int], rounds: int) -> dict
     mask_token_id = generation_tokens(target, tokenizer, draft).mask_token_id
     samples: dict = defaultdict(list)
     for _ in range(rounds):
-        for way, enabled in CPU_KERNEL_WAYS.items():
-            if way == "LM head":
-                HEAD_ONLY_MODELS.add(target)
+        for mode in CPU_KERNEL_MODES:
+            way = CPU_KERNEL_NAMES[mode]
             timings = time_step_stages(draft, target, context, max(widths), mask_token_id, widths, repeats=3,
-                                       cpu_kernels=enabled)
-            HEAD_ONLY_MODELS.discard(target)
+                                       cpu_kernels=mode)
             samples[(way, "one token")].append(timings["target_1"])
             samples[(way, "draft")].append(timings["draft"])
             for width in widths:

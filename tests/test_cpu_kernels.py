@@ -204,7 +204,7 @@ def test_a_model_dispatched_by_accelerate_keeps_its_own_kernels():
         assert not rerouted
 
 
-@pytest.mark.parametrize("cheapest", ["off", "LM head", "all"])
+@pytest.mark.parametrize("cheapest", kernels_dflash.CPU_KERNEL_MODES)
 def test_the_cost_model_keeps_the_kernels_only_where_a_step_costs_less_with_them(cheapest, monkeypatch):
     from dflash_hf import cost_model
 
@@ -213,34 +213,35 @@ def test_the_cost_model_keeps_the_kernels_only_where_a_step_costs_less_with_them
 
     def step_costs(draft, target_model, context_ids, block_size, mask_token_id, repeats=5, batch_size=1,
                    cpu_kernels=None):
-        way = "off" if not cpu_kernels else "LM head" if target_model in kernels_dflash.HEAD_ONLY_MODELS else "all"
-        timed.append(way)
-        verify = 0.010 if way == cheapest else 0.020
+        timed.append(cpu_kernels)
+        verify = 0.010 if cpu_kernels == cheapest and type(cpu_kernels) is type(cheapest) else 0.020
         return {"target_1": 0.012, "target_block": verify + 0.001 * len(timed), "draft": 0.002}
 
     monkeypatch.setattr(cost_model, "measure_step_costs", step_costs)
-    enabled, way, costs = cost_model.choose_cpu_kernels(draft, target, torch.arange(5, 15)[None], 4, VOCAB_SIZE - 1,
-                                                        rounds=2)
-    assert (enabled, way) == (cheapest != "off", cheapest)
-    assert timed == ["off", "LM head", "all"] * 2  # the ways take turns
+    mode, costs = cost_model.choose_cpu_kernels(draft, target, torch.arange(5, 15)[None], 4, VOCAB_SIZE - 1, rounds=2)
+    assert mode is cheapest if isinstance(cheapest, bool) else mode == cheapest
+    assert timed == list(kernels_dflash.CPU_KERNEL_MODES) * 2  # the modes take turns
     assert costs[cheapest]["target_block"] == pytest.approx(0.010 + 0.001 * (timed.index(cheapest) + 1))  # least
-    assert (target in kernels_dflash.HEAD_ONLY_MODELS) == (cheapest == "LM head")
-    kernels_dflash.HEAD_ONLY_MODELS.discard(target)
 
 
-def test_a_head_only_target_verifies_its_layers_by_f_linear_and_its_head_by_the_kernel_table(forced_kernel):
+def test_the_lm_head_mode_verifies_the_layers_by_f_linear_and_the_heads_by_the_kernel_table(forced_kernel):
     routed = forced_kernel("transposed")
     target, draft = make_target("llama", seed=8), make_draft(8, block_size=4)
     input_ids = torch.randint(0, VOCAB_SIZE - 1, (1, 9), generator=torch.Generator().manual_seed(8))
     expected = plain_greedy(target, input_ids, max_new_tokens=20)
-    kernels_dflash.HEAD_ONLY_MODELS.add(target)
-    try:
-        assert torch.equal(draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=20), expected)
-        with cpu_kernels(), few_row_kernels(target) as rerouted:
-            assert not rerouted
-    finally:
-        kernels_dflash.HEAD_ONLY_MODELS.discard(target)
-    assert tuple(target.get_output_embeddings().weight.shape) in {shape for shape, _ in routed}  # the head was
+    assert torch.equal(draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=20,
+                                           cpu_kernels="lm_head"), expected)
+    assert {shape for shape, _ in routed} == {tuple(target.get_output_embeddings().weight.shape)}  # the head only
+    with cpu_kernels("lm_head"), few_row_kernels(target) as rerouted:
+        assert not rerouted
+    with cpu_kernels(True), few_row_kernels(target) as rerouted:
+        assert rerouted
+
+
+def test_an_unknown_cpu_kernels_mode_is_refused_by_name():
+    target, draft = make_target("llama", seed=8), make_draft(8, block_size=4)
+    with pytest.raises(ValueError, match="cpu_kernels='head'.*'lm_head'"):
+        draft.spec_generate(target=target, input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=4, cpu_kernels="head")
 
 
 def test_step_costs_can_be_timed_without_the_kernels(forced_kernel):
