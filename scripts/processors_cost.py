@@ -5,6 +5,7 @@ the same arguments, its draft shaped by the processors (draft_processors="built"
 "generate's processors").
 
     python scripts/processors_cost.py --dataset gsm8k humaneval --num-prompts 4 --max-new-tokens 128 [--block-size 3]
+        [--tree-size 8]
 """
 
 from __future__ import annotations
@@ -46,12 +47,13 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=None, help="default: the draft's trained size")
+    parser.add_argument("--tree-size", type=int, default=None, help="drafted nodes of a tree (default: a chain)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     target, tokenizer, draft = load_demo()
     stops = generation_tokens(target, tokenizer).stop_token_ids
     common = {"max_new_tokens": args.max_new_tokens, "pad_token_id": stops[0]}
-    spec = {"block_size": args.block_size} if args.block_size else {}
+    spec = {"block_size": args.block_size, "tree_size": args.tree_size}
     warm = torch.tensor([user_prompt_ids(tokenizer, "Hello")])  # first calls time the CPU kernels: not measured
     target.generate(warm, attention_mask=torch.ones_like(warm), do_sample=False, **common)
     draft.spec_generate(target=target, input_ids=warm, temperature=0.0, stop_token_ids=stops, **common, **spec)
