@@ -55,6 +55,36 @@ def test_generation_resumes_without_duplicating_or_losing_rows(tmp_path):
         assert row["response_ids"] == alone
 
 
+def test_a_killed_runs_shards_are_merged_once_and_their_prompts_not_generated_again(tmp_path, monkeypatch):
+    import dflash_hf.training.data as data
+
+    target, tokenizer = make_target("llama", seed=2), make_tokenizer()
+    prompts = ["w5 w6", "w7 w8", "w9 w10 w11", "w12"]
+    path = tmp_path / "responses.jsonl"
+    generate_responses(target, tokenizer, prompts[:2], path, batch_size=2, max_new_tokens=4, progress=False)
+    first = in_order(path, 2)
+    path.write_text(path.read_text()[:-1])  # the last row cut just before its newline
+    ids = [chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}]) for prompt in prompts]
+    marked = {"index": 2, "prompt_ids": ids[2], "response_ids": [9, 9, 9, 1]}  # no regeneration: kept as it is
+    # a killed run of 2 processes: process 1's shard holds row 1 again (a merge cut after appending it), row 2, and a
+    # line cut by the kill
+    (tmp_path / "responses.rank-1-of-2.jsonl").write_text(
+        json.dumps({**first[1], "response_ids": [8, 1]}) + "\n" + json.dumps(marked) + "\n" + '{"index": 3, "pro')
+    generated, respond = [], data._respond
+
+    def counted_respond(target, draft, input_ids, *args):
+        generated.append(input_ids.tolist())
+        return respond(target, draft, input_ids, *args)
+
+    monkeypatch.setattr(data, "_respond", counted_respond)
+    generate_responses(target, tokenizer, prompts, path, batch_size=2, max_new_tokens=4, progress=False)
+    rows = in_order(path, 4)
+    assert rows[:2] == first and rows[2] == marked  # kept, merged (not the duplicate of row 1), not regenerated
+    assert generated == [[ids[3]]]  # only prompt 3
+    assert [json.loads(line)["index"] for line in path.read_text().splitlines()] == [0, 1, 2, 3]  # each once
+    assert sorted(item.name for item in tmp_path.iterdir()) == ["responses.jsonl"]  # no shard left
+
+
 def test_generation_through_a_draft_writes_the_same_rows_as_generate(tmp_path):
     target, tokenizer, draft = make_target("llama", seed=4), make_tokenizer(), make_draft(seed=3)
     prompts = [" ".join(f"w{5 + (i * 11 + j) % 100}" for j in range(2 + i % 4)) for i in range(6)]
