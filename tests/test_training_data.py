@@ -33,6 +33,28 @@ def test_read_prompts_from_the_benchmark_fields(tmp_path):
     assert read_prompts([path], limit=2) == ["a", "b"]
 
 
+def test_prompt_texts_are_read_one_line_when_asked_for(tmp_path):
+    from dflash_hf.training.data import PromptTexts
+
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text('{"question": "a1"}\n\n{"prompt": "a2"}\n{"turns": ["a3", "x"]}\n')  # a blank line
+    second.write_text('{"question": "b1"}\n{"question": "b2"}')  # no newline at the end
+    texts = PromptTexts([first, second], [None, None])
+    assert len(texts) == 5 and list(texts) == read_prompts([first, second]) == ["a1", "a2", "a3", "b1", "b2"]
+    assert [texts[i] for i in (4, 0, 2)] == ["b2", "a1", "a3"] and texts.file_counts() == [3, 2]
+    limited = PromptTexts([first, second], [2, 1])
+    assert list(limited) == ["a1", "a2", "b1"] and limited.file_counts() == [2, 1]
+    with pytest.raises(IndexError):
+        texts[5]
+    first.write_text('{"question": "c1"}\n\n{"prompt": "c2"}\n{"turns": ["c3", "x"]}\n')  # the same offsets
+    assert texts[1] == "c2"  # read from the file when asked for, not held
+    second.write_text('{"question": "b1"}\n{"q": "b2"}\n')
+    with pytest.raises(ValueError, match=r"second.jsonl:2: expected an object with a turns/question/.* list"):
+        PromptTexts([first, second], [None, None])  # every line checked when built
+    with pytest.raises(FileNotFoundError, match="No prompt file at .*missing.jsonl"):
+        PromptTexts([tmp_path / "missing.jsonl"], [None])
+
+
 def test_generation_resumes_without_duplicating_or_losing_rows(tmp_path):
     target, tokenizer = make_target("llama", seed=2), make_tokenizer()
     prompts = [" ".join(f"w{5 + (i * 7 + j) % 100}" for j in range(2 + i % 3)) for i in range(7)]

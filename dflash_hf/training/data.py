@@ -10,6 +10,7 @@ import gzip
 import json
 import os
 from array import array
+from bisect import bisect_right
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -18,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..cache_dflash import left_pad
 from ..devices_dflash import target_device
-from ..prompts import read_conversations, user_prompt_ids
+from ..prompts import check_prompt_file, line_turns, read_conversations, user_prompt_ids
 from ..sampling_dflash import cut_after_stop
 from ..tokens_dflash import generation_tokens
 from ..versions_dflash import continuous_batching_refusal, generate_batch_arguments
@@ -31,6 +32,55 @@ GEN_ENGINES = ("generate", "continuous")  # --gen-engine: how the target answers
 def read_prompts(paths: Iterable[str | Path], limit: int | None = None) -> list[str]:
     """The first user turn of every record of JSONL prompt files (fields as `prompts.PROMPT_FIELDS`), up to `limit`."""
     return [turns[0] for turns in read_conversations(list(paths), limit=limit)]
+
+
+class PromptTexts(Sequence[str]):
+    """The first user turn of each record of JSONL prompt files (fields as `prompts.PROMPT_FIELDS`), read when asked
+    for: building it checks every line once and keeps only where each record starts (8 bytes a prompt), so
+    `texts[i]` reads one line and iterating reads the files in order. `limits`: the records taken from each file at
+    most (None: all of them)."""
+
+    def __init__(self, paths: Sequence[str | Path], limits: Sequence[int | None]):
+        self.paths = [Path(path) for path in paths]
+        self.starts = array("q")  # [prompts] where each record's line starts in its file, in bytes
+        self.ends = array("q")  # [files] the prompts of the files up to this one
+        for path, limit in zip(self.paths, limits, strict=True):
+            check_prompt_file(path)
+            with open(path, "rb") as handle:
+                position, taken = 0, 0
+                for number, line in enumerate(handle, 1):
+                    if limit is not None and taken >= limit:
+                        break
+                    if line.strip():
+                        line_turns(line, None, f"{path}:{number}")  # checked once, not kept
+                        self.starts.append(position)
+                        taken += 1
+                    position += len(line)
+            self.ends.append(len(self.starts))
+
+    def file_counts(self) -> list[int]:
+        """The prompts taken from each file."""
+        return [end - start for start, end in zip([0, *self.ends], self.ends)]
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, index: int) -> str:  # type: ignore[override]  # one prompt, no slices
+        if not 0 <= index < len(self.starts):
+            raise IndexError(f"prompt {index} of {len(self.starts)}")
+        path = self.paths[bisect_right(self.ends, index)]
+        with open(path, "rb") as handle:
+            handle.seek(self.starts[index])
+            return line_turns(handle.readline(), None, str(path))[0]
+
+    def __iter__(self) -> Iterator[str]:
+        first = 0
+        for path, end in zip(self.paths, self.ends):
+            with open(path, "rb") as handle:
+                for start in self.starts[first:end]:
+                    handle.seek(start)
+                    yield line_turns(handle.readline(), None, str(path))[0]
+            first = end
 
 
 CHAT_ROLES = ("system", "user", "assistant")  # the turns a conversation row may hold (README, "Train your own draft")
@@ -249,7 +299,8 @@ def generate_responses(
     if not state.is_main_process:
         answered = _answered_prompts(output_path, tokenizer, prompts, seed_paths, writer=False)
     todo = array("i", (index for index in range(len(prompts)) if not answered[index]))  # the same on every process
-    lengths = array("i", (len(user_prompt_ids(tokenizer, prompts[index])) for index in todo) if by_length else ())
+    lengths = array("i", (len(user_prompt_ids(tokenizer, text)) for index, text in enumerate(prompts)
+                          if not answered[index]) if by_length else ())  # [len(todo)]
     mine = process_share(todo, lengths, state.process_index, state.num_processes)  # [n] prompt indices
     device = target_device(target)
     tokens = generation_tokens(target, tokenizer)  # stop on every EOS id, as bench and the evaluation do
@@ -374,30 +425,39 @@ def _generate_rows(target: torch.nn.Module, draft: torch.nn.Module | None, promp
             for (index, ids), generated, cap in zip(prompts, responses, caps)]
 
 
-def _seed_rows(tokenizer: PreTrainedTokenizerBase, prompts: list[str], answered: bytearray,
+def _seed_rows(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], answered: bytearray,
                seed_paths: Sequence[str | Path]) -> list[dict]:
-    """Rows of the seed files for the prompts not `answered`, matched by rendered prompt ids and re-indexed; a seed
-    file that answers none of the prompts is refused (other prompts or another tokenizer)."""
+    """Rows of the seed files for the prompts not `answered`, matched by rendered prompt ids and re-indexed (the first
+    seed row of a prompt, in file order, answers it); a seed file that answers none of the prompts is refused (other
+    prompts or another tokenizer). The prompts are rendered one at a time; the seed rows are held."""
     missing = [Path(path) for path in seed_paths if not Path(path).is_file()]
     if missing:
         raise FileNotFoundError(f"--responses {missing[0]}: no such file")
     if not seed_paths:
         return []
-    prompt_indices: dict[tuple[int, ...], list[int]] = {}
-    for index, prompt in enumerate(prompts):
-        prompt_indices.setdefault(tuple(user_prompt_ids(tokenizer, prompt)), []).append(index)
-    seeded: dict[int, dict] = {}
-    for path in seed_paths:
+    rows: dict[tuple[int, ...], dict] = {}  # the first seed row of each prompt
+    holders: dict[tuple[int, ...], set[int]] = {}  # the seed files that hold a row of each prompt
+    sizes = []
+    for number, path in enumerate(seed_paths):
         seed = read_rows(path)
-        answering = [row for row in seed if tuple(row["prompt_ids"]) in prompt_indices]
-        if seed and not answering:
-            raise ValueError(f"--responses {path}: none of its {len(seed)} rows answers one of these prompts (other "
-                             "--prompts, or another tokenizer); pass the prompt files it was generated for")
-        for row in answering:
-            for index in prompt_indices[tuple(row["prompt_ids"])]:
-                if not answered[index] and index not in seeded:
-                    seeded[index] = {**row, "index": index}
-    return [seeded[index] for index in sorted(seeded)]
+        sizes.append(len(seed))
+        for row in seed:
+            key = tuple(row["prompt_ids"])
+            rows.setdefault(key, row)
+            holders.setdefault(key, set()).add(number)
+    seeded, used = [], set()
+    for index, prompt in enumerate(prompts):
+        key = tuple(user_prompt_ids(tokenizer, prompt))
+        if key in rows:
+            used |= holders[key]
+            if not answered[index]:
+                seeded.append({**rows[key], "index": index})
+    unused = [number for number, size in enumerate(sizes) if size and number not in used]
+    if unused:
+        path = seed_paths[unused[0]]
+        raise ValueError(f"--responses {path}: none of its {sizes[unused[0]]} rows answers one of these prompts "
+                         "(other --prompts, or another tokenizer); pass the prompt files it was generated for")
+    return seeded
 
 
 def _respond(target: torch.nn.Module, draft: torch.nn.Module | None, input_ids: torch.Tensor,
