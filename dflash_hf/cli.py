@@ -337,13 +337,13 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     process = process_context()
     device = process.device
     dtype = bench_dtype(args.dtype, device)
-    target, tokenizer = load_target(args.target, dtype)
+    target, tokenizer = load_target(args.target, dtype, device=device)
     draft = DFlashDraftModel.from_pretrained(args.draft or SHIPPED_DRAFT, dtype=dtype).eval()
     too_long = [size for size in args.block_size if isinstance(size, int) and size > draft.block_size]
     if too_long:
         raise SystemExit(f"--block-size {too_long[0]}: the draft was trained with blocks of {draft.block_size}; "
                          f"pass 1 to {draft.block_size}, or auto")
-    target, draft = target.to(device), draft.to(device)
+    draft = draft.to(device)
     results = []
     for batch_size in args.batch_size:
         for block_size in args.block_size:

@@ -160,3 +160,32 @@ def test_generate_only_through_continuous_batching_writes_generates_rows(tmp_pat
                              for engine in ("generate", "continuous"))
     assert list(continuous) == list(generated)
     assert attention == {"generate": GROUPED_QUERY_SDPA, "continuous": "sdpa"}  # the CPU target's, and paged sdpa's
+
+
+def test_the_target_loads_straight_to_its_device_in_its_dtype(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    import dflash_hf.training.command as command
+    from dflash_hf.loading import load_target
+
+    prompts = save_tiny_target_and_prompts(tmp_path, 2)
+    placed, from_pretrained = [], AutoModelForCausalLM.from_pretrained
+
+    def recorded(*args, **kwargs):  # where and in what the weights are loaded
+        placed.append((kwargs.get("device_map"), kwargs["dtype"]))
+        return from_pretrained(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", recorded)
+    target, _ = load_target(str(tmp_path / "target"), torch.bfloat16, device=torch.device("cpu"))
+    assert placed == [(torch.device("cpu"), torch.bfloat16)]
+    assert {(p.device.type, p.dtype) for p in target.parameters()} == {("cpu", torch.bfloat16)}
+    placed.clear()
+    load_target(str(tmp_path / "target"), torch.float32)  # no device: loaded as before, on the host
+    assert placed == [(None, torch.float32)]
+    loads, load = [], command.load_target
+    monkeypatch.setattr(command, "load_target", lambda *args, **kwargs: loads.append(kwargs) or load(*args, **kwargs))
+    placed.clear()
+    main(["train", "--target", str(tmp_path / "target"), "--output", str(tmp_path / "run"), "--prompts", str(prompts),
+          "--gen-max-new-tokens", "4", "--generate-only"])
+    assert loads == [{"device": torch.device("cpu")}]  # train's process device, straight from the loading
+    assert placed == [(torch.device("cpu"), torch.float32)]  # --gen-dtype auto on the CPU

@@ -150,8 +150,8 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         output.mkdir(parents=True, exist_ok=True)
     state.wait_for_everyone()  # the folder exists before any process looks into it
     device = state.device
-    target, tokenizer = load_target(args.target, training_target_dtype(args.gen_dtype, device))
-    target = target.to(device)  # generation runs where training will
+    # straight onto the device generation and training run on, in the generation dtype (never whole on the host)
+    target, tokenizer = load_target(args.target, training_target_dtype(args.gen_dtype, device), device=device)
     responses = output / "responses.jsonl"
     num_rows = regenerate(args, target, tokenizer, prompts, responses)
     if args.generate_only:
