@@ -106,7 +106,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gen-engine", choices=GEN_ENGINES, default="generate",
                         help="generate: each batch in lock-step (batched generate, run to its longest answer); "
                              "continuous: Transformers' continuous batching (generate_batch, paged attention; "
-                             "Transformers 5.25 on the CPU). Greedy rows are the same "
+                             "Transformers 5.25 on the CPU); vllm: vLLM's offline LLM.generate, where vLLM is "
+                             "installed (CUDA; one process, with --generate-only). Greedy rows are the same "
                              "(docs/training.md, 'Regeneration engines')")
     parser.add_argument("--gen-temperature", type=float, default=0.0,
                         help='temperature of the regenerated responses (0: greedy)')

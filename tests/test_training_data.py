@@ -284,7 +284,9 @@ def test_an_engine_is_refused_where_it_cannot_run(tmp_path, monkeypatch):
     import dflash_hf.versions_dflash as versions_dflash
 
     target, tokenizer = make_target("llama", seed=2), make_tokenizer()
-    with pytest.raises(ValueError, match=r"--gen-engine 'vllm': expected one of \['generate', 'continuous'\]"):
+    with pytest.raises(ValueError, match=r"--gen-engine 'sglang': expected one of \[.*'vllm'\]"):
+        generate_responses(target, tokenizer, ["w5"], tmp_path / "rows.jsonl", progress=False, engine="sglang")
+    with pytest.raises(ValueError, match="engine 'vllm' with a LlamaForCausalLM target: vllm answers through a "):
         generate_responses(target, tokenizer, ["w5"], tmp_path / "rows.jsonl", progress=False, engine="vllm")
     with pytest.raises(ValueError, match="--gen-draft runs spec_generate on its own batches"):
         generate_responses(target, tokenizer, ["w5"], tmp_path / "rows.jsonl", progress=False, engine="continuous",

@@ -44,6 +44,7 @@ from .store import (
     write_store_facts,
 )
 from .trainer import TrainingLog, TrainingSettings, check_trackers, train_draft
+from .vllm_engine import VllmTarget, load_vllm_target, vllm_refusal
 
 # --gen-dtype, --target-dtype and --eval-dtype auto: bfloat16 on CUDA (the frozen target only gives features and
 # teacher logits while training); on CPU, float32 (few-row bfloat16 matmuls are slow without native bf16).
@@ -115,8 +116,21 @@ def training_settings(args: argparse.Namespace) -> TrainingSettings:
         process_group_timeout_minutes=args.process_group_timeout, report_to=args.report_to)
 
 
-def regenerate(args: argparse.Namespace, target: torch.nn.Module, tokenizer: Any, prompts: Sequence[str],
-               responses: Path) -> int:
+def generation_target(args: argparse.Namespace, state: Any) -> tuple[torch.nn.Module | VllmTarget, Any]:
+    """The target that answers the prompts, and its tokenizer: loaded straight onto this process's device in the
+    `--gen-dtype` (where generation and training run), or vLLM's (`--gen-engine vllm`, which loads the target itself,
+    only to generate) once `vllm_engine.vllm_refusal` lets it run."""
+    dtype = training_target_dtype(args.gen_dtype, state.device)
+    if args.gen_engine != "vllm":
+        return load_target(args.target, dtype, device=state.device)
+    refusal = vllm_refusal(args.target, state.num_processes, args.generate_only, args.gen_draft)
+    if refusal is not None:
+        raise SystemExit(f"dflash-hf train: {refusal}")
+    return load_vllm_target(args.target, dtype, args.seed)
+
+
+def regenerate(args: argparse.Namespace, target: torch.nn.Module | VllmTarget, tokenizer: Any,
+               prompts: Sequence[str], responses: Path) -> int:
     """Answer every prompt into `responses` (`generate_responses` with the --gen-* flags); returns the row count.
     Continuous batching pages "sdpa" itself: a target `load_target` switched to grouped_query_sdpa generates with
     "sdpa" and is switched back after."""
@@ -150,8 +164,7 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         output.mkdir(parents=True, exist_ok=True)
     state.wait_for_everyone()  # the folder exists before any process looks into it
     device = state.device
-    # straight onto the device generation and training run on, in the generation dtype (never whole on the host)
-    target, tokenizer = load_target(args.target, training_target_dtype(args.gen_dtype, device), device=device)
+    target, tokenizer = generation_target(args, state)
     responses = output / "responses.jsonl"
     num_rows = regenerate(args, target, tokenizer, prompts, responses)
     if args.generate_only:

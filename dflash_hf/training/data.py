@@ -25,8 +25,9 @@ from ..tokens_dflash import generation_tokens
 from ..versions_dflash import continuous_batching_refusal, generate_batch_arguments
 from .processes import process_state
 from .store import row_tokens
+from .vllm_engine import VllmTarget, vllm_responses
 
-GEN_ENGINES = ("generate", "continuous")  # --gen-engine: how the target answers prompts (generate_responses)
+GEN_ENGINES = ("generate", "continuous", "vllm")  # --gen-engine: how the target answers prompts (generate_responses)
 
 
 def read_prompts(paths: Iterable[str | Path], limit: int | None = None) -> list[str]:
@@ -248,7 +249,7 @@ def training_rows(responses: Path, prompts: range, conversations: list[str], tok
 
 @torch.no_grad()
 def generate_responses(
-    target: torch.nn.Module,
+    target: torch.nn.Module | VllmTarget,
     tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[str],
     output_path: str | Path,
@@ -276,7 +277,8 @@ def generate_responses(
     through `spec_generate` (lossless, so the rows are the target's own output), otherwise through the `engine`
     (GEN_ENGINES): "generate", the batch in lock-step, padded to its longest prompt and run to its longest answer;
     "continuous", Transformers' continuous batching (`generate_batch`: paged attention, a finished answer's slot goes
-    to the next prompt at once), the same rows greedy.
+    to the next prompt at once), the same rows greedy; "vllm", vLLM's offline engine (`target` a
+    `vllm_engine.VllmTarget`: `vllm_engine.vllm_responses`).
 
     Under `accelerate launch` / `torchrun` every process calls this with the same prompts and takes its own share of
     the prompts still to answer (`process_share`), then generates it batch after batch with no collective, appending
@@ -289,6 +291,9 @@ def generate_responses(
     if draft is not None and engine != "generate":
         raise ValueError(f"--gen-draft runs spec_generate on its own batches: leave --gen-engine {engine} out "
                          "(generate), or the draft")
+    if (engine == "vllm") != isinstance(target, VllmTarget):
+        raise ValueError(f"engine {engine!r} with a {type(target).__name__} target: vllm answers through a "
+                         "vllm_engine.VllmTarget (vllm_engine.load_vllm_target), the other engines through the model")
     refusal = continuous_batching_refusal(target_device(target)) if engine == "continuous" else None
     if refusal is not None:
         raise ValueError(refusal)
@@ -302,7 +307,7 @@ def generate_responses(
     lengths = array("i", (len(user_prompt_ids(tokenizer, text)) for index, text in enumerate(prompts)
                           if not answered[index]) if by_length else ())  # [len(todo)]
     mine = process_share(todo, lengths, state.process_index, state.num_processes)  # [n] prompt indices
-    device = target_device(target)
+    device = None if engine == "vllm" else target_device(target)
     tokens = generation_tokens(target, tokenizer)  # stop on every EOS id, as bench and the evaluation do
     if temperature > 0:
         torch.manual_seed(seed + state.process_index)  # each process samples its own prompts
@@ -314,7 +319,7 @@ def generate_responses(
             prompt_ids = [user_prompt_ids(tokenizer, prompts[index]) for index in indices]
             rows = _generate_rows(target, draft, list(zip(indices, prompt_ids)), tokens, device,
                                   [answer_cap(len(ids), max_new_tokens, max_length) for ids in prompt_ids],
-                                  temperature, engine)
+                                  temperature, engine, seed)
             handle.writelines(json.dumps(row) + "\n" for row in rows)
             handle.flush()
             bar.update(len(rows))
@@ -408,14 +413,16 @@ def answer_cap(prompt_length: int, max_new_tokens: int | None, max_length: int |
     return max(max_length - prompt_length, 1)
 
 
-def _generate_rows(target: torch.nn.Module, draft: torch.nn.Module | None, prompts: list[tuple[int, list[int]]],
-                   tokens: Any, device: torch.device, caps: list[int], temperature: float,
-                   engine: str = "generate") -> list[dict]:
+def _generate_rows(target: torch.nn.Module | VllmTarget, draft: torch.nn.Module | None,
+                   prompts: list[tuple[int, list[int]]], tokens: Any, device: torch.device | None, caps: list[int],
+                   temperature: float, engine: str = "generate", seed: int = 0) -> list[dict]:
     """The rows {"index", "prompt_ids", "response_ids"} of one batch of (index, prompt ids) through `engine`, each
     answer at most its cap of new tokens (the batch runs to the largest, then each is cut to its own and after its
     first stop token)."""
     batch_ids = [ids for _, ids in prompts]
-    if engine == "continuous":
+    if engine == "vllm":
+        responses = vllm_responses(target, prompts, tokens, caps, temperature, seed)
+    elif engine == "continuous":
         responses = _respond_continuously(target, batch_ids, tokens, max(caps), temperature)
     else:
         input_ids, attention_mask = left_pad(batch_ids, tokens.pad_token_id, device)  # [n, T]
