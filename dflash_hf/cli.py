@@ -95,8 +95,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                              "files in order), e.g. a later --init-from stage on rows the draft has not seen")
     parser.add_argument("--gen-batch-size", type=int, default=16,
                         help="prompts per call of the --gen-engine while regenerating responses, per process "
-                             "(generate: one lock-step batch; continuous: the prompts it schedules itself, so give "
-                             "it more, e.g. 256)")
+                             "(generate: one lock-step batch; continuous, vllm: the prompts it schedules itself, so "
+                             "give it more, e.g. 256, or thousands for vllm)")
     parser.add_argument("--gen-max-new-tokens", type=int, default=None,
                         help="new tokens of each regenerated response at most (default: what --max-length leaves "
                              "after its prompt, so that no answer is cut before training would cut it)")

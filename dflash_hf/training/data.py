@@ -268,8 +268,9 @@ def generate_responses(
     every one then answered there once (`rows_by_index` reads them back in prompt order).
 
     Each row is {"index", "prompt_ids", "response_ids"}; rows already in `output_path` are kept (checked against
-    their prompts one at a time: only a flag per prompt is held, and the rendered ids of the prompts still to
-    answer). An answer takes `max_new_tokens` tokens at most or, with `max_new_tokens` None, what `max_length`
+    their prompts one at a time). Held in memory: a flag per prompt, and the index and length of each prompt still to
+    answer; `prompts` may read each text when asked for (`PromptTexts`), and a batch's prompts are rendered when it
+    is generated. An answer takes `max_new_tokens` tokens at most or, with `max_new_tokens` None, what `max_length`
     leaves after its prompt (`answer_cap`). With `by_length`, the prompts still to answer go in batches by length,
     longest first: a batch pads its prompts less, and one that does not fit in memory fails first (greedy rows are
     the same either way). Rows of the `seed_paths` files (`.jsonl` or `.jsonl.gz`) answer the prompts whose rendered
