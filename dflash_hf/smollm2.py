@@ -29,9 +29,10 @@ def smollm2_gguf_folder() -> Path:
     return Path(spec.origin).parent
 
 
-def load_smollm2(dtype: torch.dtype = torch.bfloat16, cache_dir: str | Path | None = None
-                 ) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
-    """SmolLM2-135M-Instruct and its tokenizer; the first call dequantises the GGUF (~30 s) into a cache."""
+def load_smollm2(dtype: torch.dtype = torch.bfloat16, cache_dir: str | Path | None = None,
+                 device: torch.device | str | None = None) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
+    """SmolLM2-135M-Instruct and its tokenizer, in `dtype` (with a `device`, loaded straight onto it:
+    `device_map`); the first call dequantises the GGUF (~30 s) into a cache."""
     cache = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE
     if not (cache / "config.json").exists():
         folder = smollm2_gguf_folder()
@@ -51,7 +52,8 @@ def load_smollm2(dtype: torch.dtype = torch.bfloat16, cache_dir: str | Path | No
             publish_folder(partial, cache)
         finally:
             shutil.rmtree(partial, ignore_errors=True)  # gone once renamed; a failed conversion leaves nothing
-    model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype).eval()
+    placement = {} if device is None else {"device_map": device}
+    model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, **placement).eval()
     return model, AutoTokenizer.from_pretrained(cache)
 
 

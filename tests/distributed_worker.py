@@ -8,7 +8,8 @@ FSDP (started by `accelerate launch --config_file examples/accelerate_fsdp.yaml`
 with the CLI ARGS (their --output: FOLDER/cli/run). Every process records what it did in each mode in
 FOLDER/<mode>/records/rank<i>.json (outside the run folder): the files it wrote under the run folder (seen by an audit
 hook), the loss of each of its own sequences, the rows and anchor seed of each of its micro-batches (by phase: the
-run, the interrupted and the resumed one), the prompts it generated, the evaluations it ran, every call that reads
+run, the interrupted and the resumed one), the prompts it generated, the collectives it joined while generating, the
+evaluations it ran, every call that reads
 a pickle from a file (`pickle.load`, `torch.load`) and (the first mode's record: the group starts once per launch)
 its process group's timeout.
 """
@@ -30,6 +31,8 @@ import dflash_hf.training.trainer as trainer
 from dflash_hf.training.processes import end_processes
 
 WRITE_EVENTS = {"os.mkdir", "os.rename", "os.replace", "os.remove", "os.rmdir", "shutil.rmtree", "os.truncate"}
+COLLECTIVES = ("barrier", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "broadcast",
+               "broadcast_object_list", "gather", "reduce", "scatter")  # torch.distributed's, as Accelerate calls them
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 RANK = int(os.environ.get("RANK", 0))  # set by torchrun
@@ -39,7 +42,8 @@ WATCHED = {"root": ""}  # the current mode's run folder, as an absolute path
 
 def new_record() -> dict[str, Any]:
     """A mode's record before it runs."""
-    return {"rank": RANK, "writes": [], "local_losses": [], "generated": [], "evaluations": 0, "recording": True,
+    return {"rank": RANK, "writes": [], "local_losses": [], "generated": [], "generation_collectives": [],
+            "evaluations": 0, "recording": True,
             "phase": "run", "rows": {}, "process_group_timeouts": [], "unpickled": []}
 
 
@@ -73,7 +77,7 @@ def record_calls() -> None:
     """Wrap the loss, the generation and the evaluation so this process counts its own calls, and the two ways to
     read a pickle file (torch.distributed's object collectives unpickle in memory, through `pickle.Unpickler`)."""
     loss, respond = trainer.packed_dflash_loss, dflash_hf.training.data._respond
-    evaluate = dflash_hf.training.command.evaluate_draft
+    evaluate, generate = dflash_hf.training.command.evaluate_draft, dflash_hf.training.command.generate_responses
 
     def counted_loss(draft, *args, **kwargs):
         from torch.distributed.fsdp import FSDPModule
@@ -118,6 +122,29 @@ def record_calls() -> None:
     trainer.packed_dflash_loss = counted_loss
     dflash_hf.training.data._respond = counted_respond
     dflash_hf.training.command.evaluate_draft = counted_evaluate
+    dflash_hf.training.command.generate_responses = counted_collectives(generate)
+
+
+def counted_collectives(generate: Any) -> Any:
+    """`generate` recording the collectives this process joins while it runs, in order."""
+
+    def counted(name: str, collective: Any) -> Any:
+        def call(*args, **kwargs):
+            RECORD["generation_collectives"].append(name)
+            return collective(*args, **kwargs)
+        return call
+
+    def generate_counted(*args, **kwargs):
+        originals = {name: getattr(torch.distributed, name) for name in COLLECTIVES}
+        for name, collective in originals.items():
+            setattr(torch.distributed, name, counted(name, collective))
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            for name, collective in originals.items():
+                setattr(torch.distributed, name, collective)
+
+    return generate_counted
 
 
 def train_rows(count: int) -> list[dict]:

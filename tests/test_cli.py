@@ -171,7 +171,7 @@ def test_train_defaults_are_the_published_recipe():
 def test_train_refuses_flags_it_cannot_run_before_anything_loads(tmp_path, monkeypatch, flags, message):
     import dflash_hf.training.command as command
 
-    monkeypatch.setattr(command, "load_target", lambda *args: pytest.fail("loaded a model before the check"))
+    monkeypatch.setattr(command, "load_target", lambda *args, **kwargs: pytest.fail("loaded a model before the check"))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "w5"}\n')
     with pytest.raises(SystemExit, match=message):

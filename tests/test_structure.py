@@ -125,6 +125,7 @@ LAYERS = (
     {"modeling_dflash"},
     {"conversion", "push", "cost_model", "loading", "training.objective", "training.recipe", "training.processes",
      "training.store"},
+    {"training.vllm_engine"},
     {"evaluation", "synthetic", "training.trainer", "training.data"},
     {"model_card", "demo", "benchmark"},
     {"training.command"},

@@ -85,7 +85,7 @@ def test_a_malformed_conversation_row_is_reported_with_its_file_and_line(tmp_pat
 def test_train_reports_a_malformed_row_before_loading_the_target(tmp_path, monkeypatch, capsys):
     import dflash_hf.training.command as command
 
-    monkeypatch.setattr(command, "load_target", lambda *args: pytest.fail("loaded a model before the check"))
+    monkeypatch.setattr(command, "load_target", lambda *args, **kwargs: pytest.fail("loaded a model before the check"))
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"messages": CONVERSATION}) + "\n" + '{"messages": "w5"}\n')
     with pytest.raises(SystemExit, match=r"dflash-hf train: .*chat\.jsonl:2: no 'messages' list"):

@@ -33,6 +33,28 @@ def test_read_prompts_from_the_benchmark_fields(tmp_path):
     assert read_prompts([path], limit=2) == ["a", "b"]
 
 
+def test_prompt_texts_are_read_one_line_when_asked_for(tmp_path):
+    from dflash_hf.training.data import PromptTexts
+
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text('{"question": "a1"}\n\n{"prompt": "a2"}\n{"turns": ["a3", "x"]}\n')  # a blank line
+    second.write_text('{"question": "b1"}\n{"question": "b2"}')  # no newline at the end
+    texts = PromptTexts([first, second], [None, None])
+    assert len(texts) == 5 and list(texts) == read_prompts([first, second]) == ["a1", "a2", "a3", "b1", "b2"]
+    assert [texts[i] for i in (4, 0, 2)] == ["b2", "a1", "a3"] and texts.file_counts() == [3, 2]
+    limited = PromptTexts([first, second], [2, 1])
+    assert list(limited) == ["a1", "a2", "b1"] and limited.file_counts() == [2, 1]
+    with pytest.raises(IndexError):
+        texts[5]
+    first.write_text('{"question": "c1"}\n\n{"prompt": "c2"}\n{"turns": ["c3", "x"]}\n')  # the same offsets
+    assert texts[1] == "c2"  # read from the file when asked for, not held
+    second.write_text('{"question": "b1"}\n{"q": "b2"}\n')
+    with pytest.raises(ValueError, match=r"second.jsonl:2: expected an object with a turns/question/.* list"):
+        PromptTexts([first, second], [None, None])  # every line checked when built
+    with pytest.raises(FileNotFoundError, match="No prompt file at .*missing.jsonl"):
+        PromptTexts([tmp_path / "missing.jsonl"], [None])
+
+
 def test_generation_resumes_without_duplicating_or_losing_rows(tmp_path):
     target, tokenizer = make_target("llama", seed=2), make_tokenizer()
     prompts = [" ".join(f"w{5 + (i * 7 + j) % 100}" for j in range(2 + i % 3)) for i in range(7)]
@@ -53,6 +75,36 @@ def test_generation_resumes_without_duplicating_or_losing_rows(tmp_path):
         # the response is the target's own greedy continuation (batched with left padding, cut at end-of-turn)
         alone = plain_greedy(target, torch.tensor([prompt_ids]), 6, stop_token_ids=[1])[0, len(prompt_ids):].tolist()
         assert row["response_ids"] == alone
+
+
+def test_a_killed_runs_shards_are_merged_once_and_their_prompts_not_generated_again(tmp_path, monkeypatch):
+    import dflash_hf.training.data as data
+
+    target, tokenizer = make_target("llama", seed=2), make_tokenizer()
+    prompts = ["w5 w6", "w7 w8", "w9 w10 w11", "w12"]
+    path = tmp_path / "responses.jsonl"
+    generate_responses(target, tokenizer, prompts[:2], path, batch_size=2, max_new_tokens=4, progress=False)
+    first = in_order(path, 2)
+    path.write_text(path.read_text()[:-1])  # the last row cut just before its newline
+    ids = [chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}]) for prompt in prompts]
+    marked = {"index": 2, "prompt_ids": ids[2], "response_ids": [9, 9, 9, 1]}  # no regeneration: kept as it is
+    # a killed run of 2 processes: process 1's shard holds row 1 again (a merge cut after appending it), row 2, and a
+    # line cut by the kill
+    (tmp_path / "responses.rank-1-of-2.jsonl").write_text(
+        json.dumps({**first[1], "response_ids": [8, 1]}) + "\n" + json.dumps(marked) + "\n" + '{"index": 3, "pro')
+    generated, respond = [], data._respond
+
+    def counted_respond(target, draft, input_ids, *args):
+        generated.append(input_ids.tolist())
+        return respond(target, draft, input_ids, *args)
+
+    monkeypatch.setattr(data, "_respond", counted_respond)
+    generate_responses(target, tokenizer, prompts, path, batch_size=2, max_new_tokens=4, progress=False)
+    rows = in_order(path, 4)
+    assert rows[:2] == first and rows[2] == marked  # kept, merged (not the duplicate of row 1), not regenerated
+    assert generated == [[ids[3]]]  # only prompt 3
+    assert [json.loads(line)["index"] for line in path.read_text().splitlines()] == [0, 1, 2, 3]  # each once
+    assert sorted(item.name for item in tmp_path.iterdir()) == ["responses.jsonl"]  # no shard left
 
 
 def test_generation_through_a_draft_writes_the_same_rows_as_generate(tmp_path):
@@ -232,7 +284,9 @@ def test_an_engine_is_refused_where_it_cannot_run(tmp_path, monkeypatch):
     import dflash_hf.versions_dflash as versions_dflash
 
     target, tokenizer = make_target("llama", seed=2), make_tokenizer()
-    with pytest.raises(ValueError, match=r"--gen-engine 'vllm': expected one of \['generate', 'continuous'\]"):
+    with pytest.raises(ValueError, match=r"--gen-engine 'sglang': expected one of \[.*'vllm'\]"):
+        generate_responses(target, tokenizer, ["w5"], tmp_path / "rows.jsonl", progress=False, engine="sglang")
+    with pytest.raises(ValueError, match="engine 'vllm' with a LlamaForCausalLM target: vllm answers through a "):
         generate_responses(target, tokenizer, ["w5"], tmp_path / "rows.jsonl", progress=False, engine="vllm")
     with pytest.raises(ValueError, match="--gen-draft runs spec_generate on its own batches"):
         generate_responses(target, tokenizer, ["w5"], tmp_path / "rows.jsonl", progress=False, engine="continuous",

@@ -29,7 +29,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import get_cosine_schedule_with_warmup
 
-from dflash_hf.training.processes import epoch_order, gather_json, round_share
+from dflash_hf.training.data import process_share
+from dflash_hf.training.processes import epoch_order, gather_json
 from dflash_hf.training.store import PARTS, STORE_DIR, SequenceStore
 from dflash_hf.training.trainer import (
     CHECKPOINT_DIR,
@@ -121,9 +122,22 @@ def batched_runs(torchrun_runs, fsdp_runs) -> dict[str, tuple[Path, list[dict]]]
 
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory) -> tuple[Path, list[dict], Path]:
-    """`dflash-hf train` on 5 prompts (generation, training, evaluation) on two processes; also the target folder."""
+    """`dflash-hf train` on 5 prompts (generation, training, evaluation) on two processes; also the target folder.
+
+    Before it, one process generates the 5 rows alone (`alone.jsonl`, beside the target folder), and a killed run of
+    three processes is simulated: its process 2's shard holds the row of prompt 3 and a line cut by the kill."""
+    from dflash_hf.loading import load_target
+    from dflash_hf.training.data import generate_responses, read_prompts, rows_by_index
+
     folder = tmp_path_factory.mktemp("cli")
     prompts = save_tiny_target_and_prompts(folder, 5)
+    target, tokenizer = load_target(str(folder / "target"), torch.float32)
+    generate_responses(target, tokenizer, read_prompts([prompts]), folder / "alone.jsonl", batch_size=2,
+                       max_new_tokens=8, progress=False)
+    alone = list(rows_by_index(folder / "alone.jsonl", range(5)))
+    (folder / "cli" / "run").mkdir(parents=True)
+    (folder / "cli" / "run" / "responses.rank-2-of-3.jsonl").write_text(
+        json.dumps(alone[3]) + "\n" + json.dumps(alone[1])[:20])
     output, records = run_two_processes(
         ["cli"], folder, "train", "--target", str(folder / "target"), "--output", str(folder / "cli" / "run"),
         "--prompts", str(prompts), "--num-prompts", "5", "--gen-batch-size", "2", "--gen-max-new-tokens", "8",
@@ -307,19 +321,22 @@ def test_the_command_generates_each_response_once_and_only_the_main_process_writ
     output, records, target_folder = cli_run
     rows = [json.loads(line) for line in (output / "responses.jsonl").read_text().splitlines()]
     assert sorted(row["index"] for row in rows) == list(range(5))  # each prompt once
-    assert [record["generated"] for record in records] == [[2, 1], [2]]  # rounds of one batch of 2 per process
-    # the rows are the ones one process writes (the same batches: [0, 1] [2, 3] [4])
-    from dflash_hf.loading import load_target
-    from dflash_hf.training.data import generate_responses, read_prompts, rows_by_index
+    assert rows[0]["index"] == 3  # the killed run's shard, merged first: prompt 3 was not generated again
+    # the 4 others (one length: file order) shared out by stride, each process's own batches: 0 2 | 1 4
+    assert [record["generated"] for record in records] == [[2], [2]]
+    assert [row["index"] for row in rows[1:]] == [0, 2, 1, 4]  # the shards merged in process order
+    from dflash_hf.training.data import rows_by_index
 
-    target, tokenizer = load_target(str(target_folder), torch.float32)
-    generate_responses(target, tokenizer, read_prompts([target_folder.parent / "prompts.jsonl"]),
-                       target_folder.parent / "alone.jsonl", batch_size=2, max_new_tokens=8, progress=False)
     assert sorted(rows, key=lambda row: row["index"]) == list(rows_by_index(target_folder.parent / "alone.jsonl",
-                                                                            range(5)))
+                                                                            range(5)))  # one process's rows
+    assert not list(output.glob("responses.rank-*"))  # every shard merged and removed
+    # no collective while generating: a barrier after the killed run's merge, then two around the merge at the end
+    assert [record["generation_collectives"] for record in records] == [["barrier"] * 3] * 2
+    shards = {f"responses.rank-{rank}-of-2.jsonl" for rank in range(2)}
+    assert shards | {"responses.rank-2-of-3.jsonl", "responses.jsonl"} <= {path for _, path in records[0]["writes"]}
 
-    # each process tokenized its own range of the rows into the store (data/), and wrote nothing else
-    assert {path for _, path in records[1]["writes"]} == {
+    # each process tokenized its own range of the rows into the store (data/), and wrote nothing else but its shard
+    assert {path for _, path in records[1]["writes"]} == {"responses.rank-1-of-2.jsonl"} | {
         os.path.join(STORE_DIR, name) for part in PARTS for name in (f"{part}-00001.arrow", f"{part}-00001.arrow.tmp")}
     assert records[1]["evaluations"] == 0 and records[0]["evaluations"] == 1  # one evaluation
     store = SequenceStore(output / STORE_DIR, "train", 2)  # what both processes trained on: every row, in order
@@ -459,7 +476,7 @@ def test_the_main_process_alone_reports_to_tensorboard_the_global_values(cli_run
     assert [value for _, value in found["train/grad_norm"]] == pytest.approx(log["grad_norms"], rel=1e-6)
     assert len(log["grad_norms"]) == log["steps"] and all(norm > 0 for norm in log["grad_norms"])
     assert TRACKER_DIR in {path.split(os.sep)[0] for _, path in records[0]["writes"]}
-    assert {path.split(os.sep)[0] for _, path in records[1]["writes"]} == {STORE_DIR}  # its store files alone
+    assert {path.split(os.sep)[0] for _, path in records[1]["writes"]} == {STORE_DIR, "responses.rank-1-of-2.jsonl"}
 
 
 def test_an_epoch_order_is_distributed_samplers_and_wraps_round_to_whole_steps():
@@ -483,11 +500,15 @@ def test_an_epoch_order_is_distributed_samplers_and_wraps_round_to_whole_steps()
     assert len({anchor_seed(seed, rank, step) for seed in range(3) for rank in range(4) for step in range(50)}) == 600
 
 
-def test_rounds_share_out_the_todo_list_in_order():
-    todo = [2, 3, 5, 7, 11]
-    assert [round_share(todo, 2, 0, rank, 2) for rank in range(2)] == [[2, 3], [5, 7]]
-    assert [round_share(todo, 2, 1, rank, 2) for rank in range(2)] == [[11], []]
-    assert [round_share(todo, 2, r, 0, 1) for r in range(3)] == [[2, 3], [5, 7], [11]]  # one process: batches
+def test_each_process_takes_prompts_of_every_length():
+    from array import array
+
+    todo, lengths = array("i", [2, 3, 5, 7, 11, 13]), array("i", [4, 9, 1, 9, 6, 2])  # longest first: 3 7 11 2 13 5
+    assert [process_share(todo, lengths, rank, 2).tolist() for rank in range(2)] == [[3, 11, 13], [7, 2, 5]]
+    assert [process_share(todo, lengths, rank, 4).tolist() for rank in range(4)] == [[3, 13], [7, 5], [11], [2]]
+    assert process_share(todo, array("i"), 1, 2).tolist() == [3, 7, 13]  # file order: a stride of the list
+    assert process_share(todo, lengths, 0, 1).tolist() == [3, 7, 11, 2, 13, 5]  # one process: all, longest first
+    assert process_share(array("i"), array("i"), 0, 2).tolist() == []
 
 
 def test_gather_on_one_process_and_the_log_of_an_older_checkpoint():

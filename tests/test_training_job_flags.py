@@ -160,3 +160,131 @@ def test_generate_only_through_continuous_batching_writes_generates_rows(tmp_pat
                              for engine in ("generate", "continuous"))
     assert list(continuous) == list(generated)
     assert attention == {"generate": GROUPED_QUERY_SDPA, "continuous": "sdpa"}  # the CPU target's, and paged sdpa's
+
+
+def test_the_target_loads_straight_to_its_device_in_its_dtype(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    import dflash_hf.training.command as command
+    from dflash_hf.loading import load_target
+
+    prompts = save_tiny_target_and_prompts(tmp_path, 2)
+    placed, from_pretrained = [], AutoModelForCausalLM.from_pretrained
+
+    def recorded(*args, **kwargs):  # where and in what the weights are loaded
+        placed.append((kwargs.get("device_map"), kwargs["dtype"]))
+        return from_pretrained(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", recorded)
+    target, _ = load_target(str(tmp_path / "target"), torch.bfloat16, device=torch.device("cpu"))
+    assert placed == [(torch.device("cpu"), torch.bfloat16)]
+    assert {(p.device.type, p.dtype) for p in target.parameters()} == {("cpu", torch.bfloat16)}
+    placed.clear()
+    load_target(str(tmp_path / "target"), torch.float32)  # no device: loaded as before, on the host
+    assert placed == [(None, torch.float32)]
+    loads, load = [], command.load_target
+    monkeypatch.setattr(command, "load_target", lambda *args, **kwargs: loads.append(kwargs) or load(*args, **kwargs))
+    placed.clear()
+    main(["train", "--target", str(tmp_path / "target"), "--output", str(tmp_path / "run"), "--prompts", str(prompts),
+          "--gen-max-new-tokens", "4", "--generate-only"])
+    assert loads == [{"device": torch.device("cpu")}]  # train's process device, straight from the loading
+    assert placed == [(torch.device("cpu"), torch.float32)]  # --gen-dtype auto on the CPU
+
+
+def stand_in_vllm(monkeypatch) -> dict:
+    """A `vllm` module in sys.modules whose `LLM` loads the target folder with Transformers and whose `generate` runs
+    its greedy `generate` on each prompt's ids alone (with its max_tokens and stop ids); returns what it was given."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    given: dict = {"llm": [], "sampling": []}
+
+    class SamplingParams:
+        def __init__(self, **settings):
+            self.settings = settings
+            given["sampling"].append(settings)
+
+    class LLM:
+        def __init__(self, **settings):
+            given["llm"].append(settings)
+            self.model = AutoModelForCausalLM.from_pretrained(settings["model"], dtype=torch.float32).eval()
+
+        def generate(self, prompts, sampling_params, use_tqdm=True):
+            outputs = []
+            for prompt, params in zip(prompts, sampling_params, strict=True):
+                ids = torch.tensor([prompt["prompt_token_ids"]])
+                assert params.settings["temperature"] == 0  # greedy
+                generated = self.model.generate(ids, max_new_tokens=params.settings["max_tokens"], do_sample=False,
+                                                eos_token_id=params.settings["stop_token_ids"], pad_token_id=0)
+                answer = SimpleNamespace(token_ids=generated[0, ids.shape[1]:].tolist())
+                outputs.append(SimpleNamespace(outputs=[answer]))
+            return outputs
+
+    vllm, inputs = ModuleType("vllm"), ModuleType("vllm.inputs")
+    vllm.LLM, vllm.SamplingParams, vllm.inputs = LLM, SamplingParams, inputs
+    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    return given
+
+
+def test_the_vllm_engine_is_refused_by_name_where_vllm_is_missing(tmp_path, monkeypatch):
+    import importlib.util
+
+    import dflash_hf.training.command as command
+    from dflash_hf.training.vllm_engine import vllm_refusal
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    prompts = save_tiny_target_and_prompts(tmp_path, 2)
+    monkeypatch.setattr(command, "load_target", lambda *args, **kwargs: pytest.fail("loaded a model before the check"))
+    with pytest.raises(SystemExit, match=r"--gen-engine vllm: vLLM is not installed here \(import vllm fails\)\. "
+                                         r"Install it on a CUDA machine \(pip install vllm.*--gen-engine generate"):
+        main(["train", "--target", str(tmp_path / "target"), "--output", str(tmp_path / "run"), "--prompts",
+              str(prompts), "--generate-only", "--gen-engine", "vllm"])
+    assert not (tmp_path / "run" / "responses.jsonl").exists()
+    stand_in_vllm(monkeypatch)  # installed: what else it refuses
+    two_steps = r"run `dflash-hf train --generate-only --gen-engine vllm --output OUTPUT \.\.\.` as one process"
+    assert re.search(r"on 2 processes: vLLM runs its own tensor and data parallelism .*" + two_steps,
+                     vllm_refusal(str(tmp_path / "target"), 2, True, None))
+    assert re.search(r"needs --generate-only .*" + two_steps, vllm_refusal(str(tmp_path / "target"), 1, False, None))
+    assert "--gen-draft" in vllm_refusal(str(tmp_path / "target"), 1, True, "shipped")
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in vllm_refusal("smollm2", 1, True, None)
+    assert vllm_refusal(str(tmp_path / "target"), 1, True, None) is None
+
+
+def test_the_vllm_engine_writes_generates_rows_through_a_stand_in(tmp_path, monkeypatch):
+    import dflash_hf.training.command as command
+    from dflash_hf.training.vllm_engine import VllmTarget
+
+    save_tiny_target_and_prompts(tmp_path, 1)
+    texts = ["w10 w11", "w12 w13 w14 w15 w16", "w17", "w18 w19 w20"]  # caps of their own: max_length - prompt
+    prompts = tmp_path / "varied.jsonl"
+    prompts.write_text("".join(json.dumps({"question": text}) + "\n" for text in texts))
+    common = ["train", "--target", str(tmp_path / "target"), "--prompts", str(prompts), "--max-length", "24",
+              "--gen-batch-size", "3", "--generate-only"]
+    main([*common, "--output", str(tmp_path / "generate")])
+    given = stand_in_vllm(monkeypatch)
+    monkeypatch.setattr(command, "load_target", lambda *args, **kwargs: pytest.fail("vLLM loads the target itself"))
+    targets, generate = [], command.generate_responses
+
+    def recorded(target, *args, **kwargs):
+        targets.append(target)
+        return generate(target, *args, **kwargs)
+
+    monkeypatch.setattr(command, "generate_responses", recorded)
+    main([*common, "--output", str(tmp_path / "vllm"), "--gen-engine", "vllm", "--seed", "5"])
+    rows = {engine: list(rows_by_index(tmp_path / engine / "responses.jsonl", range(4)))
+            for engine in ("generate", "vllm")}
+    assert rows["vllm"] == rows["generate"]
+    assert isinstance(targets[0], VllmTarget)
+    assert given["llm"] == [{"model": str(tmp_path / "target"), "dtype": "float32", "seed": 5}]
+    tokenizer = make_tokenizer()
+    caps = [answer_cap(len(chat_prompt_ids(tokenizer, [{"role": "user", "content": text}])), None, 24)
+            for text in texts]
+    assert len(set(caps)) == 4 and sorted(settings["max_tokens"] for settings in given["sampling"]) == sorted(caps)
+    assert all(settings["stop_token_ids"] == [1] and settings["seed"] is None and "top_k" not in settings
+               for settings in given["sampling"])  # the tokenizer's EOS (w1); greedy: no seed, no nucleus
+    assert [len(row["response_ids"]) for row in rows["vllm"]] == caps  # each answer to its own cap, none stopped

@@ -90,7 +90,7 @@ def test_unknown_or_missing_trackers_are_refused_by_name(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"--report-to tensorboard: its package is not installed here \(pip install "
                                          r"tensorboard\)"):
         check_trackers(["tensorboard"])
-    monkeypatch.setattr(command, "load_target", lambda *args: pytest.fail("loaded a model before the check"))
+    monkeypatch.setattr(command, "load_target", lambda *args, **kwargs: pytest.fail("loaded a model before the check"))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "w5"}\n')
     with pytest.raises(SystemExit, match="--report-to wandb: its package is not installed"):

@@ -10,7 +10,7 @@ import shlex
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ from ..prompts import default_data_dir, user_prompt_ids
 from ..smollm2 import SMOLLM2_MASK_TOKEN
 from ..tokens_dflash import GenerationTokens, generation_tokens
 from ..validation_dflash import check_draft_target
-from .data import generate_responses, iter_rows, read_chat_rows, read_prompts, training_rows
+from .data import PromptTexts, generate_responses, iter_rows, read_chat_rows, read_prompts, training_rows
 from .processes import check_fsdp_applies, process_state
 from .recipe import (
     DEFAULT_DRAFT_BLOCK_SIZE,
@@ -44,6 +44,7 @@ from .store import (
     write_store_facts,
 )
 from .trainer import TrainingLog, TrainingSettings, check_trackers, train_draft
+from .vllm_engine import VllmTarget, load_vllm_target, vllm_refusal
 
 # --gen-dtype, --target-dtype and --eval-dtype auto: bfloat16 on CUDA (the frozen target only gives features and
 # teacher logits while training); on CPU, float32 (few-row bfloat16 matmuls are slow without native bf16).
@@ -115,8 +116,21 @@ def training_settings(args: argparse.Namespace) -> TrainingSettings:
         process_group_timeout_minutes=args.process_group_timeout, report_to=args.report_to)
 
 
-def regenerate(args: argparse.Namespace, target: torch.nn.Module, tokenizer: Any, prompts: list[str],
-               responses: Path) -> int:
+def generation_target(args: argparse.Namespace, state: Any) -> tuple[torch.nn.Module | VllmTarget, Any]:
+    """The target that answers the prompts, and its tokenizer: loaded straight onto this process's device in the
+    `--gen-dtype` (where generation and training run), or vLLM's (`--gen-engine vllm`, which loads the target itself,
+    only to generate) once `vllm_engine.vllm_refusal` lets it run."""
+    dtype = training_target_dtype(args.gen_dtype, state.device)
+    if args.gen_engine != "vllm":
+        return load_target(args.target, dtype, device=state.device)
+    refusal = vllm_refusal(args.target, state.num_processes, args.generate_only, args.gen_draft)
+    if refusal is not None:
+        raise SystemExit(f"dflash-hf train: {refusal}")
+    return load_vllm_target(args.target, dtype, args.seed)
+
+
+def regenerate(args: argparse.Namespace, target: torch.nn.Module | VllmTarget, tokenizer: Any,
+               prompts: Sequence[str], responses: Path) -> int:
     """Answer every prompt into `responses` (`generate_responses` with the --gen-* flags); returns the row count.
     Continuous batching pages "sdpa" itself: a target `load_target` switched to grouped_query_sdpa generates with
     "sdpa" and is switched back after."""
@@ -150,8 +164,7 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         output.mkdir(parents=True, exist_ok=True)
     state.wait_for_everyone()  # the folder exists before any process looks into it
     device = state.device
-    target, tokenizer = load_target(args.target, training_target_dtype(args.gen_dtype, device))
-    target = target.to(device)  # generation runs where training will
+    target, tokenizer = generation_target(args, state)
     responses = output / "responses.jsonl"
     num_rows = regenerate(args, target, tokenizer, prompts, responses)
     if args.generate_only:
@@ -251,9 +264,10 @@ def held_out_evaluation(draft: DFlashDraftModel, target: torch.nn.Module, prompt
     return {name: evaluation[name] for name in ("tau", "lossless", "speedup")}
 
 
-def train_and_eval_prompts(args: argparse.Namespace) -> tuple[list[str], list[str], str, list[str]]:
-    """(prompt files, training prompts, evaluation file, evaluation prompts) of `train`'s arguments, all read before
-    any model is loaded; exits naming the first argument or file that cannot be used."""
+def train_and_eval_prompts(args: argparse.Namespace) -> tuple[list[str], PromptTexts, str, list[str]]:
+    """(prompt files, training prompts, evaluation file, evaluation prompts) of `train`'s arguments, all checked
+    before any model is loaded (the training prompts read when used, `data.PromptTexts`); exits naming the first
+    argument or file that cannot be used."""
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     prompt_files = args.prompts or ([] if args.conversations else [str(data_dir / "gsm8k_train.jsonl")])
     check_train_arguments(args, prompt_files)
@@ -272,18 +286,15 @@ def train_and_eval_prompts(args: argparse.Namespace) -> tuple[list[str], list[st
     return prompt_files, prompts, eval_file, eval_texts
 
 
-def training_prompts(prompt_files: list[str], counts: list[int] | None) -> list[str]:
-    """The prompts to train on, the files in order: all of them (`counts` None), the first `counts[0]` of each (or
-    all it holds, if fewer), or exactly the first `counts[i]` of file i."""
-    if counts is None or len(counts) == 1:
-        limit = None if counts is None else counts[0]
-        return [prompt for path in prompt_files for prompt in read_prompts([path], limit)]
-    prompts = []
-    for path, count in zip(prompt_files, counts):
-        records = read_prompts([path], count)
-        if len(records) < count:
-            raise SystemExit(f"--num-prompts {count} for {path}: it holds only {len(records)} prompts")
-        prompts += records
+def training_prompts(prompt_files: list[str], counts: list[int] | None) -> PromptTexts:
+    """The prompts to train on, the files in order, read when used (`data.PromptTexts`): all of them (`counts`
+    None), the first `counts[0]` of each (or all it holds, if fewer), or exactly the first `counts[i]` of file i."""
+    exact = counts if counts is not None and len(counts) > 1 else None  # one count per file
+    prompts = PromptTexts(prompt_files, exact or [counts[0] if counts else None] * len(prompt_files))
+    if exact is not None:
+        for path, count, found in zip(prompt_files, exact, prompts.file_counts()):
+            if found < count:
+                raise SystemExit(f"--num-prompts {count} for {path}: it holds only {found} prompts")
     return prompts
 
 

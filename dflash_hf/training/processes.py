@@ -67,19 +67,6 @@ def epoch_order(num_items: int, epoch: int, seed: int, num_processes: int, per_p
     return (order * math.ceil(length / num_items))[:length]
 
 
-def round_share(todo: list[int], batch_size: int, round_index: int, process_index: int,
-                num_processes: int) -> list[int]:
-    """This process's batch of round `round_index`: each round takes the next batch_size x num_processes items of
-    `todo`, one batch per process in process order, so the rows gathered after each round are a prefix of `todo`."""
-    start = (round_index * num_processes + process_index) * batch_size
-    return todo[start : start + batch_size]
-
-
-def num_rounds(num_items: int, batch_size: int, num_processes: int) -> int:
-    """Rounds `round_share` needs for `num_items` items (the same on every process)."""
-    return math.ceil(num_items / (batch_size * num_processes))
-
-
 def gather_json(items: list[Any], state: PartialState) -> list[Any]:
     """Every process's `items` (JSON-ready values), concatenated in process order, on every process.
 

@@ -1,0 +1,81 @@
+"""`--gen-engine vllm`: the target's responses through vLLM's offline engine (`LLM.generate`), where the user installed
+vLLM. It is never a dependency of the package: where `import vllm` fails the engine is refused by name
+(`vllm_refusal`) before any model loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from ..loading import SMOLLM2
+from ..tokens_dflash import GenerationTokens
+
+
+def vllm_refusal(target: str, num_processes: int, generate_only: bool, gen_draft: str | None) -> str | None:
+    """Why `--gen-engine vllm` cannot run this `train` (None: it can): vLLM not importable here, several processes
+    (vLLM runs its own tensor / data parallelism in one), training in the same process (vLLM keeps the GPU memory it
+    took), a draft, or the converted `smollm2` (vLLM loads a Hub id or a folder itself)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return ("--gen-engine vllm: vLLM is not installed here (import vllm fails). Install it on a CUDA machine "
+                "(pip install vllm; it is no dependency of dflash-hf), or pick --gen-engine generate or continuous")
+    two_steps = ("run `dflash-hf train --generate-only --gen-engine vllm --output OUTPUT ...` as one process (no "
+                 "accelerate launch / torchrun), then train on its rows: `dflash-hf train --output OUTPUT ...` "
+                 "(the same prompts and output: nothing is generated again) or `--responses OUTPUT/responses.jsonl` "
+                 "(docs/training.md, 'Regeneration engines')")
+    if num_processes > 1:
+        return (f"--gen-engine vllm on {num_processes} processes: vLLM runs its own tensor and data parallelism "
+                f"inside one process; {two_steps}")
+    if not generate_only:
+        return f"--gen-engine vllm needs --generate-only (vLLM keeps the GPU memory it took until exit): {two_steps}"
+    if gen_draft is not None:
+        return "--gen-draft runs spec_generate on its own batches: leave --gen-engine vllm out, or the draft"
+    if target == SMOLLM2:
+        return (f"--gen-engine vllm loads the target itself from a Hub id or a folder, not the converted --target "
+                f"{SMOLLM2}: pass its Hub id or folder (e.g. --target HuggingFaceTB/SmolLM2-135M-Instruct)")
+    return None
+
+
+@dataclass(frozen=True)
+class VllmTarget:
+    """The target as vLLM runs it: its `LLM`, and the target's generation config (its stop and pad ids for
+    `tokens_dflash.generation_tokens`, its top-k / top-p when sampling)."""
+
+    llm: Any
+    generation_config: GenerationConfig
+
+
+def load_vllm_target(name: str, dtype: torch.dtype, seed: int) -> tuple[VllmTarget, Any]:
+    """vLLM's `LLM` of the target `name` (a Hub id or a folder) in `dtype`, seeded, and the target's tokenizer."""
+    from vllm import LLM
+
+    try:
+        generation_config = GenerationConfig.from_pretrained(name)
+    except OSError:  # no generation_config.json: the one Transformers derives from the model's config
+        generation_config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(name))
+    llm = LLM(model=name, dtype=str(dtype).removeprefix("torch."), seed=seed)
+    return VllmTarget(llm, generation_config), AutoTokenizer.from_pretrained(name)
+
+
+def vllm_responses(target: VllmTarget, prompts: list[tuple[int, list[int]]], tokens: GenerationTokens,
+                   caps: list[int], temperature: float, seed: int) -> list[list[int]]:
+    """The new tokens of each (index, prompt ids), in prompt order, through one `LLM.generate` call that schedules
+    them all (continuous batching): each prompt with its own cap of new tokens and stop ids; sampled (temperature >
+    0) with the target's top-k / top-p where its generation config sets them and the seed `seed` + the prompt's
+    index, so a prompt's answer does not depend on its batch."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    config = target.generation_config
+    nucleus = {name: value for name, value in (("top_k", config.top_k), ("top_p", config.top_p))
+               if value is not None} if temperature > 0 else {}
+    settings = [SamplingParams(temperature=temperature, max_tokens=cap, stop_token_ids=list(tokens.stop_token_ids),
+                               seed=seed + index if temperature > 0 else None, **nucleus)
+                for (index, _), cap in zip(prompts, caps)]
+    outputs = target.llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids in prompts], settings,
+                                  use_tqdm=False)
+    return [list(output.outputs[0].token_ids) for output in outputs]  # LLM.generate keeps the prompts' order
