@@ -112,6 +112,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                              "Transformers 5.25 on the CPU); vllm: vLLM's offline LLM.generate, where vLLM is "
                              "installed (CUDA; one process, with --generate-only). Greedy rows are the same "
                              "(docs/training.md, 'Regeneration engines')")
+    parser.add_argument("--gen-tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="--gen-engine vllm: split the target over N GPUs of this machine (vLLM's "
+                             "tensor_parallel_size; the other engines run one copy per process)")
     parser.add_argument("--gen-temperature", type=float, default=0.0,
                         help='temperature of the regenerated responses (0: greedy)')
     parser.add_argument("--gen-dtype", choices=["auto", *DTYPES], default="auto",

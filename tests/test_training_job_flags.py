@@ -253,6 +253,9 @@ def test_the_vllm_engine_is_refused_by_name_where_vllm_is_missing(tmp_path, monk
     assert "--gen-draft" in vllm_refusal(str(tmp_path / "target"), 1, True, "shipped")
     assert "HuggingFaceTB/SmolLM2-135M-Instruct" in vllm_refusal("smollm2", 1, True, None)
     assert vllm_refusal(str(tmp_path / "target"), 1, True, None) is None
+    with pytest.raises(SystemExit, match="--gen-tensor-parallel-size 2: vLLM's tensor parallelism.*--gen-engine vllm"):
+        main(["train", "--target", str(tmp_path / "target"), "--output", str(tmp_path / "run"), "--prompts",
+              str(prompts), "--generate-only", "--gen-tensor-parallel-size", "2"])
 
 
 def test_the_vllm_engine_writes_generates_rows_through_a_stand_in(tmp_path, monkeypatch):
@@ -275,12 +278,14 @@ def test_the_vllm_engine_writes_generates_rows_through_a_stand_in(tmp_path, monk
         return generate(target, *args, **kwargs)
 
     monkeypatch.setattr(command, "generate_responses", recorded)
-    main([*common, "--output", str(tmp_path / "vllm"), "--gen-engine", "vllm", "--seed", "5"])
+    main([*common, "--output", str(tmp_path / "vllm"), "--gen-engine", "vllm", "--seed", "5",
+          "--gen-tensor-parallel-size", "2"])
     rows = {engine: list(rows_by_index(tmp_path / engine / "responses.jsonl", range(4)))
             for engine in ("generate", "vllm")}
     assert rows["vllm"] == rows["generate"]
     assert isinstance(targets[0], VllmTarget)
-    assert given["llm"] == [{"model": str(tmp_path / "target"), "dtype": "float32", "seed": 5}]
+    assert given["llm"] == [{"model": str(tmp_path / "target"), "dtype": "float32", "seed": 5,
+                             "tensor_parallel_size": 2}]
     tokenizer = make_tokenizer()
     caps = [answer_cap(len(chat_prompt_ids(tokenizer, [{"role": "user", "content": text}])), None, 24)
             for text in texts]

@@ -76,6 +76,10 @@ def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> 
     if args.gen_max_new_tokens is not None and args.gen_max_new_tokens < 1:
         raise SystemExit(f"--gen-max-new-tokens {args.gen_max_new_tokens}: expected >= 1 (or leave it out: what "
                          "--max-length leaves after each prompt)")
+    if args.gen_tensor_parallel_size != 1 and (args.gen_engine != "vllm" or args.gen_tensor_parallel_size < 1):
+        raise SystemExit(f"--gen-tensor-parallel-size {args.gen_tensor_parallel_size}: vLLM's tensor parallelism, "
+                         "a number >= 1 with --gen-engine vllm (the other engines run one copy of the target per "
+                         "process: launch N processes instead)")
     if args.train_batch_size < 1 or args.gradient_accumulation_steps < 1:
         raise SystemExit(f"--train-batch-size {args.train_batch_size} and --gradient-accumulation-steps "
                          f"{args.gradient_accumulation_steps}: both must be >= 1")
@@ -126,7 +130,7 @@ def generation_target(args: argparse.Namespace, state: Any) -> tuple[torch.nn.Mo
     refusal = vllm_refusal(args.target, state.num_processes, args.generate_only, args.gen_draft)
     if refusal is not None:
         raise SystemExit(f"dflash-hf train: {refusal}")
-    return load_vllm_target(args.target, dtype, args.seed)
+    return load_vllm_target(args.target, dtype, args.seed, args.gen_tensor_parallel_size)
 
 
 def regenerate(args: argparse.Namespace, target: torch.nn.Module | VllmTarget, tokenizer: Any,

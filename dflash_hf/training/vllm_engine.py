@@ -49,15 +49,18 @@ class VllmTarget:
     generation_config: GenerationConfig
 
 
-def load_vllm_target(name: str, dtype: torch.dtype, seed: int) -> tuple[VllmTarget, Any]:
-    """vLLM's `LLM` of the target `name` (a Hub id or a folder) in `dtype`, seeded, and the target's tokenizer."""
+def load_vllm_target(name: str, dtype: torch.dtype, seed: int, tensor_parallel_size: int = 1
+                     ) -> tuple[VllmTarget, Any]:
+    """vLLM's `LLM` of the target `name` (a Hub id or a folder) in `dtype`, seeded, split over
+    `tensor_parallel_size` GPUs (`--gen-tensor-parallel-size`), and the target's tokenizer."""
     from vllm import LLM
 
     try:
         generation_config = GenerationConfig.from_pretrained(name)
     except OSError:  # no generation_config.json: the one Transformers derives from the model's config
         generation_config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(name))
-    llm = LLM(model=name, dtype=str(dtype).removeprefix("torch."), seed=seed)
+    llm = LLM(model=name, dtype=str(dtype).removeprefix("torch."), seed=seed,
+              tensor_parallel_size=tensor_parallel_size)
     return VllmTarget(llm, generation_config), AutoTokenizer.from_pretrained(name)
 
 
