@@ -33,13 +33,17 @@ def test_train_command_writes_a_hub_ready_draft(tmp_path):
     assert config["dflash_config"]["mask_token_id"] == 127 and config["block_size"] == 4
     assert config["dflash_config"]["target_layer_ids"] == [2]  # one draft layer: [N // 2]
     responses = [json.loads(line)["response_ids"] for line in (run / "responses.jsonl").read_text().splitlines()]
-    vocab = config["dflash_config"]["draft_vocab"]  # the responses' tokens first, most frequent first
-    assert len(vocab) == 40 and (set(vocab[:len({t for r in responses for t in r})])
-                                 == {t for r in responses for t in r})
+    # --draft-vocab-size 40: its own LM head over 40 tokens, every response token among them (fewer than 40 here)
+    assert config["draft_vocab_size"] == 40 and "draft_vocab" not in config["dflash_config"]
     draft = AutoModel.from_pretrained(run / "draft", trust_remote_code=True)
-    assert type(draft).__name__ == "DFlashDraftModel" and draft.draft_vocab == vocab
-    assert {tensor.dtype for tensor in load_file(run / "draft" / "model.safetensors").values()} == {torch.float32}
+    assert type(draft).__name__ == "DFlashDraftModel" and len(draft.draft_vocab) == 40
+    assert {t for r in responses for t in r} <= set(draft.draft_vocab)
+    weights = load_file(run / "draft" / "model.safetensors")
+    assert {name: tensor.dtype for name, tensor in weights.items() if tensor.dtype != torch.float32} == {
+        "d2t": torch.int64, "t2d": torch.bool}
+    assert weights["lm_head.weight"].shape == (40, draft.config.hidden_size)
     training_log = json.loads((run / "training_log.json").read_text())
+    assert 0.0 <= training_log["outside_vocabulary"] < 1.0
     assert training_log["settings"]["mixed_precision"] == "bf16"
     assert [evaluation["step"] for evaluation in training_log["evaluations"]] == [0, 4, 8]  # --eval-every 4
     assert all(evaluation["lossless"] for evaluation in training_log["evaluations"])

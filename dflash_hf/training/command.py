@@ -24,13 +24,14 @@ from ..prompts import default_data_dir, user_prompt_ids
 from ..smollm2 import SMOLLM2_MASK_TOKEN
 from ..tokens_dflash import GenerationTokens, generation_tokens
 from ..validation_dflash import check_draft_target
-from .data import generate_responses, iter_rows, read_chat_rows, read_prompts, training_rows
-from .processes import check_fsdp_applies, process_state
+from .data import generate_responses, read_chat_rows, read_prompts, training_rows
+from .processes import check_fsdp_applies, process_state, sum_over_processes
 from .recipe import (
     DEFAULT_DRAFT_BLOCK_SIZE,
     DEFAULT_DRAFT_LAYERS,
     draft_config_for,
-    frequent_token_ids,
+    ids_by_count,
+    initialize_draft_vocabulary,
     initialize_from_target,
 )
 from .store import (
@@ -78,6 +79,9 @@ def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> 
     if args.train_batch_size < 1 or args.gradient_accumulation_steps < 1:
         raise SystemExit(f"--train-batch-size {args.train_batch_size} and --gradient-accumulation-steps "
                          f"{args.gradient_accumulation_steps}: both must be >= 1")
+    if args.draft_vocab_size is not None and args.draft_vocab_size < 1:
+        raise SystemExit(f"--draft-vocab-size {args.draft_vocab_size}: expected K >= 1 tokens (or leave it out: the "
+                         "draft borrows the target's LM head)")
     if args.cache_limit_gib is not None and not args.cache_target_features:
         raise SystemExit("--cache-limit-gib bounds the feature cache: pass it with --cache-target-features")
     missing = [path for path in args.responses if not Path(path).is_file()]
@@ -164,6 +168,9 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     target = target.to(training_target_dtype(args.target_dtype, device))
     torch.manual_seed(args.seed)
     draft, mask_token = build_draft(args, target, tokenizer)
+    if args.draft_vocab_size and args.init_from is None:  # chosen before training, the same on every process
+        initialize_draft_vocabulary(draft, target, training_vocabulary(training_rows, args.draft_vocab_size,
+                                                                       draft.config.vocab_size, state))
     if args.init_from_target:
         initialize_from_target(draft, target, training_rows[0][0])
     settings = training_settings(args)
@@ -178,11 +185,6 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                       held_out_rows=held_out_rows, held_out_every=args.held_out_every)
     if not state.is_main_process:  # evaluating and saving are the main process's (a barrier would time out on a
         return {}                  # long evaluation): train_draft returned once the log and checkpoint were written
-    if args.draft_vocab_size:  # the draft proposes from the target's most frequent tokens in its own responses
-        draft.config.dflash_config["draft_vocab"] = frequent_token_ids(
-            (row["response_ids"] for row in iter_rows(responses) if row["index"] < num_rows), args.draft_vocab_size,
-            target.get_output_embeddings().weight.shape[0])
-
     eval_dtype = training_target_dtype(args.eval_dtype, device)
     target, draft = target.to(eval_dtype), draft.to(torch.float32).eval()  # the draft is saved in float32
     evaluation = None
@@ -237,6 +239,19 @@ def training_store(args: argparse.Namespace, output: Path, prompts: range, num_c
         raise SystemExit(f"dflash-hf train: none of the {total - args.held_out_rows} training rows has a label within "
                          f"--max-length {args.max_length}")
     return stores
+
+
+def training_vocabulary(store: SequenceStore, size: int, vocab_size: int, state: Any) -> list[int]:
+    """The `size` tokens that are labels most often in the training sequences (`recipe.ids_by_count`): each process
+    counts its own range of the store, and the counts are summed over the processes, so every process gets the same
+    ids, those one process counting every sequence would choose."""
+    rank, processes = state.process_index, state.num_processes
+    mine = range(len(store) * rank // processes, len(store) * (rank + 1) // processes)
+    counts = sum_over_processes(store.label_counts(mine, vocab_size), state)  # [V]
+    try:
+        return ids_by_count(counts, size)
+    except ValueError as error:
+        raise SystemExit(f"--draft-vocab-size {size}: {error}") from error
 
 
 def held_out_evaluation(draft: DFlashDraftModel, target: torch.nn.Module, prompts: list[list[int]],
@@ -320,7 +335,7 @@ def build_draft(args: argparse.Namespace, target: torch.nn.Module, tokenizer: An
         raise SystemExit(f"mask token {mask_token!r} is not in the target's vocabulary")
     config = draft_config_for(target, args.draft_layers or DEFAULT_DRAFT_LAYERS,
                               args.draft_block_size or DEFAULT_DRAFT_BLOCK_SIZE, mask_token_id,
-                              args.target_layer_ids, layer_attention_settings(args))
+                              args.target_layer_ids, layer_attention_settings(args), args.draft_vocab_size)
     config.dflash_config["mask_token"] = mask_token
     return DFlashDraftModel(config), mask_token
 
@@ -348,7 +363,8 @@ def start_from_trained_draft(args: argparse.Namespace, target: torch.nn.Module) 
              "--mask-token": (args.mask_token, draft.config.dflash_config.get("mask_token")),
              "--layer-types": (args.layer_types, draft.config.layer_types),
              "--sliding-window": (args.sliding_window, draft.config.sliding_window),
-             "--causal": (None if args.causal is None else args.causal == "true", draft.config.is_causal)}
+             "--causal": (None if args.causal is None else args.causal == "true", draft.config.is_causal),
+             "--draft-vocab-size": (args.draft_vocab_size, draft.config.draft_vocab_size)}
     conflicts = [f"{flag} {wanted} (the draft has {has})" for flag, (wanted, has) in asked.items()
                  if wanted is not None and wanted != has]
     if conflicts:
