@@ -9,8 +9,8 @@ with the CLI ARGS (their --output: FOLDER/cli/run). Every process records what i
 FOLDER/<mode>/records/rank<i>.json (outside the run folder): the files it wrote under the run folder (seen by an audit
 hook), the loss of each of its own sequences, the rows and anchor seed of each of its micro-batches (by phase: the
 run, the interrupted and the resumed one), the prompts it generated, the evaluations it ran, every call that reads
-a pickle from a file (`pickle.load`, `torch.load`) and (the first mode's record: the group starts once per launch)
-its process group's timeout.
+a pickle from a file (`pickle.load`, `torch.load`), the draft vocabulary it chose (`--draft-vocab-size`) and (the
+first mode's record: the group starts once per launch) its process group's timeout.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ def record_calls() -> None:
     read a pickle file (torch.distributed's object collectives unpickle in memory, through `pickle.Unpickler`)."""
     loss, respond = trainer.packed_dflash_loss, dflash_hf.training.data._respond
     evaluate = dflash_hf.training.command.evaluate_draft
+    vocabulary = dflash_hf.training.command.training_vocabulary
 
     def counted_loss(draft, *args, **kwargs):
         from torch.distributed.fsdp import FSDPModule
@@ -100,6 +101,10 @@ def record_calls() -> None:
         RECORD["evaluations"] += 1
         return evaluate(*args, **kwargs)
 
+    def recorded_vocabulary(*args, **kwargs):
+        RECORD["vocabulary"] = vocabulary(*args, **kwargs)
+        return RECORD["vocabulary"]
+
     def counted_init(*args, **kwargs):  # the timeout the process group starts with (None: the backend's default)
         timeout = kwargs.get("timeout")
         RECORD["process_group_timeouts"].append(None if timeout is None else timeout.total_seconds())
@@ -118,6 +123,7 @@ def record_calls() -> None:
     trainer.packed_dflash_loss = counted_loss
     dflash_hf.training.data._respond = counted_respond
     dflash_hf.training.command.evaluate_draft = counted_evaluate
+    dflash_hf.training.command.training_vocabulary = recorded_vocabulary
 
 
 def train_rows(count: int) -> list[dict]:

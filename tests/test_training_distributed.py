@@ -129,7 +129,8 @@ def cli_run(tmp_path_factory) -> tuple[Path, list[dict], Path]:
         "--prompts", str(prompts), "--num-prompts", "5", "--gen-batch-size", "2", "--gen-max-new-tokens", "8",
         "--draft-block-size", "4", "--draft-layers", "1", "--mask-token", "w127", "--epochs", "1",
         "--num-anchors", "6", "--eval-prompts", str(prompts), "--num-eval", "2", "--eval-max-new-tokens", "6",
-        "--eval-dtype", "float32", "--process-group-timeout", "45", "--report-to", "tensorboard")["cli"]
+        "--eval-dtype", "float32", "--process-group-timeout", "45", "--report-to", "tensorboard",
+        "--draft-vocab-size", "12")["cli"]
     return output, records, folder / "target"
 
 
@@ -330,6 +331,25 @@ def test_the_command_generates_each_response_once_and_only_the_main_process_writ
     written = {path.split(os.sep)[0] for _, path in records[0]["writes"]}
     assert {"responses.jsonl", "training_log.json", "evaluation.json", "draft", CHECKPOINT_DIR} <= written
     assert training_log(output)["steps"] == 3 and json.loads((output / "evaluation.json").read_text())["lossless"]
+
+
+def test_every_process_trains_the_draft_vocabulary_one_process_would_choose(cli_run):
+    """--draft-vocab-size 12: both processes chose the same 12 ids before training, the 12 most frequent labels of
+    all the training sequences (each process counted its own half), and the saved draft carries them in d2t / t2d."""
+    from dflash_hf.training.recipe import frequent_token_ids
+
+    output, records, _ = cli_run
+    store = SequenceStore(output / STORE_DIR, "train", 2)
+    labels = [ids[mask.bool()].tolist() for ids, mask in store]
+    expected = frequent_token_ids(labels, 12, 128)
+    halves = [frequent_token_ids(labels[:len(labels) // 2], 12, 128),
+              frequent_token_ids(labels[len(labels) // 2:], 12, 128)]
+    assert records[0]["vocabulary"] == records[1]["vocabulary"] == expected and expected not in halves  # power
+    weights = load_file(output / "draft" / "model.safetensors")
+    assert (weights["d2t"] + torch.arange(12)).tolist() == sorted(expected)
+    assert weights["t2d"].nonzero().flatten().tolist() == sorted(expected)
+    assert weights["lm_head.weight"].shape == (12, weights["fc.weight"].shape[0])
+    assert 0.0 < training_log(output)["outside_vocabulary"] < 1.0  # labels outside the 12 were left out and counted
 
 
 def test_an_fsdp_config_on_cpu_processes_is_refused_before_anything_loads(tmp_path, monkeypatch):
