@@ -19,6 +19,7 @@ from sampling_checks import chi_square_p_value
 
 from dflash_hf import DFlashDraftModel, speculative_decode
 from dflash_hf.training.recipe import frequent_token_ids
+from dflash_hf.versions_dflash import torch_refusal
 
 VOCAB = list(range(1, VOCAB_SIZE - 1, 3))  # 42 of the 128 ids
 
@@ -259,3 +260,18 @@ def test_an_own_head_draft_saves_its_head_and_mapping_and_reloads_to_the_same_pr
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="d2t"):
         DFlashDraftModel.from_pretrained(tmp_path)
+
+
+@pytest.mark.skipif(torch_refusal("compile=True") is not None, reason="compile=True is refused on this torch")
+def test_an_own_head_draft_decodes_compiled_as_it_does_eager():
+    """compile (dynamo's graph capture, eager backend): greedy chain and tree equal `generate`, and sampling draws the
+    tokens the eager loop draws (the own head scores outside the compiled draft forward, as the target's rows do)."""
+    target = make_target("qwen3", seed=9)
+    draft, input_ids = own_head_draft(target, 9), random_prompt(9, 7)
+    expected = plain_greedy(target, input_ids, 24)
+    for tree_size in (None, 6):
+        assert torch.equal(draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=24, block_size=4,
+                                               tree_size=tree_size, compile={"backend": "eager"}), expected)
+    arguments = dict(target=target, input_ids=input_ids, max_new_tokens=24, block_size=4, temperature=1.0, seed=2)
+    eager = draft.spec_generate(**arguments)[0, 7:20]
+    assert torch.equal(draft.spec_generate(**arguments, compile={"backend": "eager"})[0, 7:20], eager)
