@@ -10,7 +10,7 @@ import shlex
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -33,6 +33,7 @@ from .recipe import (
     ids_by_count,
     initialize_draft_vocabulary,
     initialize_from_target,
+    with_own_head,
 )
 from .store import (
     PARTS,
@@ -167,10 +168,8 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                                                   state)
     target = target.to(training_target_dtype(args.target_dtype, device))
     torch.manual_seed(args.seed)
-    draft, mask_token = build_draft(args, target, tokenizer)
-    if args.draft_vocab_size and args.init_from is None:  # chosen before training, the same on every process
-        initialize_draft_vocabulary(draft, target, training_vocabulary(training_rows, args.draft_vocab_size,
-                                                                       draft.config.vocab_size, state))
+    draft, mask_token = build_draft(args, target, tokenizer, lambda size: training_vocabulary(
+        training_rows, size, target.get_output_embeddings().weight.shape[0], state))
     if args.init_from_target:
         initialize_from_target(draft, target, training_rows[0][0])
     settings = training_settings(args)
@@ -247,11 +246,7 @@ def training_vocabulary(store: SequenceStore, size: int, vocab_size: int, state:
     ids, those one process counting every sequence would choose."""
     rank, processes = state.process_index, state.num_processes
     mine = range(len(store) * rank // processes, len(store) * (rank + 1) // processes)
-    counts = sum_over_processes(store.label_counts(mine, vocab_size), state)  # [V]
-    try:
-        return ids_by_count(counts, size)
-    except ValueError as error:
-        raise SystemExit(f"--draft-vocab-size {size}: {error}") from error
+    return ids_by_count(sum_over_processes(store.label_counts(mine, vocab_size), state), size)
 
 
 def held_out_evaluation(draft: DFlashDraftModel, target: torch.nn.Module, prompts: list[list[int]],
@@ -320,12 +315,23 @@ def generation_draft(name: str | None, target: torch.nn.Module) -> DFlashDraftMo
     return draft.to(target_device(target)).eval()
 
 
-def build_draft(args: argparse.Namespace, target: torch.nn.Module, tokenizer: Any) -> tuple[DFlashDraftModel, str]:
-    """(the draft to train, its mask token): a new draft shaped like the target, or the `--init-from` one."""
+def build_draft(args: argparse.Namespace, target: torch.nn.Module, tokenizer: Any,
+                vocabulary: Callable[[int], list[int]] | None = None) -> tuple[DFlashDraftModel, str]:
+    """(the draft to train, its mask token): a new draft shaped like the target, or the `--init-from` one. With
+    `--draft-vocab-size K` a draft that has no LM head of its own (a new one, or an `--init-from` one without) gets
+    one over the K ids `vocabulary(K)` chooses, its rows started from the target's (`initialize_draft_vocabulary`);
+    an `--init-from` draft with its own head keeps it."""
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    if args.draft_vocab_size is not None and args.draft_vocab_size > vocab_size:
+        raise SystemExit(f"--draft-vocab-size {args.draft_vocab_size}: the target has {vocab_size} tokens; pass "
+                         f"K <= {vocab_size}")
     if args.init_from is not None:
         draft = start_from_trained_draft(args, target)
         mask_token = (draft.config.dflash_config.get("mask_token")
                       or tokenizer.convert_ids_to_tokens(draft.mask_token_id))
+        if args.draft_vocab_size and draft.lm_head is None:
+            draft = with_own_head(draft, args.draft_vocab_size)
+            initialize_draft_vocabulary(draft, target, vocabulary(args.draft_vocab_size))
         return draft, mask_token
     mask_token = args.mask_token or (SMOLLM2_MASK_TOKEN if args.target == SMOLLM2 else None)
     if mask_token is None:
@@ -337,7 +343,10 @@ def build_draft(args: argparse.Namespace, target: torch.nn.Module, tokenizer: An
                               args.draft_block_size or DEFAULT_DRAFT_BLOCK_SIZE, mask_token_id,
                               args.target_layer_ids, layer_attention_settings(args), args.draft_vocab_size)
     config.dflash_config["mask_token"] = mask_token
-    return DFlashDraftModel(config), mask_token
+    draft = DFlashDraftModel(config)
+    if args.draft_vocab_size:
+        initialize_draft_vocabulary(draft, target, vocabulary(args.draft_vocab_size))
+    return draft, mask_token
 
 
 def layer_attention_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -363,8 +372,9 @@ def start_from_trained_draft(args: argparse.Namespace, target: torch.nn.Module) 
              "--mask-token": (args.mask_token, draft.config.dflash_config.get("mask_token")),
              "--layer-types": (args.layer_types, draft.config.layer_types),
              "--sliding-window": (args.sliding_window, draft.config.sliding_window),
-             "--causal": (None if args.causal is None else args.causal == "true", draft.config.is_causal),
-             "--draft-vocab-size": (args.draft_vocab_size, draft.config.draft_vocab_size)}
+             "--causal": (None if args.causal is None else args.causal == "true", draft.config.is_causal)}
+    if draft.lm_head is not None:  # its own head stays (without one, --draft-vocab-size gives it one: build_draft)
+        asked["--draft-vocab-size"] = (args.draft_vocab_size, draft.config.draft_vocab_size)
     conflicts = [f"{flag} {wanted} (the draft has {has})" for flag, (wanted, has) in asked.items()
                  if wanted is not None and wanted != has]
     if conflicts:

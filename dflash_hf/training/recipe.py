@@ -158,3 +158,18 @@ def initialize_draft_vocabulary(draft: DFlashDraftModel, target: torch.nn.Module
     ids = draft.d2t + torch.arange(len(draft.d2t), device=draft.d2t.device)  # [K]: its rows' target ids, ascending
     weight = target.get_output_embeddings().weight
     draft.lm_head.weight.copy_(weight[ids.to(weight.device)].to(draft.lm_head.weight))
+
+
+def with_own_head(draft: DFlashDraftModel, size: int) -> DFlashDraftModel:
+    """The same draft (its weights, on its device) with an LM head of its own over `size` tokens, instead of the
+    target's head and any `dflash_config.draft_vocab` list; its vocabulary is still to be set
+    (`initialize_draft_vocabulary`)."""
+    settings = draft.config.to_dict()
+    settings["dflash_config"] = {key: value for key, value in settings["dflash_config"].items()
+                                 if key != "draft_vocab"}
+    own = DFlashDraftModel(DFlashConfig.from_dict({**settings, "draft_vocab_size": size}))
+    missing, unexpected = own.load_state_dict(draft.state_dict(), strict=False)
+    if unexpected or set(missing) != {"lm_head.weight", "d2t", "t2d"}:
+        raise ValueError(f"The draft's weights do not carry over to one with its own LM head: missing {missing}, "
+                         f"unexpected {unexpected}.")
+    return own.to(next(draft.parameters()).device)
