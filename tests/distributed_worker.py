@@ -139,6 +139,18 @@ def train_rows(count: int) -> list[dict]:
 ROW_INDEX = {tuple(row["prompt_ids"] + row["response_ids"]): index for index, row in enumerate(train_rows(8))}
 
 
+def own_head_draft(seed: int) -> torch.nn.Module:
+    """The batched runs' draft: `make_draft(seed, block_size=4)` with an LM head of its own over the even token ids
+    (started from the target's rows), so FSDP shards and checkpoints it too and about half the labels fall outside."""
+    from helpers import VOCAB_SIZE, make_draft, make_target
+
+    from dflash_hf.training.recipe import initialize_draft_vocabulary
+
+    draft = make_draft(seed, block_size=4, draft_vocab_size=VOCAB_SIZE // 2)
+    initialize_draft_vocabulary(draft, make_target("qwen3", seed=4), list(range(0, VOCAB_SIZE, 2)))
+    return draft
+
+
 def weights_sum(draft: torch.nn.Module) -> float:
     """The sum of all the draft's weights (equal on every process when they train one draft)."""
     return float(sum(p.detach().double().sum() for p in draft.parameters()))
@@ -182,8 +194,9 @@ def run_batched(output: Path, sharded: bool) -> None:
     """`train_draft` on 5 rows, 2 epochs, two sequences per process per optimiser step: one packed micro-batch of two
     data-parallel, or (`sharded`, under FSDP) two accumulated micro-batches of one. Anchors cover every label, so the
     split cannot change them. Then the same run interrupted after 1 step and resumed (in OUTPUT's sibling
-    `resumed`). Rows 5, 6 and 7 are held out: their loss is measured at every step."""
-    from helpers import make_draft, make_target
+    `resumed`). Rows 5, 6 and 7 are held out: their loss is measured at every step. The draft has its own LM head
+    (`own_head_draft`)."""
+    from helpers import make_target
 
     split = {"batch_size": 1, "gradient_accumulation_steps": 2} if sharded else {"batch_size": 2}
     settings = trainer.TrainingSettings(epochs=2, learning_rate=2e-3, num_anchors=64, warmup_ratio=0.25,
@@ -194,15 +207,15 @@ def run_batched(output: Path, sharded: bool) -> None:
         return trainer.train_draft(draft, target, rows, settings, folder, progress=False, max_steps=max_steps,
                                    held_out_rows=held_out, held_out_every=1)
 
-    draft = make_draft(5, block_size=4)
+    draft = own_head_draft(5)
     log = train(draft, output)
     RECORD["log_steps"], RECORD["weights_sum"], RECORD["held_out_losses"] = (log.steps, weights_sum(draft),
                                                                              log.held_out_losses)
     RECORD["recording"], RECORD["phase"] = False, "interrupted"
     resumed = output.parent / "resumed"
-    train(make_draft(5, block_size=4), resumed, max_steps=1)
+    train(own_head_draft(5), resumed, max_steps=1)
     RECORD["phase"] = "resumed"
-    draft = make_draft(6, block_size=4)  # other initial weights: the checkpoint's replace them
+    draft = own_head_draft(6)  # other initial weights: the checkpoint's replace them
     log = train(draft, resumed)
     RECORD["resumed"] = {"losses": log.losses, "tokens": log.tokens, "weights_sum": weights_sum(draft),
                          "held_out_losses": log.held_out_losses}

@@ -1,9 +1,10 @@
 """Training on two processes (torchrun, gloo on the CPU), each result compared with one process or the plain values.
 
 Five runs in three launches, each run shared by the tests below it: `train_draft` on 5 sequences (an uneven split:
-3 + 2) and two sequences per process per step packed data-parallel (one torchrun launch); the same two under
-Accelerate's FSDP (started by `accelerate launch` with examples/accelerate_fsdp.yaml; the second accumulated); and
-`dflash-hf train` end to end on a tiny saved target (its own launch: its process group starts with its timeout flag).
+3 + 2) and two sequences per process per step packed data-parallel (one torchrun launch; a draft with its own LM
+head); the same two under Accelerate's FSDP (started by `accelerate launch` with examples/accelerate_fsdp.yaml; the
+second accumulated); and `dflash-hf train` end to end on a tiny saved target (its own launch: its process group starts
+with its timeout flag; `--draft-vocab-size`).
 tests/distributed_worker.py is the program of each process; it records what its process did in each run (files
 written, per-micro-batch losses, generated prompts) next to the run's output.
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_worker import train_rows
+from distributed_worker import own_head_draft, train_rows
 from helpers import make_draft, make_target, save_tiny_target_and_prompts
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -290,8 +291,12 @@ def test_fsdp_accumulation_steps_as_packed_data_parallel_training_and_counts_eve
     assert fsdp_log["losses"] == pytest.approx(packed_log["losses"], rel=1e-4)
     assert fsdp[0]["weights_sum"] == fsdp[1]["weights_sum"]
     sharded, whole = (checkpoint_weights(run / CHECKPOINT_DIR) for run in (fsdp_output, packed_output))
+    assert {"lm_head.weight", "d2t", "t2d"} <= set(whole) == set(sharded)  # the draft's own head, trained and kept
     for name, tensor in whole.items():
         torch.testing.assert_close(sharded[name], tensor, rtol=1e-4, atol=1e-5)
+    # about half the labels lie outside its vocabulary (the even ids): left out of the loss, logged alike
+    assert fsdp_log["outside_vocabulary"] == pytest.approx(packed_log["outside_vocabulary"])
+    assert 0.3 < fsdp_log["outside_vocabulary"] < 0.7
     for record in fsdp:  # stopped after 1 step and resumed: the uninterrupted run's losses, tokens and weights
         assert record["resumed"]["losses"] == fsdp_log["losses"] and record["resumed"]["tokens"] == tokens
         assert record["resumed"]["weights_sum"] == fsdp[0]["weights_sum"]
@@ -463,8 +468,8 @@ def test_every_process_measures_its_share_of_the_held_out_loss(batched_runs):
             assert [entry["step"] for entry in resumed] == [entry["step"] for entry in log["held_out_losses"]]
             assert [entry["loss"] for entry in resumed] == pytest.approx(
                 [entry["loss"] for entry in log["held_out_losses"]], rel=1e-5), mode
-        reference = held_out_reference(make_draft(5, block_size=4), make_target("qwen3", seed=4),
-                                       train_rows(8)[5:], TrainingSettings(num_anchors=64))
+        reference = held_out_reference(own_head_draft(5), make_target("qwen3", seed=4), train_rows(8)[5:],
+                                       TrainingSettings(num_anchors=64))
         assert log["held_out_losses"][0]["loss"] == pytest.approx(reference, rel=1e-5), mode  # before training
 
 

@@ -154,8 +154,11 @@ def held_out_loss(accelerator: Accelerator, model: torch.nn.Module, target: torc
                                   torch.tensor(float(len(result.leading_correct)), device=device)])
             weight = float(position < len(sequences))  # a wrapped repeat counts for nothing
             parts.append(weight * torch.cat([counts, result.correct.float(), result.counted.float()]))
-    if isinstance(model, FSDPModule):  # FSDP keeps the root unit gathered after a forward with no backward
-        model.reshard()
+    # FSDP keeps units gathered after a forward with no backward: the root, and the unit Accelerate gives the output
+    # embedding (a draft's own LM head) with reshard_after_forward=False
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
     total = accelerator.reduce(torch.stack(parts).sum(0), reduction="sum").cpu()  # [4 + 2 (B-1)]
     correct, counted = total[4:].chunk(2)
     return {"loss": float(total[0] / total[1]), "block_tau": float(1 + total[2] / total[3].clamp(min=1)),
