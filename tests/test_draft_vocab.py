@@ -101,15 +101,16 @@ def test_frequent_token_ids_rank_by_count_then_fill_with_low_ids():
         frequent_token_ids([[1]], 6, 5)
 
 
-def test_step_costs_time_the_draft_with_its_vocabulary(monkeypatch):
+@pytest.mark.parametrize("own_head", [False, True])
+def test_step_costs_time_the_draft_with_its_vocabulary(monkeypatch, own_head):
     """The bench's cost model and `--block-size auto` time the proposer spec_generate runs, not a full-vocabulary
-    one."""
+    one (the config's list over the target's rows, or the draft's own head)."""
     from dflash_hf.cost_model import measure_step_costs
     from dflash_hf.proposer_dflash import DraftVocabulary
 
     target = make_target("qwen3", seed=6)
-    draft = DFlashDraftModel(draft_config(dflash_config={"mask_token_id": VOCAB_SIZE - 1,
-                                                         "draft_vocab": VOCAB})).eval()
+    draft = own_head_draft(target, 6) if own_head else DFlashDraftModel(draft_config(
+        dflash_config={"mask_token_id": VOCAB_SIZE - 1, "draft_vocab": VOCAB})).eval()
     rows_scored = []
     original = DraftVocabulary.logits
     monkeypatch.setattr(DraftVocabulary, "logits",
@@ -275,3 +276,15 @@ def test_an_own_head_draft_decodes_compiled_as_it_does_eager():
     arguments = dict(target=target, input_ids=input_ids, max_new_tokens=24, block_size=4, temperature=1.0, seed=2)
     eager = draft.spec_generate(**arguments)[0, 7:20]
     assert torch.equal(draft.spec_generate(**arguments, compile={"backend": "eager"})[0, 7:20], eager)
+
+
+@pytest.mark.parametrize("tree_size", [None, 6])
+def test_a_dflash2_draft_with_its_own_head_equals_plain_greedy(tree_size):
+    """The selector walks the own head's K tokens (logits -inf elsewhere), chain and tree."""
+    target = make_target("qwen3", seed=10)
+    draft = make_variant_draft("dflash2", seed=10, draft_vocab_size=len(VOCAB))
+    draft.set_draft_vocabulary(VOCAB)
+    input_ids = random_prompt(10, 6)
+    output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=24, block_size=4,
+                                 tree_size=tree_size)
+    assert torch.equal(output, plain_greedy(target, input_ids, 24))
