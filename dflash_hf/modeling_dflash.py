@@ -515,8 +515,9 @@ class DFlashDraftModel(DFlashCheckpointMixin, PreTrainedModel, DFlashGenerationM
         ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().sort().values.to(self.d2t.device)  # [K]
         if len(ids) != len(self.d2t) or len(ids.unique()) != len(ids) or int(ids[0]) < 0 \
                 or int(ids[-1]) >= len(self.t2d):
-            raise ValueError(f"The draft's vocabulary needs {len(self.d2t)} distinct ids below {len(self.t2d)}, got "
-                             f"{len(ids)} ids from {int(ids.min())} to {int(ids.max())}.")
+            raise ValueError(f"The draft's vocabulary needs {len(self.d2t)} distinct ids from 0 to "
+                             f"{len(self.t2d) - 1}, got {ids.tolist()[:8]}{' ...' if len(ids) > 8 else ''} "
+                             f"({len(ids)} ids, {len(ids.unique())} distinct).")
         self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
         self.t2d.zero_()
         self.t2d[ids] = True

@@ -18,7 +18,7 @@ from helpers import (
 from sampling_checks import chi_square_p_value
 
 from dflash_hf import DFlashDraftModel, speculative_decode
-from dflash_hf.training.recipe import frequent_token_ids
+from dflash_hf.training.recipe import ids_by_count
 from dflash_hf.versions_dflash import torch_refusal
 
 VOCAB = list(range(1, VOCAB_SIZE - 1, 3))  # 42 of the 128 ids
@@ -94,11 +94,14 @@ def test_the_call_chooses_the_vocabulary():
         draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=4, draft_vocab=[0, VOCAB_SIZE])
 
 
-def test_frequent_token_ids_rank_by_count_then_fill_with_low_ids():
-    assert frequent_token_ids([[5, 7, 7, 9], [9, 7]], 6, 12) == [7, 9, 5, 0, 1, 2]  # 7 x3, 9 x2, 5 x1, then unseen
-    assert frequent_token_ids([[3, 3, 1]], 1, 5) == [3]
+def test_ids_by_count_rank_by_count_then_fill_with_low_ids():
+    def counts(tokens: list[int], vocab_size: int) -> torch.Tensor:
+        return torch.bincount(torch.tensor(tokens), minlength=vocab_size)
+
+    assert ids_by_count(counts([5, 7, 7, 9, 9, 7], 12), 6) == [7, 9, 5, 0, 1, 2]  # 7 x3, 9 x2, 5 x1, then unseen
+    assert ids_by_count(counts([3, 3, 1], 5), 1) == [3]
     with pytest.raises(ValueError, match="vocabulary size"):
-        frequent_token_ids([[1]], 6, 5)
+        ids_by_count(counts([1], 5), 6)
 
 
 @pytest.mark.parametrize("own_head", [False, True])
@@ -179,7 +182,7 @@ def test_an_own_head_draft_has_its_vocabulary_in_d2t_and_t2d():
             draft_config(draft_vocab_size=bad)
     with pytest.raises(ValueError, match="remove `draft_vocab`"):
         draft_config(draft_vocab_size=4, dflash_config={"mask_token_id": VOCAB_SIZE - 1, "draft_vocab": VOCAB[:4]})
-    with pytest.raises(ValueError, match="needs 42 distinct ids"):
+    with pytest.raises(ValueError, match="needs 42 distinct ids from 0 to 127"):
         draft.set_draft_vocabulary(VOCAB[:5])
 
 

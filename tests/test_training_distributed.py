@@ -341,14 +341,14 @@ def test_the_command_generates_each_response_once_and_only_the_main_process_writ
 def test_every_process_trains_the_draft_vocabulary_one_process_would_choose(cli_run):
     """--draft-vocab-size 12: both processes chose the same 12 ids before training, the 12 most frequent labels of
     all the training sequences (each process counted its own half), and the saved draft carries them in d2t / t2d."""
-    from dflash_hf.training.recipe import frequent_token_ids
+    def most_frequent(sequences: list[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:  # ties: the lower id
+        counts = torch.bincount(torch.cat([ids[mask.bool()] for ids, mask in sequences]), minlength=128)
+        return sorted(range(128), key=lambda token: (-int(counts[token]), token))[:12]
 
     output, records, _ = cli_run
-    store = SequenceStore(output / STORE_DIR, "train", 2)
-    labels = [ids[mask.bool()].tolist() for ids, mask in store]
-    expected = frequent_token_ids(labels, 12, 128)
-    halves = [frequent_token_ids(labels[:len(labels) // 2], 12, 128),
-              frequent_token_ids(labels[len(labels) // 2:], 12, 128)]
+    sequences = list(SequenceStore(output / STORE_DIR, "train", 2))
+    expected = most_frequent(sequences)
+    halves = [most_frequent(sequences[:len(sequences) // 2]), most_frequent(sequences[len(sequences) // 2:])]
     assert records[0]["vocabulary"] == records[1]["vocabulary"] == expected and expected not in halves  # power
     weights = load_file(output / "draft" / "model.safetensors")
     assert (weights["d2t"] + torch.arange(12)).tolist() == sorted(expected)

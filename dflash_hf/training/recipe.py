@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -115,27 +115,6 @@ def initialize_from_target(draft: DFlashDraftModel, target: torch.nn.Module,
     draft.fc.weight.zero_()
     draft.fc.weight[:, deepest * hidden_size : (deepest + 1) * hidden_size] = torch.eye(hidden_size)
     return layer_ids
-
-
-COUNT_CHUNK_TOKENS = 1 << 20  # tokens `frequent_token_ids` holds before it counts them
-
-
-def token_counts(tokens: list[int], vocab_size: int) -> torch.Tensor:
-    """How often each id below `vocab_size` occurs in `tokens` [V]."""
-    return torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=vocab_size)[:vocab_size]
-
-
-def frequent_token_ids(token_lists: Iterable[list[int]], size: int, vocab_size: int) -> list[int]:
-    """A draft vocabulary of `size` ids: the tokens of `token_lists` (the target's own generated text, read one list
-    at a time) by frequency (`ids_by_count`)."""
-    counts, pending = torch.zeros(vocab_size, dtype=torch.long), []  # [V]; tokens not counted yet
-    for tokens in token_lists:
-        pending += tokens
-        if len(pending) >= COUNT_CHUNK_TOKENS:
-            counts += token_counts(pending, vocab_size)
-            pending = []
-    counts += token_counts(pending, vocab_size)
-    return ids_by_count(counts, size)
 
 
 def ids_by_count(counts: torch.Tensor, size: int) -> list[int]:
