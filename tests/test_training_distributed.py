@@ -483,6 +483,7 @@ def test_the_main_process_alone_reports_to_tensorboard_the_global_values(cli_run
     assert [value for _, value in found["train/loss"]] == pytest.approx(log["losses"], rel=1e-6)  # the mean
     assert [value for _, value in found["train/grad_norm"]] == pytest.approx(log["grad_norms"], rel=1e-6)
     assert len(log["grad_norms"]) == log["steps"] and all(norm > 0 for norm in log["grad_norms"])
+    assert found["train/outside_vocabulary"][-1][1] == pytest.approx(log["outside_vocabulary"])  # the epoch's
     assert TRACKER_DIR in {path.split(os.sep)[0] for _, path in records[0]["writes"]}
     assert {path.split(os.sep)[0] for _, path in records[1]["writes"]} == {STORE_DIR}  # its store files alone
 
