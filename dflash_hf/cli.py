@@ -152,9 +152,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distill", action=argparse.BooleanOptionalAction, default=TrainingSettings.distill,
                         help="soft labels from the target's top-k distribution, as every documented recipe trains")
     parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="K",
-                        help="save a draft vocabulary: the K most frequent tokens of the target's own responses "
-                             "(config dflash_config.draft_vocab); the draft's LM head then runs over K rows, not the "
-                             "whole vocabulary (output unchanged)")
+                        help="train the draft with an LM head of its own over K tokens: the K most frequent "
+                             "response tokens of the training data, chosen before training, its rows started from "
+                             "the target's; the loss is over those K (labels outside them left out) and the draft "
+                             "ships lm_head, d2t and t2d (docs/training.md, \"A draft vocabulary of its own\")")
     parser.add_argument("--mixed-precision", choices=["auto", "no", "bf16"], default=TrainingSettings.mixed_precision,
                         help="bf16: the draft's forward and loss under bfloat16 autocast; its weights, optimiser "
                              "and saved draft stay float32; auto: bf16 on a GPU, float32 (no) on the CPU")

@@ -142,7 +142,8 @@ class DFlashConfig(Qwen3Config):
     `num_target_layers`; `dflash_config` with `target_layer_ids` (computed when absent), `mask_token_id` when
     known and `mask_token` when published as a string; rope in the installed Transformers' own style; the newer
     fields of docs/formats.md (`layer_types`, `sliding_window`, `is_causal`, `input_embedding_scale`,
-    `output_multiplier`, `final_logit_softcapping`, and DFlash2's convolution and selector sizes) at top level.
+    `output_multiplier`, `final_logit_softcapping`, `draft_vocab_size`, and DFlash2's convolution and selector
+    sizes) at top level.
     """
 
     def __init__(self, block_size: int | None = None, num_target_layers: int | None = None,
@@ -247,6 +248,7 @@ def normalize_dflash_config(config: Qwen3Config, published_sliding_window: int |
     if is_dflash2(config):
         _normalize_dflash2(config, dflash_config)
     _check_draft_vocab(config, dflash_config)
+    _normalize_draft_vocab_size(config, dflash_config)
     config.dflash_config = dflash_config
     _normalize_rope(config)
 
@@ -285,6 +287,23 @@ def _check_draft_vocab(config: Qwen3Config, dflash_config: dict[str, Any]) -> No
         raise ValueError(f"Draft config `draft_vocab` must be a non-empty list of distinct token ids below vocab_size "
                          f"{config.vocab_size}; got {str(draft_vocab)[:80]}. Remove it to propose from every token.")
     dflash_config["draft_vocab"] = ids
+
+
+def _normalize_draft_vocab_size(config: Qwen3Config, dflash_config: dict[str, Any]) -> None:
+    """`draft_vocab_size` K (optional, as EAGLE-3 configs have it) at top level: the draft has its own LM head over K
+    tokens of the target's vocabulary, mapped by its `d2t` / `t2d` buffers (docs/formats.md, "A draft's own
+    vocabulary"). Refused outside 1 .. vocab_size, or next to `dflash_config.draft_vocab` (the ids come from d2t)."""
+    size = dflash_field(config, dflash_config, "draft_vocab_size")
+    dflash_config.pop("draft_vocab_size", None)
+    config.draft_vocab_size = None if size is None else int(size)
+    if size is None:
+        return
+    if not 1 <= config.draft_vocab_size <= config.vocab_size:
+        raise ValueError(f"Draft config `draft_vocab_size` must be from 1 to vocab_size {config.vocab_size}, got "
+                         f"{size}; remove it for a draft that borrows the target's LM head.")
+    if dflash_config.get("draft_vocab") is not None:
+        raise ValueError("Draft config has both `draft_vocab_size` (its own LM head, whose token ids are its `d2t` "
+                         "weights) and `dflash_config.draft_vocab`; remove `draft_vocab`.")
 
 
 def _normalize_dflash2(config: Qwen3Config, dflash_config: dict[str, Any]) -> None:

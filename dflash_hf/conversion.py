@@ -45,6 +45,9 @@ def inexpressible_in_native(config: DFlashConfig) -> list[str]:
             problems.append(f"{name}={getattr(config, name)}")
     if config.attention_bias:
         problems.append("attention_bias=True")
+    if config.draft_vocab_size is not None:
+        problems.append(f"draft_vocab_size={config.draft_vocab_size} (an LM head of its own; native drafts borrow "
+                        "the target's)")
     if config.dflash_config.get("mask_token_id") is None:
         problems.append("mask_token_id (the config names the mask token only as a string)")
     return problems

@@ -21,7 +21,7 @@ from .devices_dflash import target_device
 from .generation_dflash import DecodeSession, dflash_proposer, synchronize
 from .kernels_dflash import CPU_KERNEL_MODES, MAX_FEW_ROWS, cpu_kernels, few_row_product, is_plain_linear
 from .modeling_dflash import DFlashDraftModel
-from .proposer_dflash import DraftVocabulary, Proposal, draft_vocab_ids
+from .proposer_dflash import Proposal, draft_vocab_ids, draft_vocabulary
 from .settings_dflash import StepCosts, neutral_overrides, resolve_block_size, resolve_settings
 from .steps_dflash import TreeStep, kept_mask
 from .tree_dflash import tree_refusal
@@ -40,7 +40,8 @@ def prime_few_row_kernels(draft: DFlashDraftModel, target: torch.nn.Module, max_
     head_weights = [(head.weight, head.bias) for head in heads if is_plain_linear(head)]
     vocabulary_ids = draft_vocab_ids(draft, None, heads[0].weight.shape[0])
     if vocabulary_ids is not None:
-        vocabulary = DraftVocabulary(heads[0], vocabulary_ids.to(heads[0].weight.device))
+        vocabulary = draft_vocabulary(draft, heads[0], vocabulary_ids.to(heads[0].weight.device))
+        heads.append(vocabulary.head)
         if vocabulary.lm_head is None:
             head_weights.append((vocabulary.weight, vocabulary.bias))
     layer_weights = [(module.weight, module.bias) for model in (target, draft) for module in model.modules()

@@ -3,7 +3,8 @@
 One forward pass drafts a whole block. Each layer is a Qwen3 decoder layer with "KV injection":
 its keys/values are computed over [fused target context ; block], and every block query attends
 to all of them (non-causal), or causally and/or within a sliding window where the config's
-`layer_types` / `is_causal` say so. Embedding and LM head are borrowed from the target.
+`layer_types` / `is_causal` say so. Embedding and LM head are borrowed from the target, or the draft
+has its own LM head over K tokens of the target's vocabulary (`draft_vocab_size`, with `d2t` / `t2d`).
 `DFlash2DraftModel` adds dynamic causal convolutions around each sub-layer and a candidate
 selector over the head's top-K (docs/formats.md).
 
@@ -466,6 +467,13 @@ class DFlashDraftModel(DFlashCheckpointMixin, PreTrainedModel, DFlashGenerationM
         self.norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DFlashRotaryEmbedding(config)
         self.candidate_selector = DFlashCandidateSelector(config) if self.with_dflash2_parts else None
+        self.lm_head = None  # None: the target's LM head; else the draft's own over its K tokens, mapped by d2t / t2d
+        if config.draft_vocab_size is not None:
+            self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+            # d2t [K] int64: draft id k is target id k + d2t[k]; t2d [V] bool: which target ids the draft has.
+            # Until `set_draft_vocabulary`: the first K ids.
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.arange(config.vocab_size) < config.draft_vocab_size)
         self.post_init()
 
     @property
@@ -486,9 +494,33 @@ class DFlashDraftModel(DFlashCheckpointMixin, PreTrainedModel, DFlashGenerationM
 
     @property
     def draft_vocab(self) -> list[int] | None:
-        """Token ids the draft proposes from (`dflash_config.draft_vocab`, most frequent first), or None: every
-        token."""
-        return self.config.dflash_config.get("draft_vocab")
+        """Token ids the draft proposes from, or None: every token. With its own LM head: the target ids of its K
+        rows (`arange(K) + d2t`, ascending); else `dflash_config.draft_vocab` (most frequent first), if set."""
+        if self.lm_head is None:
+            return self.config.dflash_config.get("draft_vocab")
+        ids = torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t  # [K]
+        ascending = bool((ids.diff() > 0).all()) and 0 <= int(ids[0]) and int(ids[-1]) < len(self.t2d)
+        if not ascending or int(self.t2d.sum()) != len(ids) or not bool(self.t2d[ids].all()):
+            raise ValueError("The draft's `d2t` and `t2d` do not describe one vocabulary (d2t: ascending target ids "
+                             "below vocab_size, t2d: True exactly at them); export the draft again "
+                             "(docs/formats.md, \"A draft's own vocabulary\").")
+        return ids.tolist()
+
+    @torch.no_grad()
+    def set_draft_vocabulary(self, token_ids: list[int] | torch.Tensor) -> None:
+        """Make the distinct target ids `token_ids` (K of them, any order) the vocabulary of the draft's own LM head:
+        its rows are those ids in ascending order, so `d2t` and `t2d` describe them (as EAGLE-3 drafts store them)."""
+        if self.lm_head is None:
+            raise ValueError("This draft has no LM head of its own: build it with config `draft_vocab_size`.")
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().sort().values.to(self.d2t.device)  # [K]
+        if len(ids) != len(self.d2t) or len(ids.unique()) != len(ids) or int(ids[0]) < 0 \
+                or int(ids[-1]) >= len(self.t2d):
+            raise ValueError(f"The draft's vocabulary needs {len(self.d2t)} distinct ids from 0 to "
+                             f"{len(self.t2d) - 1}, got {ids.tolist()[:8]}{' ...' if len(ids) > 8 else ''} "
+                             f"({len(ids)} ids, {len(ids.unique())} distinct).")
+        self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
 
     def new_cache(self) -> DraftContextCache:
         """An empty context cache for one generation."""
@@ -507,7 +539,8 @@ class DFlashDraftModel(DFlashCheckpointMixin, PreTrainedModel, DFlashGenerationM
         return embeddings if scale == 1.0 else embeddings * scale
 
     def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """The draft's logits from the target head's output: times `output_multiplier`, then soft-capped if set."""
+        """The draft's logits from its LM head's output (the target's, or its own): times `output_multiplier`, then
+        soft-capped if set."""
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping

@@ -47,6 +47,7 @@ class DFlashDraft(Protocol):
 
     config: Any
     candidate_selector: CandidateSelector | None
+    lm_head: torch.nn.Module | None  # its own LM head over its draft vocabulary (None: it borrows the target's)
 
     @property
     def block_size(self) -> int: ...  # noqa: D102 - see DFlashDraftModel
@@ -189,7 +190,8 @@ class DFlashProposer:
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.device = execution_device(self.embed_tokens)
-        self.vocab = None if draft_vocab is None else DraftVocabulary(self.lm_head, draft_vocab.to(self.device))
+        self.vocab = (None if draft_vocab is None
+                      else draft_vocabulary(draft, self.lm_head, draft_vocab.to(self.device)))
         self.mask_token_id = mask_token_id
         self.backend = EagerDraftBackend(draft) if backend is None else backend
 
@@ -214,7 +216,8 @@ class DFlashProposer:
                                           step.context_position_ids, step.context_valid,
                                           step.pending_positions)  # [N, B, H]; position s: the positions before it
         proposal_states = hidden[:, 1:].reshape(-1, hidden.shape[-1])  # [N * (B-1), H]
-        proposal_states = proposal_states.contiguous().to(self.lm_head.weight.dtype)
+        head = self.lm_head if self.vocab is None else self.vocab.head
+        proposal_states = proposal_states.contiguous().to(head.weight.dtype)
         sample = step.temperature > 0.0 and self.sample_proposals
         selector = self.draft.candidate_selector
         shape = (len(step.row_ids), block_size - 1)
@@ -300,9 +303,12 @@ def draft_vocab_ids(draft: DFlashDraft, choice: bool | Sequence[int] | torch.Ten
                     target_vocab_size: int) -> torch.Tensor | None:
     """The ids [K] the draft proposes from for a call's `draft_vocab` choice (None: every token).
 
-    None: the draft's own (`dflash_config.draft_vocab`, if any); False: every token; True: the draft's own (refused
-    when it has none); a list or tensor of ids: those.
+    None: the draft's own (`draft.draft_vocab`, if any); False: every token; True: the draft's own (refused when it
+    has none); a list or tensor of ids: those. A draft with its own LM head proposes from its own vocabulary only.
     """
+    if draft.lm_head is not None and choice is not None and choice is not True:
+        raise ValueError("This draft has its own LM head over its own vocabulary (config `draft_vocab_size`): leave "
+                         "draft_vocab out (or True); it cannot propose from other token ids.")
     if choice is None or choice is True:
         if choice is True and draft.draft_vocab is None:
             raise ValueError("draft_vocab=True but the draft's config has no `draft_vocab`; pass the token ids, or "
@@ -319,22 +325,35 @@ def draft_vocab_ids(draft: DFlashDraft, choice: bool | Sequence[int] | torch.Ten
     return ids
 
 
-class DraftVocabulary:
-    """The draft's vocabulary: K token ids of the target's and their rows of its LM head, copied once per generation,
-    so each draft pass computes K logits per position instead of V. Verification is unchanged: still exact."""
+def draft_vocabulary(draft: DFlashDraft, target_head: torch.nn.Module, ids: torch.Tensor) -> DraftVocabulary:
+    """The vocabulary a draft proposes from, K ids [K] (`draft_vocab_ids`): its own LM head's, or the target head's
+    rows of those ids."""
+    if draft.lm_head is None:
+        return DraftVocabulary(target_head, ids, target_head.weight.shape[0])
+    return DraftVocabulary(draft.lm_head, ids, target_head.weight.shape[0], own_head=True)
 
-    def __init__(self, lm_head: torch.nn.Module, ids: torch.Tensor) -> None:
+
+class DraftVocabulary:
+    """The draft's vocabulary: K token ids of the target's and the LM head rows that score them, so each draft pass
+    computes K logits per position instead of V. The rows are the target head's rows of those ids (copied once per
+    generation), or with `own_head` the draft's own head, whose K rows are the ids in order. Verification is
+    unchanged: still exact."""
+
+    def __init__(self, lm_head: torch.nn.Module, ids: torch.Tensor, vocab_size: int, own_head: bool = False) -> None:
         self.ids = ids  # [K]
-        self.vocab_size = lm_head.weight.shape[0]
-        self.lm_head = None if is_plain_linear(lm_head) else lm_head  # an unknown head is called, then indexed
+        self.vocab_size = vocab_size  # V: the target's vocabulary
+        self.head = lm_head
+        self.lm_head = None if is_plain_linear(lm_head) else lm_head  # an unknown head is called (then indexed)
         if self.lm_head is None:
-            self.weight = lm_head.weight[ids]  # [K, H]
-            self.bias = None if lm_head.bias is None else lm_head.bias[ids]
+            self.weight = lm_head.weight if own_head else lm_head.weight[ids]  # [K, H]
+            self.bias = lm_head.bias if own_head or lm_head.bias is None else lm_head.bias[ids]
+        self.rows = None if own_head else ids  # which rows of the head's output are the K logits (None: all)
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """Logits [M, K] of states [M, H] over the draft's vocabulary."""
         if self.lm_head is not None:
-            return self.lm_head(states)[:, self.ids.to(states.device)]
+            logits = self.lm_head(states)
+            return logits if self.rows is None else logits[:, self.rows.to(states.device)]
         return few_row_product(self.weight, self.bias, states)
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,9 @@ with the CLI ARGS (their --output: FOLDER/cli/run). Every process records what i
 FOLDER/<mode>/records/rank<i>.json (outside the run folder): the files it wrote under the run folder (seen by an audit
 hook), the loss of each of its own sequences, the rows and anchor seed of each of its micro-batches (by phase: the
 run, the interrupted and the resumed one), the prompts it generated, the collectives it joined while generating, the
-evaluations it ran, every call that reads
-a pickle from a file (`pickle.load`, `torch.load`) and (the first mode's record: the group starts once per launch)
-its process group's timeout.
+evaluations it ran, every call that reads a pickle from a file (`pickle.load`, `torch.load`), the draft vocabulary it
+chose (`--draft-vocab-size`) and (the first mode's record: the group starts once per launch) its process group's
+timeout.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ def record_calls() -> None:
     read a pickle file (torch.distributed's object collectives unpickle in memory, through `pickle.Unpickler`)."""
     loss, respond = trainer.packed_dflash_loss, dflash_hf.training.data._respond
     evaluate, generate = dflash_hf.training.command.evaluate_draft, dflash_hf.training.command.generate_responses
+    vocabulary = dflash_hf.training.command.training_vocabulary
 
     def counted_loss(draft, *args, **kwargs):
         from torch.distributed.fsdp import FSDPModule
@@ -104,6 +105,10 @@ def record_calls() -> None:
         RECORD["evaluations"] += 1
         return evaluate(*args, **kwargs)
 
+    def recorded_vocabulary(*args, **kwargs):
+        RECORD["vocabulary"] = vocabulary(*args, **kwargs)
+        return RECORD["vocabulary"]
+
     def counted_init(*args, **kwargs):  # the timeout the process group starts with (None: the backend's default)
         timeout = kwargs.get("timeout")
         RECORD["process_group_timeouts"].append(None if timeout is None else timeout.total_seconds())
@@ -123,6 +128,7 @@ def record_calls() -> None:
     dflash_hf.training.data._respond = counted_respond
     dflash_hf.training.command.evaluate_draft = counted_evaluate
     dflash_hf.training.command.generate_responses = counted_collectives(generate)
+    dflash_hf.training.command.training_vocabulary = recorded_vocabulary
 
 
 def counted_collectives(generate: Any) -> Any:
@@ -158,6 +164,18 @@ def train_rows(count: int) -> list[dict]:
 
 
 ROW_INDEX = {tuple(row["prompt_ids"] + row["response_ids"]): index for index, row in enumerate(train_rows(8))}
+
+
+def own_head_draft(seed: int) -> torch.nn.Module:
+    """The batched runs' draft: `make_draft(seed, block_size=4)` with an LM head of its own over the even token ids
+    (started from the target's rows), so FSDP shards and checkpoints it too and about half the labels fall outside."""
+    from helpers import VOCAB_SIZE, make_draft, make_target
+
+    from dflash_hf.training.recipe import initialize_draft_vocabulary
+
+    draft = make_draft(seed, block_size=4, draft_vocab_size=VOCAB_SIZE // 2)
+    initialize_draft_vocabulary(draft, make_target("qwen3", seed=4), list(range(0, VOCAB_SIZE, 2)))
+    return draft
 
 
 def weights_sum(draft: torch.nn.Module) -> float:
@@ -203,8 +221,9 @@ def run_batched(output: Path, sharded: bool) -> None:
     """`train_draft` on 5 rows, 2 epochs, two sequences per process per optimiser step: one packed micro-batch of two
     data-parallel, or (`sharded`, under FSDP) two accumulated micro-batches of one. Anchors cover every label, so the
     split cannot change them. Then the same run interrupted after 1 step and resumed (in OUTPUT's sibling
-    `resumed`). Rows 5, 6 and 7 are held out: their loss is measured at every step."""
-    from helpers import make_draft, make_target
+    `resumed`). Rows 5, 6 and 7 are held out: their loss is measured at every step. The draft has its own LM head
+    (`own_head_draft`)."""
+    from helpers import make_target
 
     split = {"batch_size": 1, "gradient_accumulation_steps": 2} if sharded else {"batch_size": 2}
     settings = trainer.TrainingSettings(epochs=2, learning_rate=2e-3, num_anchors=64, warmup_ratio=0.25,
@@ -215,15 +234,15 @@ def run_batched(output: Path, sharded: bool) -> None:
         return trainer.train_draft(draft, target, rows, settings, folder, progress=False, max_steps=max_steps,
                                    held_out_rows=held_out, held_out_every=1)
 
-    draft = make_draft(5, block_size=4)
+    draft = own_head_draft(5)
     log = train(draft, output)
     RECORD["log_steps"], RECORD["weights_sum"], RECORD["held_out_losses"] = (log.steps, weights_sum(draft),
                                                                              log.held_out_losses)
     RECORD["recording"], RECORD["phase"] = False, "interrupted"
     resumed = output.parent / "resumed"
-    train(make_draft(5, block_size=4), resumed, max_steps=1)
+    train(own_head_draft(5), resumed, max_steps=1)
     RECORD["phase"] = "resumed"
-    draft = make_draft(6, block_size=4)  # other initial weights: the checkpoint's replace them
+    draft = own_head_draft(6)  # other initial weights: the checkpoint's replace them
     log = train(draft, resumed)
     RECORD["resumed"] = {"losses": log.losses, "tokens": log.tokens, "weights_sum": weights_sum(draft),
                          "held_out_losses": log.held_out_losses}

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModel
 
 from dflash_hf.cli import main
+from dflash_hf.training.store import STORE_DIR, SequenceStore
 
 
 def test_train_command_writes_a_hub_ready_draft(tmp_path):
@@ -33,13 +34,17 @@ def test_train_command_writes_a_hub_ready_draft(tmp_path):
     assert config["dflash_config"]["mask_token_id"] == 127 and config["block_size"] == 4
     assert config["dflash_config"]["target_layer_ids"] == [2]  # one draft layer: [N // 2]
     responses = [json.loads(line)["response_ids"] for line in (run / "responses.jsonl").read_text().splitlines()]
-    vocab = config["dflash_config"]["draft_vocab"]  # the responses' tokens first, most frequent first
-    assert len(vocab) == 40 and (set(vocab[:len({t for r in responses for t in r})])
-                                 == {t for r in responses for t in r})
+    # --draft-vocab-size 40: its own LM head over 40 tokens, every response token among them (fewer than 40 here)
+    assert config["draft_vocab_size"] == 40 and "draft_vocab" not in config["dflash_config"]
     draft = AutoModel.from_pretrained(run / "draft", trust_remote_code=True)
-    assert type(draft).__name__ == "DFlashDraftModel" and draft.draft_vocab == vocab
-    assert {tensor.dtype for tensor in load_file(run / "draft" / "model.safetensors").values()} == {torch.float32}
+    assert type(draft).__name__ == "DFlashDraftModel" and len(draft.draft_vocab) == 40
+    assert {t for r in responses for t in r} <= set(draft.draft_vocab)
+    weights = load_file(run / "draft" / "model.safetensors")
+    assert {name: tensor.dtype for name, tensor in weights.items() if tensor.dtype != torch.float32} == {
+        "d2t": torch.int64, "t2d": torch.bool}
+    assert weights["lm_head.weight"].shape == (40, draft.config.hidden_size)
     training_log = json.loads((run / "training_log.json").read_text())
+    assert 0.0 <= training_log["outside_vocabulary"] < 1.0
     assert training_log["settings"]["mixed_precision"] == "bf16"
     assert [evaluation["step"] for evaluation in training_log["evaluations"]] == [0, 4, 8]  # --eval-every 4
     assert all(evaluation["lossless"] for evaluation in training_log["evaluations"])
@@ -72,9 +77,20 @@ def test_train_init_from_starts_at_a_trained_draft_and_keeps_its_architecture(tm
     assert "initialisation" in (tmp_path / "second" / "draft" / "README.md").read_text()
 
     # a later stage on the rows the draft has not seen: one epoch over prompts 1..2 is two steps
+    # (with --draft-vocab-size: the draft gains its own LM head over the 30 most frequent labels of those rows)
     main(["train", "--output", str(tmp_path / "later"), "--init-from", str(tmp_path / "first" / "draft"),
-          "--first-prompt", "1", *common])
+          "--first-prompt", "1", "--draft-vocab-size", "30", *common])
     assert json.loads((tmp_path / "later" / "training_log.json").read_text())["steps"] == 2
+    later = AutoModel.from_pretrained(tmp_path / "later" / "draft", trust_remote_code=True)
+    labels = {token for ids, mask in SequenceStore(tmp_path / "later" / STORE_DIR, "train", 1)
+              for token in ids[mask.bool()].tolist()}
+    assert later.lm_head.weight.shape[0] == 30 and labels <= set(later.draft_vocab)
+    assert (later.block_size, len(later.layers)) == (4, 2)
+    for size, refusal in (("20", r"--draft-vocab-size 20 \(the draft has 30\)"),
+                          ("200", "--draft-vocab-size 200: the target has 128 tokens")):
+        with pytest.raises(SystemExit, match=refusal):
+            main(["train", "--output", str(tmp_path / "later"), "--init-from", str(tmp_path / "later" / "draft"),
+                  "--first-prompt", "1", "--draft-vocab-size", size, *common])
     assert "2 prompts (1-2) of prompts.jsonl" in (tmp_path / "later" / "draft" / "README.md").read_text()
     with pytest.raises(SystemExit, match="--first-prompt 3: expected 0 <= it < the 3 prompts of --num-prompts"):
         main(["train", "--output", str(tmp_path / "third"), "--first-prompt", "3", *common])
@@ -167,6 +183,7 @@ def test_train_defaults_are_the_published_recipe():
     (["--process-group-timeout", "-5"], "--process-group-timeout"),
     (["--held-out-rows", "2"], "--held-out-rows 2 and --held-out-every 0: pass both >= 1"),
     (["--held-out-every", "5"], "--held-out-rows 0 and --held-out-every 5: pass both >= 1"),
+    (["--draft-vocab-size", "0"], "--draft-vocab-size 0: expected K >= 1"),
 ])
 def test_train_refuses_flags_it_cannot_run_before_anything_loads(tmp_path, monkeypatch, flags, message):
     import dflash_hf.training.command as command

@@ -113,6 +113,12 @@ def test_what_the_native_class_cannot_express_is_refused_by_name(tmp_path, varia
         main(["convert", str(tmp_path / "draft"), str(tmp_path / "native"), "--to", "transformers"])
 
 
+@needs_native
+def test_a_draft_with_its_own_lm_head_is_refused_by_name():
+    with pytest.raises(ValueError, match="draft_vocab_size=40 \\(an LM head of its own"):
+        to_native(make_draft(0, draft_vocab_size=40))
+
+
 def write_native_folder(folder, source) -> None:
     """A native checkpoint of `source`'s weights as Transformers writes it: encoder.* names, inclusive window,
     defaults omitted, no vocabulary size (Transformers' native drafts do not record it)."""

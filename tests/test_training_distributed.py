@@ -1,9 +1,10 @@
 """Training on two processes (torchrun, gloo on the CPU), each result compared with one process or the plain values.
 
 Five runs in three launches, each run shared by the tests below it: `train_draft` on 5 sequences (an uneven split:
-3 + 2) and two sequences per process per step packed data-parallel (one torchrun launch); the same two under
-Accelerate's FSDP (started by `accelerate launch` with examples/accelerate_fsdp.yaml; the second accumulated); and
-`dflash-hf train` end to end on a tiny saved target (its own launch: its process group starts with its timeout flag).
+3 + 2) and two sequences per process per step packed data-parallel (one torchrun launch; a draft with its own LM
+head); the same two under Accelerate's FSDP (started by `accelerate launch` with examples/accelerate_fsdp.yaml; the
+second accumulated); and `dflash-hf train` end to end on a tiny saved target (its own launch: its process group starts
+with its timeout flag; `--draft-vocab-size`).
 tests/distributed_worker.py is the program of each process; it records what its process did in each run (files
 written, per-micro-batch losses, generated prompts) next to the run's output.
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_worker import train_rows
+from distributed_worker import own_head_draft, train_rows
 from helpers import make_draft, make_target, save_tiny_target_and_prompts
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -143,7 +144,8 @@ def cli_run(tmp_path_factory) -> tuple[Path, list[dict], Path]:
         "--prompts", str(prompts), "--num-prompts", "5", "--gen-batch-size", "2", "--gen-max-new-tokens", "8",
         "--draft-block-size", "4", "--draft-layers", "1", "--mask-token", "w127", "--epochs", "1",
         "--num-anchors", "6", "--eval-prompts", str(prompts), "--num-eval", "2", "--eval-max-new-tokens", "6",
-        "--eval-dtype", "float32", "--process-group-timeout", "45", "--report-to", "tensorboard")["cli"]
+        "--eval-dtype", "float32", "--process-group-timeout", "45", "--report-to", "tensorboard",
+        "--draft-vocab-size", "12")["cli"]
     return output, records, folder / "target"
 
 
@@ -303,8 +305,12 @@ def test_fsdp_accumulation_steps_as_packed_data_parallel_training_and_counts_eve
     assert fsdp_log["losses"] == pytest.approx(packed_log["losses"], rel=1e-4)
     assert fsdp[0]["weights_sum"] == fsdp[1]["weights_sum"]
     sharded, whole = (checkpoint_weights(run / CHECKPOINT_DIR) for run in (fsdp_output, packed_output))
+    assert {"lm_head.weight", "d2t", "t2d"} <= set(whole) == set(sharded)  # the draft's own head, trained and kept
     for name, tensor in whole.items():
         torch.testing.assert_close(sharded[name], tensor, rtol=1e-4, atol=1e-5)
+    # about half the labels lie outside its vocabulary (the even ids): left out of the loss, logged alike
+    assert fsdp_log["outside_vocabulary"] == pytest.approx(packed_log["outside_vocabulary"])
+    assert 0.3 < fsdp_log["outside_vocabulary"] < 0.7
     for record in fsdp:  # stopped after 1 step and resumed: the uninterrupted run's losses, tokens and weights
         assert record["resumed"]["losses"] == fsdp_log["losses"] and record["resumed"]["tokens"] == tokens
         assert record["resumed"]["weights_sum"] == fsdp[0]["weights_sum"]
@@ -347,6 +353,25 @@ def test_the_command_generates_each_response_once_and_only_the_main_process_writ
     written = {path.split(os.sep)[0] for _, path in records[0]["writes"]}
     assert {"responses.jsonl", "training_log.json", "evaluation.json", "draft", CHECKPOINT_DIR} <= written
     assert training_log(output)["steps"] == 3 and json.loads((output / "evaluation.json").read_text())["lossless"]
+
+
+def test_every_process_trains_the_draft_vocabulary_one_process_would_choose(cli_run):
+    """--draft-vocab-size 12: both processes chose the same 12 ids before training, the 12 most frequent labels of
+    all the training sequences (each process counted its own half), and the saved draft carries them in d2t / t2d."""
+    def most_frequent(sequences: list[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:  # ties: the lower id
+        counts = torch.bincount(torch.cat([ids[mask.bool()] for ids, mask in sequences]), minlength=128)
+        return sorted(range(128), key=lambda token: (-int(counts[token]), token))[:12]
+
+    output, records, _ = cli_run
+    sequences = list(SequenceStore(output / STORE_DIR, "train", 2))
+    expected = most_frequent(sequences)
+    halves = [most_frequent(sequences[:len(sequences) // 2]), most_frequent(sequences[len(sequences) // 2:])]
+    assert records[0]["vocabulary"] == records[1]["vocabulary"] == expected and expected not in halves  # power
+    weights = load_file(output / "draft" / "model.safetensors")
+    assert (weights["d2t"] + torch.arange(12)).tolist() == sorted(expected)
+    assert weights["t2d"].nonzero().flatten().tolist() == sorted(expected)
+    assert weights["lm_head.weight"].shape == (12, weights["fc.weight"].shape[0])
+    assert 0.0 < training_log(output)["outside_vocabulary"] < 1.0  # labels outside the 12 were left out and counted
 
 
 def test_an_fsdp_config_on_cpu_processes_is_refused_before_anything_loads(tmp_path, monkeypatch):
@@ -460,8 +485,8 @@ def test_every_process_measures_its_share_of_the_held_out_loss(batched_runs):
             assert [entry["step"] for entry in resumed] == [entry["step"] for entry in log["held_out_losses"]]
             assert [entry["loss"] for entry in resumed] == pytest.approx(
                 [entry["loss"] for entry in log["held_out_losses"]], rel=1e-5), mode
-        reference = held_out_reference(make_draft(5, block_size=4), make_target("qwen3", seed=4),
-                                       train_rows(8)[5:], TrainingSettings(num_anchors=64))
+        reference = held_out_reference(own_head_draft(5), make_target("qwen3", seed=4), train_rows(8)[5:],
+                                       TrainingSettings(num_anchors=64))
         assert log["held_out_losses"][0]["loss"] == pytest.approx(reference, rel=1e-5), mode  # before training
 
 
@@ -475,6 +500,7 @@ def test_the_main_process_alone_reports_to_tensorboard_the_global_values(cli_run
     assert [value for _, value in found["train/loss"]] == pytest.approx(log["losses"], rel=1e-6)  # the mean
     assert [value for _, value in found["train/grad_norm"]] == pytest.approx(log["grad_norms"], rel=1e-6)
     assert len(log["grad_norms"]) == log["steps"] and all(norm > 0 for norm in log["grad_norms"])
+    assert found["train/outside_vocabulary"][-1][1] == pytest.approx(log["outside_vocabulary"])  # the epoch's
     assert TRACKER_DIR in {path.split(os.sep)[0] for _, path in records[0]["writes"]}
     assert {path.split(os.sep)[0] for _, path in records[1]["writes"]} == {STORE_DIR, "responses.rank-1-of-2.jsonl"}
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import VOCAB_SIZE, make_draft, make_target, plain_greedy
+from helpers import VOCAB_SIZE, draft_config, make_draft, make_target, plain_greedy
 
+from dflash_hf import DFlashDraftModel
 from dflash_hf.target_dflash import select_features
 from dflash_hf.training import build_blocks, dflash_loss, position_weights, sample_anchors
 
@@ -214,3 +215,67 @@ def test_a_flash_attention_draft_trains_like_sdpa(monkeypatch):
                                       torch.Generator().manual_seed(0)).loss
     assert received == []  # every training call is masked
     torch.testing.assert_close(losses["flash_attention_2"], losses["sdpa"], rtol=0, atol=0)
+
+
+def own_head_draft(seed: int, vocabulary: list[int]) -> torch.nn.Module:
+    """A block-4 draft with its own LM head over `vocabulary` (rows at random)."""
+    torch.manual_seed(seed)
+    draft = DFlashDraftModel(draft_config(block_size=4, draft_vocab_size=len(vocabulary)))
+    draft.set_draft_vocabulary(vocabulary)
+    return draft
+
+
+def test_the_loss_over_an_own_vocabulary_is_cross_entropy_over_its_k_logits_with_outside_labels_left_out():
+    """The loss of a draft with its own head equals the position-decayed cross-entropy over its K logits of each label
+    mapped to its row, with labels outside the vocabulary out of the loss (counted in `outside`) and counted as
+    misses in the accuracy, whose hits compare target ids."""
+    from dflash_hf.training.objective import sample_anchors
+
+    vocabulary = list(range(0, VOCAB_SIZE, 2)) + [MASK]  # the even ids: about half the labels fall outside
+    target, draft = make_target("qwen3", seed=8), own_head_draft(8, vocabulary)
+    input_ids = torch.randint(0, MASK, (30,), generator=torch.Generator().manual_seed(8))
+    loss_mask = torch.cat((torch.zeros(6), torch.ones(24)))
+    result = dflash_loss(draft, target, input_ids, loss_mask, 7, torch.Generator().manual_seed(1), tile_rows=None)
+    anchors = sample_anchors(loss_mask, 7, torch.Generator().manual_seed(1))
+    blocks = build_blocks(input_ids, loss_mask, anchors, 4, MASK)
+    with torch.no_grad():
+        features = select_features(target(input_ids[None], output_hidden_states=True).hidden_states,
+                                   draft.target_layer_ids)
+        hidden = draft(target.get_input_embeddings().weight[blocks.block_ids][None], features,
+                       blocks.block_position_ids[None], torch.arange(30)[None],
+                       attention_mask=blocks.attention_mask[None, None], block_length=4)
+        logits = draft.lm_head(hidden.view(len(anchors), 4, -1)[:, 1:])  # [A, 3, K]: over the draft's vocabulary
+    rows = {token: row for row, token in enumerate(sorted(vocabulary))}
+    total = weight_sum = 0.0
+    outside = correct = 0
+    for block, position in blocks.label_mask.nonzero().tolist():
+        label = int(blocks.labels[block, position])
+        prediction = sorted(vocabulary)[int(logits[block, position].argmax())]  # back to a target id
+        correct += prediction == label
+        if label not in rows:
+            outside += 1
+            continue
+        weight = float(position_weights(4)[position])
+        total += weight * float(torch.nn.functional.cross_entropy(logits[block, position], torch.tensor(rows[label])))
+        weight_sum += weight
+    assert 0 < outside < int(blocks.label_mask.sum())
+    assert float(result.loss.detach()) == pytest.approx(total / weight_sum, rel=1e-5)
+    assert int(result.outside) == outside and int(result.correct.sum()) == correct
+    assert torch.equal(result.counted, blocks.label_mask.sum(0))  # every label counts in the accuracy
+
+
+def test_an_own_vocabulary_top1_teacher_on_greedy_data_equals_the_hard_label_loss():
+    """The teacher's ids map to the head's rows as the labels do (outside ones get probability 0)."""
+    from dflash_hf.training.objective import target_signals
+
+    target = make_target("qwen3", seed=7)
+    draft = own_head_draft(7, list(range(1, VOCAB_SIZE, 2)))
+    sequence = plain_greedy(target, torch.tensor([[5, 6, 7, 8]]), max_new_tokens=20)[0]
+    loss_mask = torch.cat((torch.zeros(4), torch.ones(20)))
+    hard = dflash_loss(draft, target, sequence, loss_mask, 12, torch.Generator().manual_seed(0))
+    signals = target_signals(target, sequence, draft.target_layer_ids, teacher_top_k=1)
+    soft = dflash_loss(draft, target, sequence, loss_mask, 12, torch.Generator().manual_seed(0), signals)
+    torch.testing.assert_close(soft.loss, hard.loss)
+    assert torch.equal(soft.correct, hard.correct) and int(hard.outside) > 0
+    soft.loss.backward()
+    assert draft.lm_head.weight.grad is not None and draft.lm_head.weight.grad.abs().sum() > 0

@@ -10,7 +10,7 @@ import shlex
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -24,14 +24,16 @@ from ..prompts import default_data_dir, user_prompt_ids
 from ..smollm2 import SMOLLM2_MASK_TOKEN
 from ..tokens_dflash import GenerationTokens, generation_tokens
 from ..validation_dflash import check_draft_target
-from .data import PromptTexts, generate_responses, iter_rows, read_chat_rows, read_prompts, training_rows
-from .processes import check_fsdp_applies, process_state
+from .data import PromptTexts, generate_responses, read_chat_rows, read_prompts, training_rows
+from .processes import check_fsdp_applies, process_state, sum_over_processes
 from .recipe import (
     DEFAULT_DRAFT_BLOCK_SIZE,
     DEFAULT_DRAFT_LAYERS,
     draft_config_for,
-    frequent_token_ids,
+    ids_by_count,
+    initialize_draft_vocabulary,
     initialize_from_target,
+    with_own_head,
 )
 from .store import (
     PARTS,
@@ -73,16 +75,13 @@ def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> 
     if args.held_out_rows < 0 or (args.held_out_rows > 0) != (args.held_out_every > 0) or args.held_out_every < 0:
         raise SystemExit(f"--held-out-rows {args.held_out_rows} and --held-out-every {args.held_out_every}: pass "
                          "both >= 1 (measure the loss on K held-out rows every N steps), or neither")
-    if args.gen_max_new_tokens is not None and args.gen_max_new_tokens < 1:
-        raise SystemExit(f"--gen-max-new-tokens {args.gen_max_new_tokens}: expected >= 1 (or leave it out: what "
-                         "--max-length leaves after each prompt)")
-    if args.gen_tensor_parallel_size != 1 and (args.gen_engine != "vllm" or args.gen_tensor_parallel_size < 1):
-        raise SystemExit(f"--gen-tensor-parallel-size {args.gen_tensor_parallel_size}: vLLM's tensor parallelism, "
-                         "a number >= 1 with --gen-engine vllm (the other engines run one copy of the target per "
-                         "process: launch N processes instead)")
+    check_generation_arguments(args)
     if args.train_batch_size < 1 or args.gradient_accumulation_steps < 1:
         raise SystemExit(f"--train-batch-size {args.train_batch_size} and --gradient-accumulation-steps "
                          f"{args.gradient_accumulation_steps}: both must be >= 1")
+    if args.draft_vocab_size is not None and args.draft_vocab_size < 1:
+        raise SystemExit(f"--draft-vocab-size {args.draft_vocab_size}: expected K >= 1 tokens (or leave it out: the "
+                         "draft borrows the target's LM head)")
     if args.cache_limit_gib is not None and not args.cache_target_features:
         raise SystemExit("--cache-limit-gib bounds the feature cache: pass it with --cache-target-features")
     missing = [path for path in args.responses if not Path(path).is_file()]
@@ -92,6 +91,17 @@ def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> 
         check_trackers(training_settings(args).report_to)
     except ValueError as error:
         raise SystemExit(f"dflash-hf train: {error}") from error
+
+
+def check_generation_arguments(args: argparse.Namespace) -> None:
+    """Exit naming the first --gen-* argument that cannot be run."""
+    if args.gen_max_new_tokens is not None and args.gen_max_new_tokens < 1:
+        raise SystemExit(f"--gen-max-new-tokens {args.gen_max_new_tokens}: expected >= 1 (or leave it out: what "
+                         "--max-length leaves after each prompt)")
+    if args.gen_tensor_parallel_size != 1 and (args.gen_engine != "vllm" or args.gen_tensor_parallel_size < 1):
+        raise SystemExit(f"--gen-tensor-parallel-size {args.gen_tensor_parallel_size}: vLLM's tensor parallelism, "
+                         "a number >= 1 with --gen-engine vllm (the other engines run one copy of the target per "
+                         "process: launch N processes instead)")
 
 
 def check_prompt_counts(args: argparse.Namespace, prompt_files: list[str]) -> None:
@@ -180,7 +190,8 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                                                   state)
     target = target.to(training_target_dtype(args.target_dtype, device))
     torch.manual_seed(args.seed)
-    draft, mask_token = build_draft(args, target, tokenizer)
+    draft, mask_token = build_draft(args, target, tokenizer, lambda size: training_vocabulary(
+        training_rows, size, target.get_output_embeddings().weight.shape[0], state))
     if args.init_from_target:
         initialize_from_target(draft, target, training_rows[0][0])
     settings = training_settings(args)
@@ -195,11 +206,6 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                       held_out_rows=held_out_rows, held_out_every=args.held_out_every)
     if not state.is_main_process:  # evaluating and saving are the main process's (a barrier would time out on a
         return {}                  # long evaluation): train_draft returned once the log and checkpoint were written
-    if args.draft_vocab_size:  # the draft proposes from the target's most frequent tokens in its own responses
-        draft.config.dflash_config["draft_vocab"] = frequent_token_ids(
-            (row["response_ids"] for row in iter_rows(responses) if row["index"] < num_rows), args.draft_vocab_size,
-            target.get_output_embeddings().weight.shape[0])
-
     eval_dtype = training_target_dtype(args.eval_dtype, device)
     target, draft = target.to(eval_dtype), draft.to(torch.float32).eval()  # the draft is saved in float32
     evaluation = None
@@ -254,6 +260,15 @@ def training_store(args: argparse.Namespace, output: Path, prompts: range, num_c
         raise SystemExit(f"dflash-hf train: none of the {total - args.held_out_rows} training rows has a label within "
                          f"--max-length {args.max_length}")
     return stores
+
+
+def training_vocabulary(store: SequenceStore, size: int, vocab_size: int, state: Any) -> list[int]:
+    """The `size` tokens that are labels most often in the training sequences (`recipe.ids_by_count`): each process
+    counts its own range of the store, and the counts are summed over the processes, so every process gets the same
+    ids, those one process counting every sequence would choose."""
+    rank, processes = state.process_index, state.num_processes
+    mine = range(len(store) * rank // processes, len(store) * (rank + 1) // processes)
+    return ids_by_count(sum_over_processes(store.label_counts(mine, vocab_size), state), size)
 
 
 def held_out_evaluation(draft: DFlashDraftModel, target: torch.nn.Module, prompts: list[list[int]],
@@ -320,12 +335,23 @@ def generation_draft(name: str | None, target: torch.nn.Module) -> DFlashDraftMo
     return draft.to(target_device(target)).eval()
 
 
-def build_draft(args: argparse.Namespace, target: torch.nn.Module, tokenizer: Any) -> tuple[DFlashDraftModel, str]:
-    """(the draft to train, its mask token): a new draft shaped like the target, or the `--init-from` one."""
+def build_draft(args: argparse.Namespace, target: torch.nn.Module, tokenizer: Any,
+                vocabulary: Callable[[int], list[int]] | None = None) -> tuple[DFlashDraftModel, str]:
+    """(the draft to train, its mask token): a new draft shaped like the target, or the `--init-from` one. With
+    `--draft-vocab-size K` a draft that has no LM head of its own (a new one, or an `--init-from` one without) gets
+    one over the K ids `vocabulary(K)` chooses, its rows started from the target's (`initialize_draft_vocabulary`);
+    an `--init-from` draft with its own head keeps it."""
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    if args.draft_vocab_size is not None and args.draft_vocab_size > vocab_size:
+        raise SystemExit(f"--draft-vocab-size {args.draft_vocab_size}: the target has {vocab_size} tokens; pass "
+                         f"K <= {vocab_size}")
     if args.init_from is not None:
         draft = start_from_trained_draft(args, target)
         mask_token = (draft.config.dflash_config.get("mask_token")
                       or tokenizer.convert_ids_to_tokens(draft.mask_token_id))
+        if args.draft_vocab_size and draft.lm_head is None:
+            draft = with_own_head(draft, args.draft_vocab_size)
+            initialize_draft_vocabulary(draft, target, vocabulary(args.draft_vocab_size))
         return draft, mask_token
     mask_token = args.mask_token or (SMOLLM2_MASK_TOKEN if args.target == SMOLLM2 else None)
     if mask_token is None:
@@ -335,9 +361,12 @@ def build_draft(args: argparse.Namespace, target: torch.nn.Module, tokenizer: An
         raise SystemExit(f"mask token {mask_token!r} is not in the target's vocabulary")
     config = draft_config_for(target, args.draft_layers or DEFAULT_DRAFT_LAYERS,
                               args.draft_block_size or DEFAULT_DRAFT_BLOCK_SIZE, mask_token_id,
-                              args.target_layer_ids, layer_attention_settings(args))
+                              args.target_layer_ids, layer_attention_settings(args), args.draft_vocab_size)
     config.dflash_config["mask_token"] = mask_token
-    return DFlashDraftModel(config), mask_token
+    draft = DFlashDraftModel(config)
+    if args.draft_vocab_size:
+        initialize_draft_vocabulary(draft, target, vocabulary(args.draft_vocab_size))
+    return draft, mask_token
 
 
 def layer_attention_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -364,6 +393,8 @@ def start_from_trained_draft(args: argparse.Namespace, target: torch.nn.Module) 
              "--layer-types": (args.layer_types, draft.config.layer_types),
              "--sliding-window": (args.sliding_window, draft.config.sliding_window),
              "--causal": (None if args.causal is None else args.causal == "true", draft.config.is_causal)}
+    if draft.lm_head is not None:  # its own head stays (without one, --draft-vocab-size gives it one: build_draft)
+        asked["--draft-vocab-size"] = (args.draft_vocab_size, draft.config.draft_vocab_size)
     conflicts = [f"{flag} {wanted} (the draft has {has})" for flag, (wanted, has) in asked.items()
                  if wanted is not None and wanted != has]
     if conflicts:

@@ -194,6 +194,7 @@ class StepResult:
     correct: torch.Tensor  # [B-1]: correct argmax predictions per block position
     counted: torch.Tensor  # [B-1]: labels per block position
     leading_correct: torch.Tensor  # [K]: correct predictions before the first miss, per block (its tau - 1)
+    outside: torch.Tensor  # scalar: labels outside the draft's own vocabulary, out of the loss (0 without one)
     sequences: int = 1  # sequences the loss averages over
 
 
@@ -277,14 +278,36 @@ def target_signals(
     return TargetSignals(hidden, probs, ids)
 
 
+IGNORED_LABEL = -100  # F.cross_entropy's ignore_index: a label outside the draft's own vocabulary adds no loss
+
+
+def draft_vocabulary_targets(
+    model: DFlashDraftModel, labels: torch.Tensor, teacher_probs: torch.Tensor | None,
+    teacher_ids: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Labels [N] and the teacher's top-k ([N, k] probabilities and ids) in the rows of the draft's own LM head: a
+    target id's row is its rank among the draft's ids (`t2d`, ascending, as `d2t` has them). A label outside the
+    vocabulary becomes IGNORED_LABEL; a teacher id outside it gets probability 0 (the rest renormalised)."""
+    rows = model.t2d.long().cumsum(0) - 1  # [V]: each target id's row where t2d is True
+    inside = model.t2d[labels]
+    draft_labels = torch.where(inside, rows[labels], torch.full_like(labels, IGNORED_LABEL))
+    if teacher_probs is None:
+        return draft_labels, None, None
+    teacher_inside = model.t2d[teacher_ids]  # [N, k]
+    kept = teacher_probs * teacher_inside
+    kept = kept / kept.sum(-1, keepdim=True).clamp(min=1e-12)
+    return draft_labels, kept, torch.where(teacher_inside, rows[teacher_ids], torch.zeros_like(teacher_ids))
+
+
 def _supervised_row_losses(
     model: DFlashDraftModel, lm_head: torch.nn.Module, rows: torch.Tensor, labels: torch.Tensor,
     teacher_probs: torch.Tensor | None, teacher_ids: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss [n], argmax prediction [n]) of supervised rows [n, H]: cross-entropy to labels [n], or to the teacher."""
+    """(loss [n], argmax prediction [n]) of supervised rows [n, H]: cross-entropy to labels [n] (0 where a label is
+    IGNORED_LABEL), or to the teacher; logits, labels and predictions index `lm_head`'s rows."""
     logits = model.scale_logits(lm_head(rows.to(lm_head.weight.dtype))).float()  # [n, V]
     if teacher_probs is None:
-        return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1)
+        return F.cross_entropy(logits, labels, reduction="none", ignore_index=IGNORED_LABEL), logits.argmax(-1)
     return -(teacher_probs * logits.log_softmax(-1).gather(-1, teacher_ids)).sum(-1), logits.argmax(-1)
 
 
@@ -347,6 +370,11 @@ def packed_dflash_loss(
     target's top-k distribution (distillation); without, to the sequence's own tokens. The attention runs under the
     block-sparse mask, `tile_rows` query rows per tile (`tiled_block_mask`), or with None under the dense mask (the
     reference; the same loss). Logits are computed for supervised rows only, `chunk_rows` at a time.
+
+    A draft with its own LM head (config `draft_vocab_size`) is scored by it, over its K tokens: labels (and teacher
+    ids) map to its rows (`draft_vocabulary_targets`), a label outside its vocabulary is left out of the loss and
+    counted (`StepResult.outside`), and its predictions map back to target ids through `d2t`, so the accuracy counts
+    every response label (one outside the vocabulary as a miss).
     """
     model = getattr(draft, "module", draft)  # the draft itself under a DistributedDataParallel wrapper
     if model.candidate_selector is not None:
@@ -383,15 +411,24 @@ def packed_dflash_loss(
         # the target's distribution for the token at p + 1 is its output at position p (a column of the row)
         columns = blocks.block_position_ids.view(num_blocks, block_size)[:, :-1] + blocks.context_start[:, None]
         teacher_probs, teacher_ids = packed.teacher_probs[columns[supervised]], packed.teacher_ids[columns[supervised]]
-    token_loss, predictions = chunked_row_losses(model, lm_head, hidden[supervised], blocks.labels[supervised],
+    labels = blocks.labels[supervised]  # [N]: target ids
+    if model.lm_head is not None:  # its own head: its rows, labels outside its vocabulary left out
+        lm_head = model.lm_head
+        head_labels, teacher_probs, teacher_ids = draft_vocabulary_targets(model, labels, teacher_probs, teacher_ids)
+    else:
+        head_labels = labels
+    token_loss, predictions = chunked_row_losses(model, lm_head, hidden[supervised], head_labels,
                                                  teacher_probs, teacher_ids, chunk_rows)  # [N], [N]
-    weights = position_weights(block_size).to(device)[None, :].expand_as(supervised)[supervised]  # [N]
+    inside = head_labels != IGNORED_LABEL  # [N]
+    if model.lm_head is not None:
+        predictions = predictions + model.d2t[predictions]  # the head's rows -> target ids
+    weights = position_weights(block_size).to(device)[None, :].expand_as(supervised)[supervised] * inside  # [N]
     row_sequence = blocks.sequence_index[:, None].expand_as(supervised)[supervised]  # [N]
     weighted = torch.zeros(len(sequences), device=device).index_add(0, row_sequence, token_loss * weights)  # [S]
     total_weight = torch.zeros(len(sequences), device=device).index_add(0, row_sequence, weights)  # [S]
     loss = (weighted / total_weight.clamp(min=1e-8)).mean()
     hits = torch.zeros_like(supervised)  # [K, B-1]
-    hits[supervised] = predictions == blocks.labels[supervised]
+    hits[supervised] = predictions == labels
     leading_correct = hits.long().cumprod(dim=1).sum(dim=1)  # what greedy verification would accept
     return StepResult(loss=loss, correct=hits.sum(0).detach(), counted=supervised.sum(0),
-                      leading_correct=leading_correct.detach(), sequences=len(sequences))
+                      leading_correct=leading_correct.detach(), outside=(~inside).sum(), sequences=len(sequences))

@@ -83,6 +83,16 @@ def gather_json(items: list[Any], state: PartialState) -> list[Any]:
     return [item for row, length in zip(everyone, lengths) for item in json.loads(bytes(row[:length].tolist()))]
 
 
+def sum_over_processes(tensor: torch.Tensor, state: PartialState) -> torch.Tensor:
+    """`tensor` summed over every process, on every process, on the host (a collective: every process calls it;
+    one process: `tensor` as it is)."""
+    if state.num_processes == 1:
+        return tensor
+    from accelerate.utils import reduce
+
+    return reduce(tensor.to(state.device), reduction="sum").cpu()
+
+
 def check_fsdp_torch() -> None:
     """Refuse FSDP training, whose checkpoints are sharded safetensors, on a torch without their storage
     (`versions_dflash.torch_refusal`, feature "FSDP training")."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -23,10 +23,12 @@ def draft_config_for(
     mask_token_id: int,
     target_layer_ids: list[int] | None = None,
     layer_attention: dict[str, Any] | None = None,
+    draft_vocab_size: int | None = None,
 ) -> DFlashConfig:
     """A draft config shaped like the target's layers (hidden size, heads, MLP, rope), in the published layout.
 
-    layer_attention: optional `layer_types`, `sliding_window`, `is_causal` (docs/formats.md).
+    layer_attention: optional `layer_types`, `sliding_window`, `is_causal` (docs/formats.md). draft_vocab_size: K
+    for a draft with its own LM head over K tokens (None: it borrows the target's).
     """
     config = target_text_config(target)
     num_target_layers = config.num_hidden_layers
@@ -54,6 +56,7 @@ def draft_config_for(
             "target_layer_ids": target_layer_ids or default_target_layer_ids(num_target_layers, num_layers),
         },
         tie_word_embeddings=False,
+        draft_vocab_size=draft_vocab_size,
         **(layer_attention or {}),
     )
 
@@ -114,28 +117,38 @@ def initialize_from_target(draft: DFlashDraftModel, target: torch.nn.Module,
     return layer_ids
 
 
-COUNT_CHUNK_TOKENS = 1 << 20  # tokens `frequent_token_ids` holds before it counts them
-
-
-def token_counts(tokens: list[int], vocab_size: int) -> torch.Tensor:
-    """How often each id below `vocab_size` occurs in `tokens` [V]."""
-    return torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=vocab_size)[:vocab_size]
-
-
-def frequent_token_ids(token_lists: Iterable[list[int]], size: int, vocab_size: int) -> list[int]:
-    """A draft vocabulary of `size` ids: the tokens of `token_lists` (the target's own generated text, read one list
-    at a time) by frequency, most frequent first (ties: lower id first), then the lowest ids not seen (BPE ids come
-    roughly by frequency)."""
+def ids_by_count(counts: torch.Tensor, size: int) -> list[int]:
+    """`size` ids by their counts [V]: most frequent first (ties: lower id first), then the lowest ids not seen (BPE
+    ids come roughly by frequency)."""
+    vocab_size = len(counts)
     if not 0 < size <= vocab_size:
         raise ValueError(f"draft vocabulary size must be from 1 to the vocabulary size {vocab_size}, got {size}.")
-    counts, pending = torch.zeros(vocab_size, dtype=torch.long), []  # [V]; tokens not counted yet
-    for tokens in token_lists:
-        pending += tokens
-        if len(pending) >= COUNT_CHUNK_TOKENS:
-            counts += token_counts(pending, vocab_size)
-            pending = []
-    counts += token_counts(pending, vocab_size)
     seen = (counts > 0).nonzero().flatten()
     ranked = seen[torch.argsort(-counts[seen], stable=True)].tolist()  # by count, then by id
     unseen = (counts == 0).nonzero().flatten().tolist()
     return (ranked + unseen)[:size]
+
+
+@torch.no_grad()
+def initialize_draft_vocabulary(draft: DFlashDraftModel, target: torch.nn.Module, token_ids: list[int]) -> None:
+    """Give the draft's own LM head the vocabulary `token_ids` (`set_draft_vocabulary`) and start its rows as the
+    target LM head's rows of those ids, so it starts scoring them as the target's head does."""
+    draft.set_draft_vocabulary(token_ids)
+    ids = draft.d2t + torch.arange(len(draft.d2t), device=draft.d2t.device)  # [K]: its rows' target ids, ascending
+    weight = target.get_output_embeddings().weight
+    draft.lm_head.weight.copy_(weight[ids.to(weight.device)].to(draft.lm_head.weight))
+
+
+def with_own_head(draft: DFlashDraftModel, size: int) -> DFlashDraftModel:
+    """The same draft (its weights, on its device) with an LM head of its own over `size` tokens, instead of the
+    target's head and any `dflash_config.draft_vocab` list; its vocabulary is still to be set
+    (`initialize_draft_vocabulary`)."""
+    settings = draft.config.to_dict()
+    settings["dflash_config"] = {key: value for key, value in settings["dflash_config"].items()
+                                 if key != "draft_vocab"}
+    own = DFlashDraftModel(DFlashConfig.from_dict({**settings, "draft_vocab_size": size}))
+    missing, unexpected = own.load_state_dict(draft.state_dict(), strict=False)
+    if unexpected or set(missing) != {"lm_head.weight", "d2t", "t2d"}:
+        raise ValueError(f"The draft's weights do not carry over to one with its own LM head: missing {missing}, "
+                         f"unexpected {unexpected}.")
+    return own.to(next(draft.parameters()).device)

@@ -101,6 +101,19 @@ class SequenceStore(Sequence[tuple[torch.Tensor, torch.Tensor]]):
     def __len__(self) -> int:
         return len(self.dataset)
 
+    def label_counts(self, rows: range, vocab_size: int) -> torch.Tensor:
+        """How often each token id is a label (loss mask 1) in the sequences `rows` [V], read WRITE_BATCH_ROWS
+        sequences at a time."""
+        import numpy as np
+
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        for start in range(rows.start, rows.stop, WRITE_BATCH_ROWS):
+            batch = self.dataset[start:min(start + WRITE_BATCH_ROWS, rows.stop)]
+            labels = [ids[mask.astype(bool)] for ids, mask in zip(batch["input_ids"], batch["loss_mask"])]
+            if labels:
+                counts += np.bincount(np.concatenate(labels), minlength=vocab_size)[:vocab_size]
+        return torch.from_numpy(counts)
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         row = self.dataset[index]
         return (torch.from_numpy(row["input_ids"]).long(), torch.from_numpy(row["loss_mask"]).long())

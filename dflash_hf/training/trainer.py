@@ -154,8 +154,11 @@ def held_out_loss(accelerator: Accelerator, model: torch.nn.Module, target: torc
                                   torch.tensor(float(len(result.leading_correct)), device=device)])
             weight = float(position < len(sequences))  # a wrapped repeat counts for nothing
             parts.append(weight * torch.cat([counts, result.correct.float(), result.counted.float()]))
-    if isinstance(model, FSDPModule):  # FSDP keeps the root unit gathered after a forward with no backward
-        model.reshard()
+    # FSDP keeps units gathered after a forward with no backward: the root, and the unit Accelerate gives the output
+    # embedding (a draft's own LM head) with reshard_after_forward=False
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
     total = accelerator.reduce(torch.stack(parts).sum(0), reduction="sum").cpu()  # [4 + 2 (B-1)]
     correct, counted = total[4:].chunk(2)
     return {"loss": float(total[0] / total[1]), "block_tau": float(1 + total[2] / total[3].clamp(min=1)),
@@ -168,6 +171,7 @@ def step_metrics(log: TrainingLog, tokens_per_second: float) -> dict[str, float]
     return {"train/loss": log.losses[-1], "train/learning_rate": log.learning_rates[-1],
             "train/grad_norm": log.grad_norms[-1], "train/tokens_per_second": tokens_per_second,
             "train/block_tau": log.block_tau,
+            **({} if log.outside_vocabulary is None else {"train/outside_vocabulary": log.outside_vocabulary}),
             **{f"train/accuracy_position_{k}": accuracy for k, accuracy in enumerate(log.position_accuracy, 1)}}
 
 
@@ -197,6 +201,9 @@ class TrainingLog:
     tokens: int = 0  # tokens of the trained sequences, every process's
     evaluations: list[dict] = field(default_factory=list)  # held-out results: {"step", "tau", "lossless", ...}
     held_out_losses: list[dict] = field(default_factory=list)  # {"step", "loss", "block_tau", "position_accuracy"}
+    # last epoch, a draft with its own LM head: the fraction of response labels outside its vocabulary (not in its
+    # loss; None: a draft that borrows the target's head)
+    outside_vocabulary: float | None = None
 
 
 def training_sequences(rows: list[dict] | SequenceStore,
@@ -612,13 +619,14 @@ class StepTotals:
     counted: torch.Tensor  # [B-1]: labels per block position, on the host
     leading_correct: float  # sum over blocks of correct predictions before the first miss
     blocks: int  # blocks of the step's sequences
+    outside: float  # labels outside the draft's own vocabulary (0 without one)
 
     @staticmethod
     def combined(parts: list[StepTotals]) -> StepTotals:
         """The totals of an optimiser step from those of its micro-batches: the mean loss, the counts summed."""
         return StepTotals(sum(part.loss for part in parts) / len(parts), sum(part.correct for part in parts),
                           sum(part.counted for part in parts), sum(part.leading_correct for part in parts),
-                          sum(part.blocks for part in parts))
+                          sum(part.blocks for part in parts), sum(part.outside for part in parts))
 
 
 def step_totals(accelerator: Accelerator, result: StepResult) -> StepTotals:
@@ -626,11 +634,12 @@ def step_totals(accelerator: Accelerator, result: StepResult) -> StepTotals:
     process)."""
     local = torch.cat([result.loss.detach().float().reshape(1), result.correct.float(), result.counted.float(),
                        torch.stack([result.leading_correct.float().sum(),
-                                    torch.tensor(float(len(result.leading_correct)), device=result.loss.device)])])
-    total = accelerator.reduce(local, reduction="sum").cpu()  # [1 + 2 (B-1) + 2]
+                                    torch.tensor(float(len(result.leading_correct)), device=result.loss.device),
+                                    result.outside.float()])])
+    total = accelerator.reduce(local, reduction="sum").cpu()  # [1 + 2 (B-1) + 3]
     positions = len(result.correct)
     return StepTotals(float(total[0] / accelerator.num_processes), total[1 : 1 + positions],
-                      total[1 + positions : 1 + 2 * positions], float(total[-2]), int(total[-1]))
+                      total[1 + positions : 1 + 2 * positions], float(total[-3]), int(total[-2]), float(total[-1]))
 
 
 @dataclass
@@ -682,12 +691,14 @@ class _Progress:
 
 
 class _EpochAccuracy:
-    """Per-position accuracy and block tau of the current epoch, accumulated step by step."""
+    """Per-position accuracy and block tau of the current epoch, accumulated step by step, and with `own_vocabulary`
+    (a draft with its own LM head) the fraction of labels outside its vocabulary."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, own_vocabulary: bool) -> None:
         self.correct = torch.zeros(block_size - 1)  # [B-1]: correct argmax predictions per block position
         self.counted = torch.zeros(block_size - 1)  # [B-1]: labels per block position
-        self.leading_correct, self.blocks = 0.0, 0
+        self.leading_correct, self.blocks, self.outside = 0.0, 0, 0.0
+        self.own_vocabulary = own_vocabulary
 
     def record(self, totals: StepTotals, update: StepUpdate, log: TrainingLog) -> str:
         """Log one finished step (count, loss, learning rate, gradient norm, the epoch's accuracy so far) and return
@@ -703,8 +714,13 @@ class _EpochAccuracy:
         log.position_accuracy = (self.correct / self.counted.clamp(min=1)).tolist()
         log.block_tau = 1.0 + self.leading_correct / max(self.blocks, 1)
         accuracy = " ".join(f"{a:.2f}" for a in log.position_accuracy[:4])
-        return (f"loss {log.losses[-1]:.3f} grad norm {update.grad_norm:.2f} acc@1..4 {accuracy} "
+        text = (f"loss {log.losses[-1]:.3f} grad norm {update.grad_norm:.2f} acc@1..4 {accuracy} "
                 f"block tau {log.block_tau:.2f}")
+        if not self.own_vocabulary:
+            return text
+        self.outside += totals.outside
+        log.outside_vocabulary = self.outside / max(float(self.counted.sum()), 1.0)
+        return f"{text} outside vocab {log.outside_vocabulary:.1%}"
 
 
 def _micro_batch_step(accelerator: Any, draft: torch.nn.Module, target: torch.nn.Module,
@@ -841,10 +857,12 @@ def train_draft(
     shows = _Progress(accelerator, settings, log, total_steps, shown)
     if log.steps == 0 and last > 0:
         held_out(first=True)  # the draft before training: the baseline of the curve
-    accuracy_epoch, accuracy = -1, _EpochAccuracy(draft.block_size)
+    own_vocabulary = draft.lm_head is not None  # its own LM head: log the labels outside its vocabulary
+    accuracy_epoch, accuracy = -1, _EpochAccuracy(draft.block_size, own_vocabulary)
     while log.steps < last:
         if log.steps // plan.steps_per_epoch != accuracy_epoch:  # a new (or resumed) epoch: fresh accuracy counts
-            accuracy_epoch, accuracy = log.steps // plan.steps_per_epoch, _EpochAccuracy(draft.block_size)
+            accuracy_epoch = log.steps // plan.steps_per_epoch
+            accuracy = _EpochAccuracy(draft.block_size, own_vocabulary)
         step_items = plan.step_items(log.steps)  # every process's sequences of the step
         micro_batches = _micro_batches(sequences, step_items[rank::processes], settings.batch_size,
                                        accelerator.device, cached, signals_of)
