@@ -409,7 +409,7 @@ def test_the_readme_fsdp_command_uses_the_tested_config_and_parses():
     words = shlex.split(command)
     assert words[3] == str(FSDP_CONFIG.relative_to(TESTS.parent))  # the config the FSDP test launches with
     arguments = words[words.index("dflash_hf.cli") + 1:]
-    assert build_parser().parse_args(arguments).eval_every == 500  # every flag exists
+    assert build_parser().parse_args(arguments).process_group_timeout == 60  # every flag exists
 
 
 def epoch_rows(record: dict, phase: str, epoch: int, steps_per_epoch: int) -> list[int]:
