@@ -226,7 +226,7 @@ def add_train_job_arguments(parser: argparse.ArgumentParser) -> None:
                              "block position (and the held-out evaluations) to Accelerate's trackers: tensorboard "
                              "(files in OUTPUT/logs), wandb, trackio, mlflow, ... (each needs its package)")
     parser.add_argument("--process-group-timeout", type=float, default=None, metavar="MINUTES",
-                        help="how long a process waits in a collective (the end of the generation, evaluation, "
+                        help="how long a process waits in a collective (while the main process evaluates or "
                              "checkpoints) before the job stops (default: the backend's, NCCL 10, gloo 30 minutes)")
 
 

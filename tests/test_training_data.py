@@ -92,6 +92,7 @@ def test_a_killed_runs_shards_are_merged_once_and_their_prompts_not_generated_ag
     # line cut by the kill
     (tmp_path / "responses.rank-1-of-2.jsonl").write_text(
         json.dumps({**first[1], "response_ids": [8, 1]}) + "\n" + json.dumps(marked) + "\n" + '{"index": 3, "pro')
+    (tmp_path / "responses.rank-0-of-2.done").touch()  # a killed run's marker: would let a merge start too early
     generated, respond = [], data._respond
 
     def counted_respond(target, draft, input_ids, *args):
@@ -104,7 +105,7 @@ def test_a_killed_runs_shards_are_merged_once_and_their_prompts_not_generated_ag
     assert rows[:2] == first and rows[2] == marked  # kept, merged (not the duplicate of row 1), not regenerated
     assert generated == [[ids[3]]]  # only prompt 3
     assert [json.loads(line)["index"] for line in path.read_text().splitlines()] == [0, 1, 2, 3]  # each once
-    assert sorted(item.name for item in tmp_path.iterdir()) == ["responses.jsonl"]  # no shard left
+    assert sorted(item.name for item in tmp_path.iterdir()) == ["responses.jsonl"]  # no shard or marker left
 
 
 def test_generation_through_a_draft_writes_the_same_rows_as_generate(tmp_path):

@@ -336,13 +336,17 @@ def test_the_command_generates_each_response_once_and_only_the_main_process_writ
     assert sorted(rows, key=lambda row: row["index"]) == list(rows_by_index(target_folder.parent / "alone.jsonl",
                                                                             range(5)))  # one process's rows
     assert not list(output.glob("responses.rank-*"))  # every shard merged and removed
-    # no collective while generating: a barrier after the killed run's merge, then two around the merge at the end
-    assert [record["generation_collectives"] for record in records] == [["barrier"] * 3] * 2
+    # no collective while generating: a barrier after the killed run's merge, one after the merge at the end (the
+    # processes wait for each other's shards by marker files, outside any collective)
+    assert [record["generation_collectives"] for record in records] == [["barrier"] * 2] * 2
+    assert not list(output.glob("responses.rank-*.done"))
     shards = {f"responses.rank-{rank}-of-2.jsonl" for rank in range(2)}
     assert shards | {"responses.rank-2-of-3.jsonl", "responses.jsonl"} <= {path for _, path in records[0]["writes"]}
 
     # each process tokenized its own range of the rows into the store (data/), and wrote nothing else but its shard
-    assert {path for _, path in records[1]["writes"]} == {"responses.rank-1-of-2.jsonl"} | {
+    # and the marker that says it is complete
+    own = {"responses.rank-1-of-2.jsonl", "responses.rank-1-of-2.done"}
+    assert {path for _, path in records[1]["writes"]} == own | {
         os.path.join(STORE_DIR, name) for part in PARTS for name in (f"{part}-00001.arrow", f"{part}-00001.arrow.tmp")}
     assert records[1]["evaluations"] == 0 and records[0]["evaluations"] == 1  # one evaluation
     store = SequenceStore(output / STORE_DIR, "train", 2)  # what both processes trained on: every row, in order
@@ -502,7 +506,8 @@ def test_the_main_process_alone_reports_to_tensorboard_the_global_values(cli_run
     assert len(log["grad_norms"]) == log["steps"] and all(norm > 0 for norm in log["grad_norms"])
     assert found["train/outside_vocabulary"][-1][1] == pytest.approx(log["outside_vocabulary"])  # the epoch's
     assert TRACKER_DIR in {path.split(os.sep)[0] for _, path in records[0]["writes"]}
-    assert {path.split(os.sep)[0] for _, path in records[1]["writes"]} == {STORE_DIR, "responses.rank-1-of-2.jsonl"}
+    assert {path.split(os.sep)[0] for _, path in records[1]["writes"]} == {STORE_DIR, "responses.rank-1-of-2.jsonl",
+                                                                           "responses.rank-1-of-2.done"}
 
 
 def test_an_epoch_order_is_distributed_samplers_and_wraps_round_to_whole_steps():

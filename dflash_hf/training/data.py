@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import time
 from array import array
 from bisect import bisect_right
 from pathlib import Path
@@ -283,9 +284,9 @@ def generate_responses(
 
     Under `accelerate launch` / `torchrun` every process calls this with the same prompts and takes its own share of
     the prompts still to answer (`process_share`), then generates it batch after batch with no collective, appending
-    each batch's rows to its own shard file beside `output_path` (`shard_path`). Once every process is done, the main
-    process appends the shards to `output_path` and removes them (`merge_shards`); a rerun first merges the shards a
-    killed run left.
+    each batch's rows to its own shard file beside `output_path` (`shard_path`). Once every process is done (marker files,
+    `finish_shards`: the wait is outside any collective), the main process appends the shards to `output_path` and
+    removes them (`merge_shards`); a rerun first merges the shards a killed run left.
     """
     if engine not in GEN_ENGINES:
         raise ValueError(f"--gen-engine {engine!r}: expected one of {list(GEN_ENGINES)}")
@@ -325,11 +326,37 @@ def generate_responses(
             handle.flush()
             bar.update(len(rows))
     bar.close()
-    state.wait_for_everyone()  # every shard is complete (the slowest process's share sets when)
-    if state.is_main_process:
-        merge_shards(output_path, shard_files(output_path))
-    state.wait_for_everyone()  # the file is complete before any process goes on
+    finish_shards(output_path, state)
     return len(prompts)
+
+
+SHARD_POLL_SECONDS = 1.0  # how often a process that finished its share looks whether the others have
+
+
+def finish_shards(output_path: Path, state: Any, poll_seconds: float = SHARD_POLL_SECONDS) -> None:
+    """Once this process's shard is complete: the main process waits for every process's marker file
+    (`done_marker`), merges the shards into `output_path` and removes the markers; every other process waits until
+    its own marker is gone. The waits poll the file system, so a process that finished its share early waits for the
+    slowest outside any collective (no process group timeout applies); one barrier follows, when all are ready."""
+    done = done_marker(output_path, state.process_index, state.num_processes)
+    done.touch()
+    if state.is_main_process:
+        markers = [done_marker(output_path, index, state.num_processes) for index in range(state.num_processes)]
+        while not all(marker.exists() for marker in markers):
+            time.sleep(poll_seconds)
+        merge_shards(output_path, shard_files(output_path))
+        for marker in markers:
+            marker.unlink()
+    else:
+        while done.exists():
+            time.sleep(poll_seconds)
+    state.wait_for_everyone()  # the file is complete before any process goes on
+
+
+def done_marker(output_path: Path, process_index: int | str, num_processes: int | str) -> Path:
+    """The empty file process `process_index` of `num_processes` writes once its shard is complete (`shard_path`
+    with `.done`); the main process removes it once the shard is merged."""
+    return shard_path(output_path, process_index, num_processes).with_suffix(".done")
 
 
 def process_share(todo: array, lengths: array, process_index: int, num_processes: int) -> torch.Tensor:
@@ -343,7 +370,7 @@ def process_share(todo: array, lengths: array, process_index: int, num_processes
     return order[process_index::num_processes]
 
 
-def shard_path(output_path: Path, process_index: int, num_processes: int) -> Path:
+def shard_path(output_path: Path, process_index: int | str, num_processes: int | str) -> Path:
     """The file where process `process_index` of `num_processes` appends its rows while it generates, beside
     `output_path`: `responses.jsonl` -> `responses.rank-<process>-of-<processes>.jsonl`."""
     return output_path.with_name(f"{output_path.stem}.rank-{process_index}-of-{num_processes}{output_path.suffix}")
@@ -391,6 +418,8 @@ def _answered_prompts(output_path: Path, tokenizer: PreTrainedTokenizerBase, pro
 
     if writer:
         repair_rows(output_path)
+        for marker in output_path.parent.glob(done_marker(output_path, "*", "*").name):  # a killed run's
+            marker.unlink()
     for row in iter_rows(output_path) if output_path.exists() else ():
         new(row, output_path)
     if writer:
