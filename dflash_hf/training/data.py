@@ -284,9 +284,9 @@ def generate_responses(
 
     Under `accelerate launch` / `torchrun` every process calls this with the same prompts and takes its own share of
     the prompts still to answer (`process_share`), then generates it batch after batch with no collective, appending
-    each batch's rows to its own shard file beside `output_path` (`shard_path`). Once every process is done (marker files,
-    `finish_shards`: the wait is outside any collective), the main process appends the shards to `output_path` and
-    removes them (`merge_shards`); a rerun first merges the shards a killed run left.
+    each batch's rows to its own shard file beside `output_path` (`shard_path`). Once every process is done (marker
+    files, `finish_shards`: the wait is outside any collective), the main process appends the shards to `output_path`
+    and removes them (`merge_shards`); a rerun first merges the shards a killed run left.
     """
     if engine not in GEN_ENGINES:
         raise ValueError(f"--gen-engine {engine!r}: expected one of {list(GEN_ENGINES)}")
