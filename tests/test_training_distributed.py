@@ -339,13 +339,13 @@ def test_the_command_generates_each_response_once_and_only_the_main_process_writ
     # no collective while generating: a barrier after the killed run's merge, one after the merge at the end (the
     # processes wait for each other's shards by marker files, outside any collective)
     assert [record["generation_collectives"] for record in records] == [["barrier"] * 2] * 2
-    assert not list(output.glob("responses.rank-*.done"))
+    assert not list(output.glob("responses.rank-*.jsonl.done"))
     shards = {f"responses.rank-{rank}-of-2.jsonl" for rank in range(2)}
     assert shards | {"responses.rank-2-of-3.jsonl", "responses.jsonl"} <= {path for _, path in records[0]["writes"]}
 
     # each process tokenized its own range of the rows into the store (data/), and wrote nothing else but its shard
     # and the marker that says it is complete
-    own = {"responses.rank-1-of-2.jsonl", "responses.rank-1-of-2.done"}
+    own = {"responses.rank-1-of-2.jsonl", "responses.rank-1-of-2.jsonl.done"}
     assert {path for _, path in records[1]["writes"]} == own | {
         os.path.join(STORE_DIR, name) for part in PARTS for name in (f"{part}-00001.arrow", f"{part}-00001.arrow.tmp")}
     assert records[1]["evaluations"] == 0 and records[0]["evaluations"] == 1  # one evaluation
@@ -507,7 +507,7 @@ def test_the_main_process_alone_reports_to_tensorboard_the_global_values(cli_run
     assert found["train/outside_vocabulary"][-1][1] == pytest.approx(log["outside_vocabulary"])  # the epoch's
     assert TRACKER_DIR in {path.split(os.sep)[0] for _, path in records[0]["writes"]}
     assert {path.split(os.sep)[0] for _, path in records[1]["writes"]} == {STORE_DIR, "responses.rank-1-of-2.jsonl",
-                                                                           "responses.rank-1-of-2.done"}
+                                                                           "responses.rank-1-of-2.jsonl.done"}
 
 
 def test_an_epoch_order_is_distributed_samplers_and_wraps_round_to_whole_steps():

@@ -171,13 +171,17 @@ def test_the_target_loads_straight_to_its_device_in_its_dtype(tmp_path, monkeypa
     prompts = save_tiny_target_and_prompts(tmp_path, 2)
     placed, from_pretrained = [], AutoModelForCausalLM.from_pretrained
 
-    def recorded(*args, **kwargs):  # where and in what the weights are loaded
+    def recorded(*args, **kwargs):  # where and in what the weights are loaded (a GPU's: not here, the CPU's model)
         placed.append((kwargs.get("device_map"), kwargs["dtype"]))
-        return from_pretrained(*args, **kwargs)
+        return from_pretrained(*args, **{**kwargs, "device_map": None})
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", recorded)
+    load_target(str(tmp_path / "target"), torch.bfloat16, device=torch.device("cuda", 1))
+    assert placed == [(torch.device("cuda", 1), torch.bfloat16)]  # straight onto a GPU
+    placed.clear()
     target, _ = load_target(str(tmp_path / "target"), torch.bfloat16, device=torch.device("cpu"))
-    assert placed == [(torch.device("cpu"), torch.bfloat16)]
+    assert placed == [(None, torch.bfloat16)]  # on the CPU no device_map: it would mark the model dispatched (4.57)
+    assert getattr(target, "hf_device_map", None) is None
     assert {(p.device.type, p.dtype) for p in target.parameters()} == {("cpu", torch.bfloat16)}
     placed.clear()
     load_target(str(tmp_path / "target"), torch.float32)  # no device: loaded as before, on the host
@@ -188,7 +192,7 @@ def test_the_target_loads_straight_to_its_device_in_its_dtype(tmp_path, monkeypa
     main(["train", "--target", str(tmp_path / "target"), "--output", str(tmp_path / "run"), "--prompts", str(prompts),
           "--gen-max-new-tokens", "4", "--generate-only"])
     assert loads == [{"device": torch.device("cpu")}]  # train's process device, straight from the loading
-    assert placed == [(torch.device("cpu"), torch.float32)]  # --gen-dtype auto on the CPU
+    assert placed == [(None, torch.float32)]  # --gen-dtype auto on the CPU, where it loads anyway
 
 
 def stand_in_vllm(monkeypatch) -> dict:

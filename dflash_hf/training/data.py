@@ -300,9 +300,15 @@ def generate_responses(
     if refusal is not None:
         raise ValueError(refusal)
     output_path, state = Path(output_path), process_state()
+    main_shard = shard_path(output_path, 0, state.num_processes)
     if state.is_main_process:  # merges a killed run's shards and appends the seeded rows before any process reads
         answered = _answered_prompts(output_path, tokenizer, prompts, seed_paths, writer=True)
+        main_shard.touch()  # every process must see it: the shards are merged through the file system
     state.wait_for_everyone()
+    if not main_shard.exists():
+        raise ValueError(f"{main_shard.parent} is not on a file system every process sees (process "
+                         f"{state.process_index} does not see the main process's {main_shard.name}): put --output on "
+                         "one (docs/training.md, 'Several processes')")
     if not state.is_main_process:
         answered = _answered_prompts(output_path, tokenizer, prompts, seed_paths, writer=False)
     todo = array("i", (index for index in range(len(prompts)) if not answered[index]))  # the same on every process
@@ -331,32 +337,52 @@ def generate_responses(
 
 
 SHARD_POLL_SECONDS = 1.0  # how often a process that finished its share looks whether the others have
+SHARD_STALL_MINUTES = 60.0  # a wait that sees no shard (nor the merged file) grow for this long stops: a process died
 
 
-def finish_shards(output_path: Path, state: Any, poll_seconds: float = SHARD_POLL_SECONDS) -> None:
+def finish_shards(output_path: Path, state: Any, poll_seconds: float = SHARD_POLL_SECONDS,
+                  stall_minutes: float = SHARD_STALL_MINUTES) -> None:
     """Once this process's shard is complete: the main process waits for every process's marker file
     (`done_marker`), merges the shards into `output_path` and removes the markers; every other process waits until
     its own marker is gone. The waits poll the file system, so a process that finished its share early waits for the
-    slowest outside any collective (no process group timeout applies); one barrier follows, when all are ready."""
-    done = done_marker(output_path, state.process_index, state.num_processes)
-    done.touch()
+    slowest outside any collective (no process group timeout applies); one barrier follows, when all are ready. A wait
+    in which no shard and not `output_path` grew for `stall_minutes` stops with an error (a process died)."""
+    count = state.num_processes
+    shards = [shard_path(output_path, index, count) for index in range(count)]
+    markers = [done_marker(output_path, index, count) for index in range(count)]
+    markers[state.process_index].touch()
     if state.is_main_process:
-        markers = [done_marker(output_path, index, state.num_processes) for index in range(state.num_processes)]
-        while not all(marker.exists() for marker in markers):
-            time.sleep(poll_seconds)
-        merge_shards(output_path, shard_files(output_path))
+        wait_for_files(lambda: all(marker.exists() for marker in markers), shards, poll_seconds, stall_minutes,
+                       lambda: "the shards of processes "
+                               + ", ".join(str(index) for index, marker in enumerate(markers) if not marker.exists()))
+        merge_shards(output_path, shards)
         for marker in markers:
             marker.unlink()
     else:
-        while done.exists():
-            time.sleep(poll_seconds)
+        wait_for_files(lambda: not markers[state.process_index].exists(), [*shards, output_path], poll_seconds,
+                       stall_minutes, lambda: "the main process to merge the shards")
     state.wait_for_everyone()  # the file is complete before any process goes on
 
 
+def wait_for_files(done: Callable[[], bool], watched: Sequence[Path], poll_seconds: float, stall_minutes: float,
+                   waited_for: Callable[[], str]) -> None:
+    """Poll until `done()`; raise once none of the `watched` files changed size for `stall_minutes`."""
+    sizes, changed = None, time.monotonic()
+    while not done():
+        now = [path.stat().st_size if path.exists() else -1 for path in watched]
+        if now != sizes:
+            sizes, changed = now, time.monotonic()
+        elif time.monotonic() - changed > stall_minutes * 60:
+            raise RuntimeError(f"waited {stall_minutes:g} minutes for {waited_for()} with no shard growing: a process "
+                               "stopped (its log says why); rerun the same command, the rows written are kept")
+        time.sleep(poll_seconds)
+
+
 def done_marker(output_path: Path, process_index: int | str, num_processes: int | str) -> Path:
-    """The empty file process `process_index` of `num_processes` writes once its shard is complete (`shard_path`
-    with `.done`); the main process removes it once the shard is merged."""
-    return shard_path(output_path, process_index, num_processes).with_suffix(".done")
+    """The empty file process `process_index` of `num_processes` writes once its shard is complete (its shard's name
+    and `.done`); the main process removes it once the shard is merged."""
+    shard = shard_path(output_path, process_index, num_processes)
+    return shard.with_name(shard.name + ".done")
 
 
 def process_share(todo: array, lengths: array, process_index: int, num_processes: int) -> torch.Tensor:
