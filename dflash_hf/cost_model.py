@@ -42,7 +42,7 @@ def prime_few_row_kernels(draft: DFlashDraftModel, target: torch.nn.Module, max_
     if vocabulary_ids is not None:
         vocabulary = draft_vocabulary(draft, heads[0], vocabulary_ids.to(heads[0].weight.device))
         heads.append(vocabulary.head)
-        if vocabulary.lm_head is None:
+        if vocabulary.called_head is None:
             head_weights.append((vocabulary.weight, vocabulary.bias))
     layer_weights = [(module.weight, module.bias) for model in (target, draft) for module in model.modules()
                      if is_plain_linear(module) and module not in heads]

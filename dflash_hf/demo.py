@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .loading import SHIPPED_DRAFT, SMOLLM2, load_target
 from .sampling_dflash import mean_acceptance_length
+
+if TYPE_CHECKING:
+    from .modeling_dflash import DFlashDraftModel
 
 DEMO_PROMPTS = [  # held out: gsm8k test questions (the draft trained on gsm8k train) and a coding request
     "Janet\u2019s ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her "
@@ -35,6 +39,22 @@ def load_demo(dtype: torch.dtype = torch.float32, draft_path: str | Path | None 
     return target, tokenizer, draft
 
 
+def kernel_mode(draft: DFlashDraftModel, target: torch.nn.Module, prompt: list[int], block_size: int,
+                mask_token_id: int) -> bool | str:
+    """The `cpu_kernels` mode in which a `block_size`-token step costs least on this machine, printed with each
+    mode's step cost (`cost_model.choose_cpu_kernels`)."""
+    from .cost_model import choose_cpu_kernels
+    from .kernels_dflash import CPU_KERNEL_NAMES
+
+    mode, costs = choose_cpu_kernels(draft, target, torch.tensor([prompt]), block_size, mask_token_id)
+    if costs:
+        print(f"step costs on this machine (one token: {costs[False]['target_1'] * 1000:.1f} ms), a "
+              f"{block_size}-token verify + a draft pass with the few-row CPU kernels "
+              + ", ".join(f"{CPU_KERNEL_NAMES[each]}: {(terms['target_block'] + terms['draft']) * 1000:.1f} ms"
+                          for each, terms in costs.items()) + f" -> {CPU_KERNEL_NAMES[mode]}", flush=True)
+    return mode
+
+
 def run_demo(max_new_tokens: int = 256, dtype: torch.dtype = torch.float32, draft_path: str | Path | None = None,
              block_size: int | str = "auto", cpu_kernels: bool | str | None = None,
              tree_size: int | str | None = "auto", compile: bool = False) -> dict:
@@ -44,34 +64,30 @@ def run_demo(max_new_tokens: int = 256, dtype: torch.dtype = torch.float32, draf
     anything is timed; "adaptive": draft the trained block, verify per step the prefix worth its cost
     (`cost_model.resolve_block_choice`, as bench chooses). tree_size "auto": a tree of the size that decodes
     fastest here, or the chain (`cost_model.choose_tree_size`); None: the chain. `cpu_kernels`: see `spec_generate`;
-    None: on where a step costs less with them here (`cost_model.choose_cpu_kernels`, timed first). `compile`: see
+    None: the mode in which a step costs least here (`cost_model.choose_cpu_kernels`, timed at the trained block
+    first, then again at the block chosen if it differs). `compile`: see
     `spec_generate` (compiled: a chain, or a tree of a given size; compiled by the untimed warm-up, which also
     compiles `generate` for the compiled baseline).
     """
-    from .cost_model import choose_cpu_kernels, choose_tree_size, resolve_block_choice
+    from .cost_model import choose_tree_size, resolve_block_choice
     from .evaluation import evaluate_draft
-    from .kernels_dflash import CPU_KERNEL_NAMES
     from .prompts import user_prompt_ids
     from .tokens_dflash import generation_tokens
 
     target, tokenizer, draft = load_demo(dtype, draft_path)
     prompts = [user_prompt_ids(tokenizer, prompt) for prompt in DEMO_PROMPTS]
     tokens = generation_tokens(target, tokenizer, draft)  # as bench and train's evaluation stop
-    if cpu_kernels is None and not compile:  # the few-row kernels where a step costs less with them here
-        cpu_kernels, costs = choose_cpu_kernels(draft, target, torch.tensor([prompts[0]]), draft.block_size,
-                                                tokens.mask_token_id)
-        if costs:
-            print(f"step costs on this machine (one token: {costs[False]['target_1'] * 1000:.1f} ms), a "
-                  f"{draft.block_size}-token verify + a draft pass with the few-row CPU kernels "
-                  + ", ".join(f"{CPU_KERNEL_NAMES[mode]}: {(terms['target_block'] + terms['draft']) * 1000:.1f} ms"
-                              for mode, terms in costs.items()) + f" -> {CPU_KERNEL_NAMES[cpu_kernels]}",
-                  flush=True)
+    choose_kernels = cpu_kernels is None and not compile  # the few-row kernels where a step costs less with them
+    if choose_kernels:
+        cpu_kernels = kernel_mode(draft, target, prompts[0], draft.block_size, tokens.mask_token_id)
     choice = resolve_block_choice(block_size, draft, target, prompts[0], max_new_tokens, 1, tokens.stop_token_ids,
                                   tokens.mask_token_id, cpu_kernels)
     if choice.predictions is not None:
         print("predicted speedup per block size on this machine: "
               + ", ".join(f"{size}: {value:.2f}x" for size, value in sorted(choice.predictions.items()))
               + f" -> block size {choice.block_size}", flush=True)
+    if choose_kernels and choice.block_size != draft.block_size:  # the mode that pays at the block that runs
+        cpu_kernels = kernel_mode(draft, target, prompts[0], choice.block_size, tokens.mask_token_id)
     if choice.step_costs is not None:
         print(f"step costs on this machine: draft {choice.step_costs.draft * 1000:.1f} ms, verify of "
               f"1..{choice.block_size} tokens "

@@ -343,16 +343,16 @@ class DraftVocabulary:
         self.ids = ids  # [K]
         self.vocab_size = vocab_size  # V: the target's vocabulary
         self.head = lm_head
-        self.lm_head = None if is_plain_linear(lm_head) else lm_head  # an unknown head is called (then indexed)
-        if self.lm_head is None:
+        self.called_head = None if is_plain_linear(lm_head) else lm_head  # an unknown head is called (then indexed)
+        if self.called_head is None:
             self.weight = lm_head.weight if own_head else lm_head.weight[ids]  # [K, H]
             self.bias = lm_head.bias if own_head or lm_head.bias is None else lm_head.bias[ids]
         self.rows = None if own_head else ids  # which rows of the head's output are the K logits (None: all)
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """Logits [M, K] of states [M, H] over the draft's vocabulary."""
-        if self.lm_head is not None:
-            logits = self.lm_head(states)
+        if self.called_head is not None:
+            logits = self.called_head(states)
             return logits if self.rows is None else logits[:, self.rows.to(states.device)]
         return few_row_product(self.weight, self.bias, states)
 

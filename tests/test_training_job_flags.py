@@ -297,3 +297,24 @@ def test_the_vllm_engine_writes_generates_rows_through_a_stand_in(tmp_path, monk
     assert all(settings["stop_token_ids"] == [1] and settings["seed"] is None and "top_k" not in settings
                for settings in given["sampling"])  # the tokenizer's EOS (w1); greedy: no seed, no nucleus
     assert [len(row["response_ids"]) for row in rows["vllm"]] == caps  # each answer to its own cap, none stopped
+
+
+def test_the_vllm_engine_gets_the_targets_repetition_penalty_and_refuses_processors_it_is_not_given(monkeypatch):
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from dflash_hf.training.vllm_engine import VllmTarget, check_generation_config, vllm_responses
+
+    given = stand_in_vllm(monkeypatch)
+    check_generation_config("t", GenerationConfig(repetition_penalty=1.05, temperature=0.7, top_k=20))  # given
+    with pytest.raises(ValueError, match="t's generation config sets no_repeat_ngram_size, suppress_tokens, which "
+                                         "generate applies and this engine does not give vLLM"):
+        check_generation_config("t", GenerationConfig(no_repeat_ngram_size=3, suppress_tokens=[4]))
+    llm = SimpleNamespace(generate=lambda prompts, settings, use_tqdm: [
+        SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7, 1])]) for _ in prompts])
+    target = VllmTarget(llm, GenerationConfig(repetition_penalty=1.05))
+    tokens = SimpleNamespace(stop_token_ids=[1])
+    assert vllm_responses(target, [(0, [5, 6])], tokens, [4], 0.0, 0) == [[7, 1]]
+    assert given["sampling"] == [{"temperature": 0.0, "max_tokens": 4, "stop_token_ids": [1], "seed": None,
+                                  "repetition_penalty": 1.05}]  # greedy: no top-k / top-p, the penalty given

@@ -269,3 +269,15 @@ def test_the_loss_over_an_own_vocabulary_is_cross_entropy_over_its_k_logits_with
     assert float(result.loss.detach()) == pytest.approx(total / weight_sum, rel=1e-5)
     assert int(result.outside) == outside and int(result.correct.sum()) == correct
     assert torch.equal(result.counted, blocks.label_mask.sum(0))  # every label counts in the accuracy
+
+
+def test_a_row_whose_teacher_ids_are_all_outside_the_own_vocabulary_is_left_out_of_the_loss():
+    from dflash_hf.training.objective import IGNORED_LABEL, draft_vocabulary_targets
+
+    draft = own_head_draft(3, [2, 4, 6, 8])
+    labels = torch.tensor([4, 4, 5])  # inside, inside, outside
+    teacher_ids = torch.tensor([[4, 5], [5, 7], [6, 5]])  # row 1: no teacher id inside
+    teacher_probs = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5]])
+    rows, probs, ids = draft_vocabulary_targets(draft, labels, teacher_probs, teacher_ids)
+    assert rows.tolist() == [1, IGNORED_LABEL, IGNORED_LABEL]  # 4 is row 1 of (2, 4, 6, 8)
+    assert probs[0].tolist() == [1.0, 0.0] and ids[0].tolist() == [1, 0]  # renormalised over the ids inside

@@ -95,6 +95,8 @@ def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> 
 
 def check_generation_arguments(args: argparse.Namespace) -> None:
     """Exit naming the first --gen-* argument that cannot be run."""
+    if args.gen_batch_size < 1:
+        raise SystemExit(f"--gen-batch-size {args.gen_batch_size}: expected >= 1 prompts per call of the engine")
     if args.gen_max_new_tokens is not None and args.gen_max_new_tokens < 1:
         raise SystemExit(f"--gen-max-new-tokens {args.gen_max_new_tokens}: expected >= 1 (or leave it out: what "
                          "--max-length leaves after each prompt)")
@@ -140,7 +142,10 @@ def generation_target(args: argparse.Namespace, state: Any) -> tuple[torch.nn.Mo
     refusal = vllm_refusal(args.target, state.num_processes, args.generate_only, args.gen_draft)
     if refusal is not None:
         raise SystemExit(f"dflash-hf train: {refusal}")
-    return load_vllm_target(args.target, dtype, args.seed, args.gen_tensor_parallel_size)
+    try:
+        return load_vllm_target(args.target, dtype, args.seed, args.gen_tensor_parallel_size)
+    except ValueError as error:  # a generation config vLLM would not follow
+        raise SystemExit(f"dflash-hf train: {error}") from error
 
 
 def regenerate(args: argparse.Namespace, target: torch.nn.Module | VllmTarget, tokenizer: Any,

@@ -287,13 +287,15 @@ def draft_vocabulary_targets(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Labels [N] and the teacher's top-k ([N, k] probabilities and ids) in the rows of the draft's own LM head: a
     target id's row is its rank among the draft's ids (`t2d`, ascending, as `d2t` has them). A label outside the
-    vocabulary becomes IGNORED_LABEL; a teacher id outside it gets probability 0 (the rest renormalised)."""
+    vocabulary becomes IGNORED_LABEL; a teacher id outside it gets probability 0 (the rest renormalised), and a row
+    whose teacher ids are all outside becomes IGNORED_LABEL too (nothing left to distil)."""
     rows = model.t2d.long().cumsum(0) - 1  # [V]: each target id's row where t2d is True
     inside = model.t2d[labels]
     draft_labels = torch.where(inside, rows[labels], torch.full_like(labels, IGNORED_LABEL))
     if teacher_probs is None:
         return draft_labels, None, None
     teacher_inside = model.t2d[teacher_ids]  # [N, k]
+    draft_labels = torch.where(teacher_inside.any(-1), draft_labels, torch.full_like(labels, IGNORED_LABEL))
     kept = teacher_probs * teacher_inside
     kept = kept / kept.sum(-1, keepdim=True).clamp(min=1e-12)
     return draft_labels, kept, torch.where(teacher_inside, rows[teacher_ids], torch.zeros_like(teacher_ids))

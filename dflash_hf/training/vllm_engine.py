@@ -49,6 +49,24 @@ class VllmTarget:
     generation_config: GenerationConfig
 
 
+# The target's generation-config processors `generate` applies that vLLM is not given here (with the value that
+# means "off"): a target whose config sets one is refused, since vLLM's rows would not be the target's own.
+# `repetition_penalty` is given to vLLM (the same rule: prompt and answer tokens); temperature, top-k, top-p too.
+NOT_GIVEN_TO_VLLM = {"no_repeat_ngram_size": 0, "bad_words_ids": None, "min_length": 0, "min_new_tokens": None,
+                     "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
+                     "forced_eos_token_id": None, "sequence_bias": None, "encoder_repetition_penalty": 1.0,
+                     "min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
+
+
+def check_generation_config(name: str, config: GenerationConfig) -> None:
+    """Refuse a target whose generation config sets a processor `generate` would apply and vLLM is not given."""
+    set_here = [field for field, off in NOT_GIVEN_TO_VLLM.items() if getattr(config, field, off) not in (off, None)]
+    if set_here:
+        raise ValueError(f"--gen-engine vllm: {name}'s generation config sets {', '.join(set_here)}, which "
+                         "generate applies and this engine does not give vLLM, so the rows would not be the "
+                         "target's own: use --gen-engine generate or continuous")
+
+
 def load_vllm_target(name: str, dtype: torch.dtype, seed: int, tensor_parallel_size: int = 1
                      ) -> tuple[VllmTarget, Any]:
     """vLLM's `LLM` of the target `name` (a Hub id or a folder) in `dtype`, seeded, split over
@@ -59,6 +77,7 @@ def load_vllm_target(name: str, dtype: torch.dtype, seed: int, tensor_parallel_s
         generation_config = GenerationConfig.from_pretrained(name)
     except OSError:  # no generation_config.json: the one Transformers derives from the model's config
         generation_config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(name))
+    check_generation_config(name, generation_config)
     llm = LLM(model=name, dtype=str(dtype).removeprefix("torch."), seed=seed,
               tensor_parallel_size=tensor_parallel_size)
     return VllmTarget(llm, generation_config), AutoTokenizer.from_pretrained(name)
@@ -69,15 +88,17 @@ def vllm_responses(target: VllmTarget, prompts: list[tuple[int, list[int]]], tok
     """The new tokens of each (index, prompt ids), in prompt order, through one `LLM.generate` call that schedules
     them all (continuous batching): each prompt with its own cap of new tokens and stop ids; sampled (temperature >
     0) with the target's top-k / top-p where its generation config sets them and the seed `seed` + the prompt's
-    index, so a prompt's answer does not depend on its batch."""
+    index, so a prompt's answer does not depend on its batch; the config's `repetition_penalty` in either case."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     config = target.generation_config
-    nucleus = {name: value for name, value in (("top_k", config.top_k), ("top_p", config.top_p))
+    processors = {name: value for name, value in (("top_k", config.top_k), ("top_p", config.top_p))
                if value is not None} if temperature > 0 else {}
+    if config.repetition_penalty not in (None, 1.0):
+        processors["repetition_penalty"] = config.repetition_penalty
     settings = [SamplingParams(temperature=temperature, max_tokens=cap, stop_token_ids=list(tokens.stop_token_ids),
-                               seed=seed + index if temperature > 0 else None, **nucleus)
+                               seed=seed + index if temperature > 0 else None, **processors)
                 for (index, _), cap in zip(prompts, caps)]
     outputs = target.llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids in prompts], settings,
                                   use_tqdm=False)
