@@ -134,9 +134,9 @@ def initialize_draft_vocabulary(draft: DFlashDraftModel, target: torch.nn.Module
     """Give the draft's own LM head the vocabulary `token_ids` (`set_draft_vocabulary`) and start its rows as the
     target LM head's rows of those ids, so it starts scoring them as the target's head does."""
     draft.set_draft_vocabulary(token_ids)
-    ids = draft.d2t + torch.arange(len(draft.d2t), device=draft.d2t.device)  # [K]: its rows' target ids, ascending
     weight = target.get_output_embeddings().weight
-    draft.lm_head.weight.copy_(weight[ids.to(weight.device)].to(draft.lm_head.weight))
+    ids = torch.tensor(draft.draft_vocab, device=weight.device)  # [K]: its rows' target ids, ascending
+    draft.lm_head.weight.copy_(weight[ids].to(draft.lm_head.weight))
 
 
 def with_own_head(draft: DFlashDraftModel, size: int) -> DFlashDraftModel:
