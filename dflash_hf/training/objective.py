@@ -194,7 +194,7 @@ class StepResult:
     correct: torch.Tensor  # [B-1]: correct argmax predictions per block position
     counted: torch.Tensor  # [B-1]: labels per block position
     leading_correct: torch.Tensor  # [K]: correct predictions before the first miss, per block (its tau - 1)
-    outside: torch.Tensor  # scalar: labels outside the draft's own vocabulary, out of the loss (0 without one)
+    outside: torch.Tensor  # scalar: labels the draft's own vocabulary leaves out of the loss (0 without one)
     sequences: int = 1  # sequences the loss averages over
 
 
