@@ -69,8 +69,8 @@ SHARED_OPTIONS: dict[str, dict] = {
     "--cpu-kernels": dict(choices=["auto", *CPU_KERNEL_NAMES.values()], default="auto",
                           help="few-row products of the verify and draft passes by the fastest kernel timed on "
                                "this machine: on, off, or lm-head (the LM heads' products only); auto: bench runs "
-                               "them on for a CPU target, demo times the three and keeps the cheapest step; the "
-                               "output is the same either way"),
+                               "them on for a CPU target, demo (without --compile) times the three and keeps the "
+                               "cheapest step; the output is the same either way"),
     "--compile": dict(action="store_true",
                       help="verify with the compiled static-shape path (spec_generate(compile=True); README "
                            "\"Compiled decoding\"): chains and trees; the untimed warm-up compiles, and compiled "
@@ -303,10 +303,10 @@ def bench_datasets(args: argparse.Namespace) -> dict[str, list[list[str]]]:
 
 
 def prompt_counts(num_prompts: list[int], num_sources: int) -> list[int]:
-    """`--num-prompts` as one count per prompt file (or dataset): one count for each, or one per source."""
+    """`--num-prompts` as one count per prompt file (or dataset): one count for all, or one per source."""
     if len(num_prompts) not in (1, num_sources):
-        raise SystemExit(f"--num-prompts {' '.join(map(str, num_prompts))}: give one count for each prompt file "
-                         f"(or dataset) or one per file ({num_sources})")
+        raise SystemExit(f"--num-prompts {' '.join(map(str, num_prompts))}: give one count for all prompt "
+                         f"files (or datasets), or one per file ({num_sources})")
     if any(count < 1 for count in num_prompts):
         raise SystemExit(f"--num-prompts must be >= 1, got {' '.join(map(str, num_prompts))}")
     return num_prompts * num_sources if len(num_prompts) == 1 else num_prompts

@@ -324,7 +324,7 @@ def speculative_decode(
     """Draft-and-verify decoding of N left-padded prompts [N, T] with any proposer; exact for every proposer.
 
     `settings`: as resolved by `settings_dflash.resolve_settings`; else it is resolved here from the keyword
-    arguments, `spec_generate`'s (README, "Reference: `spec_generate` arguments"), over the target's generation
+    arguments, `spec_generate`'s (docs/api.md, "`spec_generate` arguments"), over the target's generation
     config.
     """
     if settings is None:
@@ -388,7 +388,7 @@ def spec_generate(
 ) -> torch.Tensor | SpecGenerateOutput:
     """Generate with `target`, drafting blocks with `draft`; returns ids [N, prompt + new] (or stats too).
 
-    Every setting is keyword-only and described once, in README "Reference: `spec_generate` arguments"; settings not
+    Every setting is keyword-only and described once, in docs/api.md, "`spec_generate` arguments"; settings not
     passed come from `generation_config` (default: `target.generation_config`) as in `generate`. Each row equals the
     target's own greedy decode of its prompt (greedy) or follows its sampling distribution; batches are left-padded
     (`attention_mask`); see `SpecGenerateOutput`.
@@ -414,6 +414,6 @@ class DFlashGenerationMixin:
     def spec_generate(self, target: torch.nn.Module, input_ids: torch.Tensor,
                       **generation_kwargs: Any) -> torch.Tensor | SpecGenerateOutput:
         """Lossless speculative decoding with `target`: ids [N, prompt + new], or `SpecGenerateOutput` with stats.
-        Every setting is a keyword argument, described in README "Reference: `spec_generate` arguments"; what is not
+        Every setting is a keyword argument, described in docs/api.md, "`spec_generate` arguments"; what is not
         passed comes from the target's generation config, as in `generate`."""
         return spec_generate(self, target, input_ids, **generation_kwargs)

@@ -29,7 +29,7 @@ from .versions_dflash import exact_grouped_query_sdpa
 
 MAX_FEW_ROWS = 64  # more rows than this: F.linear, a product BLAS handles well
 # `spec_generate(cpu_kernels=...)`: False, every product by F.linear; "lm_head", the LM heads' few-row products by the
-# kernel table, the layers' by F.linear; True, every few-row product by the kernel table (README, "Results")
+# kernel table, the layers' by F.linear; True, every few-row product by the kernel table (docs/api.md, `cpu_kernels`)
 CPU_KERNEL_MODES = (False, "lm_head", True)
 CPU_KERNEL_NAMES = {False: "off", "lm_head": "lm-head", True: "on"}  # the modes as `--cpu-kernels` names them
 KERNEL_TIMING_REPEATS = 3

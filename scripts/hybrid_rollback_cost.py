@@ -2,8 +2,8 @@
 
 A random Qwen3.5-shaped target (three Gated DeltaNet layers to each full-attention layer) is prefilled with a random
 context; then, many times over, a B-token verify runs (recording the mixers' inputs) and the rollback advances the
-states over k kept columns, for several k, timed on its own (median). Prints a markdown table (README, "Hybrid
-targets").
+states over k kept columns, for several k, timed on its own (median). Prints a markdown table (MEASUREMENTS.md,
+"Hybrid targets: the rollback's cost").
 
     python scripts/hybrid_rollback_cost.py --layers 8 --hidden-size 1024 --block-size 16
 """

@@ -115,7 +115,7 @@ def test_train_init_from_starts_at_a_trained_draft_and_keeps_its_architecture(tm
     card = " ".join((tmp_path / "mixed" / "draft" / "README.md").read_text().split())
     assert "3 prompts (2-4) of prompts.jsonl (its first 3), other.jsonl (its first 2)" in card
     with pytest.raises(SystemExit,
-                       match="--num-prompts 3 2 1: give one count for each prompt file or one per file \\(2\\)"):
+                       match="--num-prompts 3 2 1: give one count for all prompt files, or one per file \\(2\\)"):
         main(["train", "--output", str(tmp_path / "third"), "--num-prompts", "3", "2", "1", *two_files])
     with pytest.raises(SystemExit, match="--num-prompts 3 for .*other.jsonl: it holds only 2 prompts"):
         main(["train", "--output", str(tmp_path / "third"), "--num-prompts", "1", "3", *two_files])
@@ -251,7 +251,7 @@ def test_bench_reads_several_prompt_files_with_a_count_each(tmp_path):
     assert bench_datasets(args) == {"turns": [["a0", "b0"], ["a1", "b1"]], "questions": [["q0"]]}
     args = build_parser().parse_args(["bench", "--prompts", str(turns), str(question), "--num-prompts", "2"])
     assert {name: len(rows) for name, rows in bench_datasets(args).items()} == {"turns": 2, "questions": 2}
-    with pytest.raises(SystemExit, match="--num-prompts 1 2 3: give one count for each prompt file"):
+    with pytest.raises(SystemExit, match="--num-prompts 1 2 3: give one count for all prompt files"):
         bench_datasets(build_parser().parse_args(["bench", "--prompts", str(turns), "--num-prompts", "1", "2", "3"]))
 
 

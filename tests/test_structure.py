@@ -187,7 +187,9 @@ MARKDOWN_LINK = re.compile(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)")
 
 
 def headings(path: Path) -> set[str]:
-    return {line.lstrip("#").strip().strip("`") for line in path.read_text().splitlines() if line.startswith("#")}
+    """A document's headings, each as written and without the backticks around a heading that is all code."""
+    written = {line.lstrip("#").strip() for line in path.read_text().splitlines() if line.startswith("#")}
+    return written | {heading.strip("`") for heading in written}
 
 
 def test_every_reference_to_a_document_points_into_this_repository():

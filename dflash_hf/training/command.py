@@ -109,8 +109,8 @@ def check_generation_arguments(args: argparse.Namespace) -> None:
 def check_prompt_counts(args: argparse.Namespace, prompt_files: list[str]) -> None:
     """Exit when the `--num-prompts` counts do not fit the prompt files."""
     if len(args.num_prompts) not in (1, len(prompt_files)):
-        raise SystemExit(f"--num-prompts {' '.join(map(str, args.num_prompts))}: give one count for each prompt "
-                         f"file or one per file ({len(prompt_files)})")
+        raise SystemExit(f"--num-prompts {' '.join(map(str, args.num_prompts))}: give one count for all prompt "
+                         f"files, or one per file ({len(prompt_files)})")
 
 
 def check_first_prompt(args: argparse.Namespace, num_prompts: int) -> None:
@@ -169,8 +169,10 @@ def regenerate(args: argparse.Namespace, target: torch.nn.Module | VllmTarget, t
 def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     """Generate data, train, measure tau and speed the way `bench` does, save `OUTPUT/draft` with its card.
 
-    Under `accelerate launch` / `torchrun` the processes share the generation and the training; the main process
-    alone writes files, evaluates and saves the draft (the others end once training is saved, returning {})."""
+    Under `accelerate launch` / `torchrun` the processes share the generation and the training; each process
+    writes only its own generation shard and store part (and, under FSDP, its checkpoint shard); the main process
+    alone merges responses.jsonl, writes the log, evaluates and saves the draft (the others end once training is
+    saved, returning {})."""
     started = time.perf_counter()
     output = Path(args.output)
     prompt_files, prompts, eval_file, eval_texts = train_and_eval_prompts(args)

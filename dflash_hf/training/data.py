@@ -85,7 +85,7 @@ class PromptTexts(Sequence[str]):
             first = end
 
 
-CHAT_ROLES = ("system", "user", "assistant")  # the turns a conversation row may hold (README, "Train your own draft")
+CHAT_ROLES = ("system", "user", "assistant")  # the turns a conversation row may hold (docs/training.md, "Data")
 
 
 def read_chat_rows(paths: Iterable[str | Path], rows: range | None = None
@@ -151,7 +151,7 @@ def conversation_row(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str
         if start < 0:
             raise ValueError(f"{where}: the target's chat template does not render message {index} "
                              f"({message['role']}) verbatim, so its tokens cannot be told apart; pass the rows as "
-                             "prompt_ids / response_ids in --responses instead (README, 'Train your own draft')")
+                             "prompt_ids / response_ids in --responses instead (docs/training.md, 'Data')")
         cursor = start + len(message["content"])
         if message["role"] != "assistant":
             continue
