@@ -252,11 +252,15 @@ def test_the_vllm_engine_is_refused_by_name_where_vllm_is_missing(tmp_path, monk
     stand_in_vllm(monkeypatch)  # installed: what else it refuses
     two_steps = r"run `dflash-hf train --generate-only --gen-engine vllm --output OUTPUT \.\.\.` as one process"
     assert re.search(r"on 2 processes: vLLM runs its own tensor and data parallelism .*" + two_steps,
-                     vllm_refusal(str(tmp_path / "target"), 2, True, None))
-    assert re.search(r"needs --generate-only .*" + two_steps, vllm_refusal(str(tmp_path / "target"), 1, False, None))
-    assert "--gen-draft" in vllm_refusal(str(tmp_path / "target"), 1, True, "shipped")
-    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in vllm_refusal("smollm2", 1, True, None)
-    assert vllm_refusal(str(tmp_path / "target"), 1, True, None) is None
+                     vllm_refusal(str(tmp_path / "target"), 2, True))
+    assert re.search(r"needs --generate-only .*" + two_steps, vllm_refusal(str(tmp_path / "target"), 1, False))
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in vllm_refusal("smollm2", 1, True)
+    assert vllm_refusal(str(tmp_path / "target"), 1, True) is None
+    for engine in ("vllm", "continuous"):  # a draft answers through spec_generate only: refused before any load
+        with pytest.raises(SystemExit, match=f"--gen-draft runs spec_generate on its own batches: leave --gen-engine "
+                                             f"{engine} out"):
+            main(["train", "--target", str(tmp_path / "target"), "--output", str(tmp_path / "run"), "--prompts",
+                  str(prompts), "--generate-only", "--gen-engine", engine, "--gen-draft", "shipped"])
     with pytest.raises(SystemExit, match="--gen-tensor-parallel-size 2: vLLM's tensor parallelism.*--gen-engine vllm"):
         main(["train", "--target", str(tmp_path / "target"), "--output", str(tmp_path / "run"), "--prompts",
               str(prompts), "--generate-only", "--gen-tensor-parallel-size", "2"])

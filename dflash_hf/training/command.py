@@ -24,7 +24,7 @@ from ..prompts import default_data_dir, user_prompt_ids
 from ..smollm2 import SMOLLM2_MASK_TOKEN
 from ..tokens_dflash import GenerationTokens, generation_tokens
 from ..validation_dflash import check_draft_target
-from .data import PromptTexts, generate_responses, read_chat_rows, read_prompts, training_rows
+from .data import PromptTexts, engine_refusal, generate_responses, read_chat_rows, read_prompts, training_rows
 from .processes import check_fsdp_applies, process_state, sum_over_processes
 from .recipe import (
     DEFAULT_DRAFT_BLOCK_SIZE,
@@ -137,9 +137,12 @@ def generation_target(args: argparse.Namespace, state: Any) -> tuple[torch.nn.Mo
     `--gen-dtype` (where generation and training run), or vLLM's (`--gen-engine vllm`, which loads the target itself,
     only to generate) once `vllm_engine.vllm_refusal` lets it run."""
     dtype = training_target_dtype(args.gen_dtype, state.device)
+    refusal = engine_refusal(args.gen_engine, args.gen_draft is not None)
+    if refusal is not None:
+        raise SystemExit(f"dflash-hf train: {refusal}")
     if args.gen_engine != "vllm":
         return load_target(args.target, dtype, device=state.device)
-    refusal = vllm_refusal(args.target, state.num_processes, args.generate_only, args.gen_draft)
+    refusal = vllm_refusal(args.target, state.num_processes, args.generate_only)
     if refusal is not None:
         raise SystemExit(f"dflash-hf train: {refusal}")
     try:

@@ -249,6 +249,17 @@ def training_rows(responses: Path, prompts: range, conversations: list[str], tok
 
 
 @torch.no_grad()
+def engine_refusal(engine: str, with_draft: bool) -> str | None:
+    """Why `--gen-engine engine` cannot answer the prompts (None: it can): an unknown engine, or a draft
+    (`--gen-draft`) with an engine other than `generate`."""
+    if engine not in GEN_ENGINES:
+        return f"--gen-engine {engine!r}: expected one of {list(GEN_ENGINES)}"
+    if with_draft and engine != "generate":
+        return (f"--gen-draft runs spec_generate on its own batches: leave --gen-engine {engine} out (generate), "
+                "or the draft")
+    return None
+
+
 def generate_responses(
     target: torch.nn.Module | VllmTarget,
     tokenizer: PreTrainedTokenizerBase,
@@ -288,11 +299,9 @@ def generate_responses(
     files, `finish_shards`: the wait is outside any collective), the main process appends the shards to `output_path`
     and removes them (`merge_shards`); a rerun first merges the shards a killed run left.
     """
-    if engine not in GEN_ENGINES:
-        raise ValueError(f"--gen-engine {engine!r}: expected one of {list(GEN_ENGINES)}")
-    if draft is not None and engine != "generate":
-        raise ValueError(f"--gen-draft runs spec_generate on its own batches: leave --gen-engine {engine} out "
-                         "(generate), or the draft")
+    refusal = engine_refusal(engine, draft is not None)
+    if refusal is not None:
+        raise ValueError(refusal)
     if (engine == "vllm") != isinstance(target, VllmTarget):
         raise ValueError(f"engine {engine!r} with a {type(target).__name__} target: vllm answers through a "
                          "vllm_engine.VllmTarget (vllm_engine.load_vllm_target), the other engines through the model")

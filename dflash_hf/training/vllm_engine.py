@@ -14,10 +14,10 @@ from ..loading import SMOLLM2
 from ..tokens_dflash import GenerationTokens
 
 
-def vllm_refusal(target: str, num_processes: int, generate_only: bool, gen_draft: str | None) -> str | None:
+def vllm_refusal(target: str, num_processes: int, generate_only: bool) -> str | None:
     """Why `--gen-engine vllm` cannot run this `train` (None: it can): vLLM not importable here, several processes
     (vLLM runs its own tensor / data parallelism in one), training in the same process (vLLM keeps the GPU memory it
-    took), a draft, or the converted `smollm2` (vLLM loads a Hub id or a folder itself)."""
+    took), or the converted `smollm2` (vLLM loads a Hub id or a folder itself)."""
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -32,8 +32,6 @@ def vllm_refusal(target: str, num_processes: int, generate_only: bool, gen_draft
                 f"inside one process; {two_steps}")
     if not generate_only:
         return f"--gen-engine vllm needs --generate-only (vLLM keeps the GPU memory it took until exit): {two_steps}"
-    if gen_draft is not None:
-        return "--gen-draft runs spec_generate on its own batches: leave --gen-engine vllm out, or the draft"
     if target == SMOLLM2:
         return (f"--gen-engine vllm loads the target itself from a Hub id or a folder, not the converted --target "
                 f"{SMOLLM2}: pass its Hub id or folder (e.g. --target HuggingFaceTB/SmolLM2-135M-Instruct)")
