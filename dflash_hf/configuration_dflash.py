@@ -162,7 +162,8 @@ class DFlashConfig(Qwen3Config):
         normalize_dflash_config(self, published_sliding_window)
 
     def to_dict(self) -> dict[str, Any]:
-        """The config as saved: rope written both ways (`rope_parameters` and top-level `rope_theta`/`rope_scaling`).
+        """The config as saved: rope written both ways (`rope_parameters` and top-level `rope_theta`/`rope_scaling`),
+        and `draft_vocab_size` only for a draft with its own LM head.
 
         Serving engines that read a Transformers-4 Qwen3 config look only at `rope_theta`; Transformers 5 reads
         `rope_parameters`. Writing both keeps every reader on the draft's rope.
@@ -172,6 +173,8 @@ class DFlashConfig(Qwen3Config):
         output["rope_parameters"] = dict(rope)
         output["rope_theta"] = rope.pop("rope_theta")
         output["rope_scaling"] = None if rope["rope_type"] == "default" else rope
+        if output.get("draft_vocab_size") is None:  # a draft borrowing the target's head: no key, as published
+            output.pop("draft_vocab_size", None)
         return output
 
     def to_diff_dict(self) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from helpers import (
@@ -73,6 +75,7 @@ def test_sampling_with_a_draft_vocabulary_keeps_the_target_distribution():
 def test_the_config_carries_the_vocabulary_and_refuses_a_bad_one(tmp_path):
     draft = DFlashDraftModel(draft_config(dflash_config={"mask_token_id": VOCAB_SIZE - 1, "draft_vocab": VOCAB}))
     draft.save_pretrained(tmp_path)
+    assert "draft_vocab_size" not in json.loads((tmp_path / "config.json").read_text())  # it borrows the head
     assert DFlashDraftModel.from_pretrained(tmp_path).draft_vocab == VOCAB
     for bad in ([], [1, 1], [VOCAB_SIZE], [-1], "abc"):
         with pytest.raises(ValueError, match="draft_vocab"):
