@@ -60,35 +60,6 @@ def load_draft(source: str, target: torch.nn.Module) -> torch.nn.Module:
     return _LOADED_DRAFTS[key]
 
 
-def _ids(value: Any) -> list[int]:
-    """Token ids as a list (an int, a list, a numpy array or a tensor of them; None: none)."""
-    if value is None:
-        return []
-    if hasattr(value, "__array__") and not isinstance(value, torch.Tensor):
-        value = torch.as_tensor(value)  # a numpy (or other array library's) array or scalar of ids
-    if isinstance(value, torch.Tensor):
-        return [int(item) for item in value.reshape(-1).tolist()]
-    return [int(item) for item in (value if isinstance(value, (list, tuple)) else [value])]
-
-
-def inferred_attention_mask(input_ids: torch.Tensor, model: torch.nn.Module, generation_config: Any,
-                            arguments: dict[str, Any]) -> torch.Tensor:
-    """The attention mask `generate` infers when none is passed: the pad token's positions are padding when the pad
-    id occurs in the prompts and is not an EOS id; else every position is a prompt token."""
-    configs = [config for config in (generation_config, getattr(model, "generation_config", None))
-               if config is not None]
-    pad = arguments.get("pad_token_id")
-    pad = _ids(pad if pad is not None else next((config.pad_token_id for config in configs
-                                                 if getattr(config, "pad_token_id", None) is not None), None))
-    eos = arguments.get("eos_token_id", arguments.get("stop_token_ids"))
-    eos = _ids(eos if eos is not None else next((config.eos_token_id for config in configs
-                                                 if getattr(config, "eos_token_id", None) is not None), None))
-    ones = torch.ones_like(input_ids)
-    if not pad or pad[0] in eos or not bool((input_ids == pad[0]).any()):
-        return ones
-    return input_ids.ne(pad[0]).long()
-
-
 def generate(model: torch.nn.Module, inputs: torch.Tensor | None = None, **arguments: Any) -> Any:
     """DFlash speculative decoding of `model` (the target) with the arguments `generate` was given."""
     refused = [name for name in _REFUSED_WHEN_SET if arguments.pop(name, None)]  # unset (None, False, []): dropped
@@ -111,8 +82,6 @@ def generate(model: torch.nn.Module, inputs: torch.Tensor | None = None, **argum
         raise ValueError(f"assistant_model is a {type(draft).__name__}; custom_generate needs a DFlash draft "
                          "(AutoModel.from_pretrained(DRAFT, trust_remote_code=True)).")
     generation_config = arguments.pop("generation_config", None)
-    if arguments.get("attention_mask") is None and isinstance(input_ids, torch.Tensor):
-        arguments["attention_mask"] = inferred_attention_mask(input_ids, model, generation_config, arguments)
     result = draft.spec_generate(target=model, input_ids=input_ids, generation_config=generation_config,
                                  return_stats=True, **arguments)
     config = generation_config if generation_config is not None else getattr(model, "generation_config", None)

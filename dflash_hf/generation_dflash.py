@@ -332,7 +332,7 @@ def speculative_decode(
                                     max_new_tokens=max_new_tokens, block_size=block_size, **arguments)
     session = DecodeSession(target, proposer, settings)
     with session.running():
-        session.prefill(input_ids, attention_mask)
+        session.prefill(input_ids, settings.attention_mask if attention_mask is None else attention_mask)
         while session.step():
             pass
     return session.finish()

@@ -108,6 +108,7 @@ class DecodingSettings:
     # (draft_backends_dflash)
     compile: dict[str, Any] | None = None
     rules: PositionRules | None = None  # generate's processors and criteria at each position (None: none to apply)
+    attention_mask: torch.Tensor | None = None  # [N, T]: the prompts' mask, given or as generate infers it (None: all)
     return_dict: bool = False  # return_dict_in_generate: the call returns its output object, not the ids alone
 
     @property
@@ -266,6 +267,7 @@ def resolve_settings(
     choices = resolve_generation_choices(
         target, input_ids.shape[-1] if isinstance(input_ids, torch.Tensor) else 0, generation_config,
         **generation_arguments)
+    attention_mask = inferred_attention_mask(input_ids, attention_mask, choices)
     check_prompt(target, input_ids, attention_mask, choices.max_new_tokens)
     num_rows, device = input_ids.shape[0], target_device(target)
     padding = [0] * num_rows if attention_mask is None else (attention_mask == 0).sum(dim=1).tolist()
@@ -303,7 +305,27 @@ def resolve_settings(
         streamers=row_streamers(streamer, num_rows), step_costs=step_costs,
         draft_vocab=None if draft is None else draft_vocab_ids(draft, draft_vocab, vocabulary_size),
         tree_size=tree_size, compile=None if compile is False else compile_options(compile, device), rules=rules,
-        return_dict=bool(choices.settings.get("return_dict_in_generate")),
+        return_dict=bool(choices.settings.get("return_dict_in_generate")), attention_mask=attention_mask,
     )
+
+
+def inferred_attention_mask(input_ids: Any, attention_mask: Any, choices: GenerationChoices) -> Any:
+    """The prompts' attention mask [N, T] as `generate` takes it: the one given; else, as `generate` infers it, 1
+    where input_ids is not the call's `pad_token_id`, when one is set (by the call or the generation config), occurs
+    in input_ids and is no stop id; else None (every token attends). A pad id inside a prompt, which `generate` would
+    hide and a left-padded batch cannot, is refused."""
+    pad = token_id_list(choices.settings.get("pad_token_id"), "pad_token_id")
+    if attention_mask is not None or not pad or pad[0] in choices.stop_token_ids:
+        return attention_mask
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or not bool((input_ids == pad[0]).any()):
+        return None  # check_prompt names a malformed input_ids
+    mask = (input_ids != pad[0]).long()  # [N, T]
+    inside = ((mask[:, 1:] < mask[:, :-1]).any(dim=1)).nonzero().flatten().tolist()
+    if inside:
+        raise ValueError(f"Row {inside[0]} of input_ids holds pad_token_id {pad[0]} after a prompt token, and no "
+                         "attention_mask was given: generate would infer a mask that hides it, which a left-padded "
+                         "batch cannot. Pass attention_mask (the tokenizer's, padding_side='left'), or a pad_token_id "
+                         "that does not occur in the prompts.")
+    return mask
 
 

@@ -15,7 +15,7 @@ from helpers import (
     prompts_of,
 )
 
-from dflash_hf import cache_dflash, speculative_decode
+from dflash_hf import cache_dflash, left_pad, speculative_decode
 from dflash_hf.cache_dflash import CacheColumns
 from dflash_hf.proposer_dflash import DFlashProposer
 
@@ -163,6 +163,28 @@ def test_left_padded_single_row_equals_unpadded():
     mask = torch.tensor([[0, 0, 0] + [1] * 7])
     out = draft.spec_generate(target=target, input_ids=padded, attention_mask=mask, max_new_tokens=20)
     assert out[0, 10:].tolist() == plain_greedy(target, prompt, 20)[0, 7:].tolist()
+
+
+@pytest.mark.parametrize("block_size", [2, 5])
+def test_without_a_mask_a_batch_is_masked_as_generate_infers_it(block_size):
+    """No attention_mask: where pad_token_id occurs in the prompts and is no stop id the pads are padding, as
+    generate infers them to be; where it is a stop id every token attends, as in generate; a pad id after a prompt
+    token, which generate would hide and a left-padded batch cannot, is refused by name."""
+    target, draft = make_target("qwen3", seed=2), make_draft(2, block_size=8)
+    pad = VOCAB_SIZE - 1  # prompts_of never draws it
+    input_ids, attention_mask = left_pad([prompt[0].tolist() for prompt in prompts_of([3, 9, 6], seed=2)], pad)
+    for stops in (None, [pad]):  # a pad id that is a stop id is no padding to generate
+        arguments = dict(max_new_tokens=12, pad_token_id=pad, eos_token_id=stops)
+        expected = target.generate(input_ids, do_sample=False, **arguments)
+        got = draft.spec_generate(target=target, input_ids=input_ids, block_size=block_size, **arguments)
+        assert torch.equal(got, expected), stops
+        masked = draft.spec_generate(target=target, input_ids=input_ids, attention_mask=attention_mask,
+                                     block_size=block_size, **arguments)
+        assert torch.equal(got, masked) == (stops is None)  # the pads attended to only where pad is a stop id
+    inside = input_ids[1:2].clone()
+    inside[0, 4] = pad
+    with pytest.raises(ValueError, match=f"holds pad_token_id {pad} after a prompt token, and no attention_mask"):
+        draft.spec_generate(target=target, input_ids=inside, max_new_tokens=4, pad_token_id=pad)
 
 
 def test_batch_of_identical_prompts_matches_batched_generate_shape():
