@@ -107,8 +107,11 @@ def _length_rules(config: Mapping[str, Any], prompts: CallPrompts, stop_token_id
     width = prompts.input_ids.shape[1]
     if config.get("bad_words_ids") is not None:
         processors.append(NoBadWordsLogitsProcessor(config["bad_words_ids"], eos))
-    if eos is not None and (config.get("min_length") or 0) > 0:
-        processors.append(MinLengthLogitsProcessor(config["min_length"], eos, device=device))
+    min_length = config.get("min_length")
+    if config.get("min_new_tokens") is not None:  # as in generate: min_new_tokens sets min_length, the call's dropped
+        min_length = width + config["min_new_tokens"]
+    if eos is not None and (min_length or 0) > width:  # at most the prompts' width: it never masks
+        processors.append(MinLengthLogitsProcessor(min_length, eos, device=device))
     if eos is not None and (config.get("min_new_tokens") or 0) > 0:
         processors.append(MinNewTokensLengthLogitsProcessor(width, config["min_new_tokens"], eos, device=device))
     if prefix_allowed_tokens_fn is not None:  # its batch index: the row's own, though each row is processed alone

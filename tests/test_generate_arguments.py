@@ -84,6 +84,19 @@ def decode(target, proposer, input_ids, attention_mask=None, **arguments):
                               block_size=BLOCK, temperature=0.0, pad_token_id=0, **arguments)
 
 
+def test_min_new_tokens_overrides_min_length_as_in_generate(target):
+    """generate lets min_new_tokens replace min_length (prompt width + min_new_tokens): the call's min_length does not
+    hold the EOS back."""
+    prompt = random_prompt(5, 7)
+    plain = plain_continuation(target, prompt)
+    settings = {"min_new_tokens": 1, "min_length": prompt.shape[1] + 12, "eos_token_id": plain[2]}
+    expected = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, do_sample=False,
+                               pad_token_id=0, **settings)
+    assert expected.shape[1] - prompt.shape[1] <= 3  # generate stopped at the EOS, before min_length's 12 tokens
+    for proposer in (ReferenceProposer(expected), ReferenceProposer(expected, corrupt_seed=4)):
+        assert torch.equal(decode(target, proposer, prompt, **settings).output_ids, expected)
+
+
 PREFIX_READERS = ["repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "min_new_tokens"]
 
 
