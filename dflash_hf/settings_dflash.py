@@ -181,6 +181,7 @@ def resolve_generation_choices(target: torch.nn.Module, prompt_length: int, gene
             raise ValueError(f"{source} sets {name}={value!r}: {mode} does not run inside DFlash speculative "
                              f"decoding ({reason}); pass {name}={NEUTRAL_GENERATION_SETTINGS[name]!r} to override "
                              "it.")
+    check_forced_tokens(merged)
     temperature = _real_number(merged["temperature"], "temperature")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}.")
@@ -217,6 +218,18 @@ def resolve_generation_choices(target: torch.nn.Module, prompt_length: int, gene
         pad_token_id=pad[0] if pad else default_pad_token_id(target, stop_token_ids),
         settings=merged,
     )
+
+
+def check_forced_tokens(settings: dict[str, Any]) -> None:
+    """Raise a ValueError where every forced token (BOS or EOS) is also suppressed: no token would be left at the
+    forcing step (`generate` refuses it as well, from Transformers 5)."""
+    suppressed = set(token_id_list(settings.get("suppress_tokens"), "suppress_tokens"))
+    for name in ("forced_bos_token_id", "forced_eos_token_id"):
+        forced = set(token_id_list(settings.get(name), name))
+        if forced and forced <= suppressed:
+            raise ValueError(f"Every token of {name} ({sorted(forced)}) is also in suppress_tokens, so no token is "
+                             f"left at the forcing step; remove it from {name} or from suppress_tokens "
+                             "(min_new_tokens keeps an early EOS back).")
 
 
 def resolve_block_size(block_size: Any, trained_block_size: int | None) -> int:

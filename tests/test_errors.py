@@ -63,6 +63,9 @@ def test_spec_generate_takes_every_setting_by_keyword(target):
     ({"target": None}, TypeError, "target must be a Transformers causal LM"),
     ({"attention_mask": [[1, 1, 1, 1, 1]]}, TypeError, "attention_mask must be a torch.Tensor"),
     ({"attention_mask": torch.tensor([[0.5, 1, 1, 1, 1]])}, ValueError, "only 0"),
+    ({"forced_eos_token_id": 7, "suppress_tokens": [7, 9]}, ValueError,
+     r"Every token of forced_eos_token_id \(\[7\]\) is also in suppress_tokens"),
+    ({"forced_bos_token_id": 7, "suppress_tokens": [7]}, ValueError, "forced_bos_token_id .* also in suppress_tokens"),
 ])
 def test_bad_generation_arguments(target, draft, kwargs, error, message):
     arguments = {"target": target, "input_ids": PROMPT, "max_new_tokens": 4, **kwargs}
