@@ -181,7 +181,6 @@ def resolve_generation_choices(target: torch.nn.Module, prompt_length: int, gene
             raise ValueError(f"{source} sets {name}={value!r}: {mode} does not run inside DFlash speculative "
                              f"decoding ({reason}); pass {name}={NEUTRAL_GENERATION_SETTINGS[name]!r} to override "
                              "it.")
-    check_forced_tokens(merged)
     temperature = _real_number(merged["temperature"], "temperature")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}.")
@@ -220,16 +219,24 @@ def resolve_generation_choices(target: torch.nn.Module, prompt_length: int, gene
     )
 
 
-def check_forced_tokens(settings: dict[str, Any]) -> None:
-    """Raise a ValueError where every forced token (BOS or EOS) is also suppressed: no token would be left at the
-    forcing step (`generate` refuses it as well, from Transformers 5)."""
+def check_token_settings(choices: GenerationChoices, vocabulary_size: int) -> None:
+    """Raise a ValueError naming a token setting no decode can follow: a forced token (BOS or EOS) outside the
+    vocabulary, or every forced token also suppressed (no token left at the forcing step; `generate` refuses it from
+    Transformers 5), or `exponential_decay_length_penalty` without a stop id to favour."""
+    settings = choices.settings
     suppressed = set(token_id_list(settings.get("suppress_tokens"), "suppress_tokens"))
     for name in ("forced_bos_token_id", "forced_eos_token_id"):
         forced = set(token_id_list(settings.get(name), name))
+        outside = sorted(token for token in forced if not 0 <= token < vocabulary_size)
+        if outside and vocabulary_size:
+            raise ValueError(f"{name} {outside[0]} is outside the target's vocabulary (0 to {vocabulary_size - 1}).")
         if forced and forced <= suppressed:
             raise ValueError(f"Every token of {name} ({sorted(forced)}) is also in suppress_tokens, so no token is "
                              f"left at the forcing step; remove it from {name} or from suppress_tokens "
                              "(min_new_tokens keeps an early EOS back).")
+    if settings.get("exponential_decay_length_penalty") is not None and not choices.stop_token_ids:
+        raise ValueError("exponential_decay_length_penalty raises the EOS score, and this call has no eos_token_id: "
+                         "pass eos_token_id (or stop_token_ids).")
 
 
 def resolve_block_size(block_size: Any, trained_block_size: int | None) -> int:
@@ -286,6 +293,7 @@ def resolve_settings(
     padding = [0] * num_rows if attention_mask is None else (attention_mask == 0).sum(dim=1).tolist()
     lm_head = target.get_output_embeddings()
     vocabulary_size = 0 if lm_head is None else lm_head.weight.shape[0]  # the logits' width
+    check_token_settings(choices, vocabulary_size)
     rules = position_rules(
         choices.settings, CallPrompts(input_ids.to(device), padding, input_ids.shape[1] + choices.max_new_tokens),
         temperature=choices.temperature, top_k=choices.top_k, top_p=choices.top_p,

@@ -66,6 +66,8 @@ def test_spec_generate_takes_every_setting_by_keyword(target):
     ({"forced_eos_token_id": 7, "suppress_tokens": [7, 9]}, ValueError,
      r"Every token of forced_eos_token_id \(\[7\]\) is also in suppress_tokens"),
     ({"forced_bos_token_id": 7, "suppress_tokens": [7]}, ValueError, "forced_bos_token_id .* also in suppress_tokens"),
+    ({"forced_eos_token_id": 400}, ValueError, r"forced_eos_token_id 400 is outside the target's vocabulary \(0 to"),
+    ({"exponential_decay_length_penalty": (2, 1.5)}, ValueError, "exponential_decay_length_penalty.* no eos_token_id"),
 ])
 def test_bad_generation_arguments(target, draft, kwargs, error, message):
     arguments = {"target": target, "input_ids": PROMPT, "max_new_tokens": 4, **kwargs}
