@@ -333,10 +333,11 @@ def resolve_settings(
 def inferred_attention_mask(input_ids: Any, attention_mask: Any, choices: GenerationChoices) -> Any:
     """The prompts' attention mask [N, T] as `generate` takes it: the one given; else, as `generate` infers it, 1
     where input_ids is not the call's `pad_token_id`, when one is set (by the call or the generation config), occurs
-    in input_ids and is no stop id; else None (every token attends). A pad id inside a prompt, which `generate` would
-    hide and a left-padded batch cannot, is refused."""
+    in input_ids and is neither an `eos_token_id` (the call's or the config's) nor a stop id; else None (every token
+    attends). A pad id inside a prompt, which `generate` would hide and a left-padded batch cannot, is refused."""
     pad = token_id_list(choices.settings.get("pad_token_id"), "pad_token_id")
-    if attention_mask is not None or not pad or pad[0] in choices.stop_token_ids:
+    eos = {*token_id_list(choices.settings.get("eos_token_id"), "eos_token_id"), *choices.stop_token_ids}
+    if attention_mask is not None or not pad or pad[0] in eos:
         return attention_mask
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or not bool((input_ids == pad[0]).any()):
         return None  # check_prompt names a malformed input_ids

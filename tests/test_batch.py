@@ -185,6 +185,11 @@ def test_without_a_mask_a_batch_is_masked_as_generate_infers_it(block_size):
     inside[0, 4] = pad
     with pytest.raises(ValueError, match=f"holds pad_token_id {pad} after a prompt token, and no attention_mask"):
         draft.spec_generate(target=target, input_ids=inside, max_new_tokens=4, pad_token_id=pad)
+    # an EOS id is never padding to generate, even where the call stops on other ids (stop_token_ids)
+    unmasked = draft.spec_generate(target=target, input_ids=inside, max_new_tokens=4, pad_token_id=pad,
+                                   eos_token_id=pad, stop_token_ids=[])
+    assert torch.equal(unmasked, draft.spec_generate(target=target, input_ids=inside, max_new_tokens=4,
+                                                     attention_mask=torch.ones_like(inside), stop_token_ids=[]))
 
 
 def test_batch_of_identical_prompts_matches_batched_generate_shape():
