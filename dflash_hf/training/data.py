@@ -248,7 +248,6 @@ def training_rows(responses: Path, prompts: range, conversations: list[str], tok
         yield row_tokens(conversation_row(tokenizer, messages, stop_token_ids, where))
 
 
-@torch.no_grad()
 def engine_refusal(engine: str, with_draft: bool) -> str | None:
     """Why `--gen-engine engine` cannot answer the prompts (None: it can): an unknown engine, or a draft
     (`--gen-draft`) with an engine other than `generate`."""
@@ -260,6 +259,7 @@ def engine_refusal(engine: str, with_draft: bool) -> str | None:
     return None
 
 
+@torch.no_grad()
 def generate_responses(
     target: torch.nn.Module | VllmTarget,
     tokenizer: PreTrainedTokenizerBase,
