@@ -56,6 +56,20 @@ def test_prompt_texts_are_read_one_line_when_asked_for(tmp_path):
         PromptTexts([tmp_path / "missing.jsonl"], [None])
 
 
+def test_generation_runs_without_autograd(tmp_path, monkeypatch):
+    """The answers are generated under no_grad (nothing is trained through them)."""
+    import dflash_hf.training.data as data
+
+    target, tokenizer = make_target("llama", seed=2), make_tokenizer()
+    generate, grad_modes = data._generate_rows, []
+    monkeypatch.setattr(data, "_generate_rows",
+                        lambda *args: grad_modes.append(torch.is_grad_enabled()) or generate(*args))
+    with torch.enable_grad():
+        generate_responses(target, tokenizer, ["w5 w6", "w7"], tmp_path / "r.jsonl", batch_size=1, max_new_tokens=2,
+                           progress=False)
+    assert grad_modes == [False, False]
+
+
 def test_generation_resumes_without_duplicating_or_losing_rows(tmp_path):
     target, tokenizer = make_target("llama", seed=2), make_tokenizer()
     prompts = [" ".join(f"w{5 + (i * 7 + j) % 100}" for j in range(2 + i % 3)) for i in range(7)]
