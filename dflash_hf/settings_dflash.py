@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+from transformers import GenerationConfig
 
 from .devices_dflash import target_device
 from .kernels_dflash import cpu_kernel_mode
@@ -27,6 +28,7 @@ from .validation_dflash import check_draft_target, check_prompt, check_target, r
 
 # where neither the call nor the generation config sets a length (generate: max_length 20)
 DEFAULT_MAX_NEW_TOKENS = 256
+UNSET_MAX_LENGTH = GenerationConfig().max_length  # a config's max_length when nobody set it (20 on Transformers 4)
 GENERATE_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}  # generate's, for unset fields
 ACCEPTANCE_RULES = ("rejection", "equality")
 # The generation config's settings besides the length, sampling and token ids, with the values at which they change
@@ -166,12 +168,14 @@ def resolve_generation_choices(target: torch.nn.Module, prompt_length: int, gene
     criteria and outputs (NEUTRAL_GENERATION_SETTINGS); a decoding mode (DECODING_MODES) is refused by name, and so
     is a temperature, top_k, top_p or max_length out of its range.
     """
-    config = generation_config if generation_config is not None else getattr(target, "generation_config", None)
+    target_config = getattr(target, "generation_config", None)
     unknown = sorted(key for key in arguments if key not in CALL_SETTINGS and key not in NEUTRAL_GENERATION_SETTINGS)
     if unknown:
         raise TypeError(f"spec_generate got unexpected keyword argument(s) {', '.join(unknown)}.")
     given = {key: value for key, value in arguments.items() if value is not None}
-    settings = {k: v for k, v in (config.to_dict() if config is not None else {}).items() if v is not None}
+    # a passed config's unset fields come from the target's, as in generate
+    settings = {key: value for config in (target_config, generation_config) if config is not None
+                for key, value in config.to_dict().items() if value is not None}
     merged = {**GENERATE_DEFAULTS, **settings, **given}
     config_source = "the generation config" if generation_config is not None else "target.generation_config"
     for name, value in non_neutral_settings(merged).items():
@@ -190,8 +194,7 @@ def resolve_generation_choices(target: torch.nn.Module, prompt_length: int, gene
         raise ValueError("do_sample=True with temperature 0: pass a temperature > 0 to sample, or do_sample=False.")
     max_new_tokens = given.get("max_new_tokens", settings.get("max_new_tokens"))
     max_length = given.get("max_length", settings.get("max_length"))
-    if "max_new_tokens" not in given and ("max_length" in given
-                                          or max_new_tokens is None and max_length not in (None, 20)):
+    if max_new_tokens is None and max_length not in (None, UNSET_MAX_LENGTH):  # max_new_tokens wins, as in generate
         max_new_tokens = max_length - prompt_length  # generate's max_length counts the prompt
         if max_new_tokens < 1:
             source = "the call" if "max_length" in given else config_source

@@ -123,3 +123,27 @@ def test_lengths_and_unknown_settings(target):
         resolve_generation_choices(target, 6, GenerationConfig(max_length=4))
     with pytest.raises(TypeError, match="unexpected keyword argument\\(s\\) token_healing"):
         resolve_generation_choices(target, 6, token_healing=True)
+
+
+def test_lengths_and_unset_fields_of_a_passed_config_follow_generate(target):
+    """As `generate`: max_new_tokens (from the call or a config) wins over max_length; a passed config's unset
+    fields come from the target's config (here its pad id, so a left-padded batch without a mask is masked); a
+    max_length a config sets explicitly counts, except where Transformers cannot tell it from its default."""
+    draft = make_draft(11)
+    arguments = dict(attention_mask=torch.ones_like(PROMPT), max_length=PROMPT.shape[1] + 20, pad_token_id=0,
+                     generation_config=GenerationConfig(max_new_tokens=5, do_sample=False))
+    expected = target.generate(PROMPT, **arguments)
+    assert expected.shape[1] == PROMPT.shape[1] + 5
+    assert torch.equal(draft.spec_generate(target=target, input_ids=PROMPT, **arguments), expected)
+    target.generation_config.pad_token_id = 1
+    batch = torch.tensor([[1, 1, 5, 9, 2], [44, 7, 3, 6, 8]])  # row 0 left-padded with the target's pad id
+    config = GenerationConfig(max_new_tokens=6, do_sample=False)  # no pad id: the target's
+    expected = target.generate(batch, generation_config=config)
+    assert not torch.equal(expected, target.generate(batch, attention_mask=torch.ones_like(batch),
+                                                     generation_config=config))  # the mask matters here
+    assert torch.equal(draft.spec_generate(target=target, input_ids=batch, generation_config=config), expected)
+    explicit_default = GenerationConfig().max_length is None  # Transformers 5: an explicit max_length of 20 counts
+    config = GenerationConfig(max_length=20 if explicit_default else PROMPT.shape[1] + 13, do_sample=False)
+    new_tokens = draft.spec_generate(target=target, input_ids=PROMPT, generation_config=config,
+                                     attention_mask=torch.ones_like(PROMPT)).shape[1] - PROMPT.shape[1]
+    assert new_tokens == config.max_length - PROMPT.shape[1]
