@@ -194,7 +194,8 @@ def resolve_generation_choices(target: torch.nn.Module, prompt_length: int, gene
         raise ValueError("do_sample=True with temperature 0: pass a temperature > 0 to sample, or do_sample=False.")
     max_new_tokens = given.get("max_new_tokens", settings.get("max_new_tokens"))
     max_length = given.get("max_length", settings.get("max_length"))
-    if max_new_tokens is None and max_length not in (None, UNSET_MAX_LENGTH):  # max_new_tokens wins, as in generate
+    if max_new_tokens is None and ("max_length" in given or max_length not in (None, UNSET_MAX_LENGTH)):
+        # max_new_tokens wins wherever it is set, as in generate; a max_length the call passes always counts
         max_new_tokens = max_length - prompt_length  # generate's max_length counts the prompt
         if max_new_tokens < 1:
             source = "the call" if "max_length" in given else config_source

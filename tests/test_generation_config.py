@@ -147,3 +147,6 @@ def test_lengths_and_unset_fields_of_a_passed_config_follow_generate(target):
     new_tokens = draft.spec_generate(target=target, input_ids=PROMPT, generation_config=config,
                                      attention_mask=torch.ones_like(PROMPT)).shape[1] - PROMPT.shape[1]
     assert new_tokens == config.max_length - PROMPT.shape[1]
+    called = draft.spec_generate(target=target, input_ids=PROMPT, max_length=20,
+                                 attention_mask=torch.ones_like(PROMPT))
+    assert called.shape[1] == 20  # a max_length the call passes counts, whatever its value
