@@ -312,6 +312,7 @@ def test_the_vllm_engine_gets_the_targets_repetition_penalty_and_refuses_process
 
     given = stand_in_vllm(monkeypatch)
     check_generation_config("t", GenerationConfig(repetition_penalty=1.05, temperature=0.7, top_k=20))  # given
+    check_generation_config("t", GenerationConfig(min_new_tokens=0, no_repeat_ngram_size=0))  # at neutral values
     with pytest.raises(ValueError, match="t's generation config sets no_repeat_ngram_size, suppress_tokens, which "
                                          "generate applies and this engine does not give vLLM"):
         check_generation_config("t", GenerationConfig(no_repeat_ngram_size=3, suppress_tokens=[4]))

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from ..loading import SMOLLM2
+from ..settings_dflash import non_neutral_settings
 from ..tokens_dflash import GenerationTokens
 
 
@@ -47,18 +48,18 @@ class VllmTarget:
     generation_config: GenerationConfig
 
 
-# The target's generation-config processors `generate` applies that vLLM is not given here (with the value that
-# means "off"): a target whose config sets one is refused, since vLLM's rows would not be the target's own.
-# `repetition_penalty` is given to vLLM (the same rule: prompt and answer tokens); temperature, top-k, top-p too.
-NOT_GIVEN_TO_VLLM = {"no_repeat_ngram_size": 0, "bad_words_ids": None, "min_length": 0, "min_new_tokens": None,
-                     "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
-                     "forced_eos_token_id": None, "sequence_bias": None, "encoder_repetition_penalty": 1.0,
-                     "min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
+# The target's generation-config processors `generate` applies that vLLM is not given here: a target whose config
+# sets one (away from its neutral value, settings_dflash.NEUTRAL_GENERATION_SETTINGS) is refused, since vLLM's rows
+# would not be the target's own. `repetition_penalty` is given to vLLM (the same rule: prompt and answer tokens);
+# temperature, top-k, top-p too.
+NOT_GIVEN_TO_VLLM = ("no_repeat_ngram_size", "bad_words_ids", "min_length", "min_new_tokens", "suppress_tokens",
+                     "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "sequence_bias",
+                     "encoder_repetition_penalty", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
 
 
 def check_generation_config(name: str, config: GenerationConfig) -> None:
     """Refuse a target whose generation config sets a processor `generate` would apply and vLLM is not given."""
-    set_here = [field for field, off in NOT_GIVEN_TO_VLLM.items() if getattr(config, field, off) not in (off, None)]
+    set_here = [field for field in non_neutral_settings(config.to_dict()) if field in NOT_GIVEN_TO_VLLM]
     if set_here:
         raise ValueError(f"--gen-engine vllm: {name}'s generation config sets {', '.join(set_here)}, which "
                          "generate applies and this engine does not give vLLM, so the rows would not be the "
@@ -92,7 +93,7 @@ def vllm_responses(target: VllmTarget, prompts: list[tuple[int, list[int]]], tok
 
     config = target.generation_config
     processors = {name: value for name, value in (("top_k", config.top_k), ("top_p", config.top_p))
-               if value is not None} if temperature > 0 else {}
+                  if value is not None} if temperature > 0 else {}
     if config.repetition_penalty not in (None, 1.0):
         processors["repetition_penalty"] = config.repetition_penalty
     settings = [SamplingParams(temperature=temperature, max_tokens=cap, stop_token_ids=list(tokens.stop_token_ids),
