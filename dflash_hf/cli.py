@@ -204,6 +204,10 @@ def add_train_scale_arguments(parser: argparse.ArgumentParser) -> None:
                         default=TrainingSettings.gradient_accumulation_steps,
                         help="micro-batches per optimiser step: each step trains on batch size x this x processes "
                              "sequences")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="recompute each draft layer's activations in the backward instead of keeping them: "
+                             "less memory per sequence (longer or more sequences per step) for one more forward of "
+                             "the layers; the same loss and gradients")
     parser.add_argument("--cache-target-features", action="store_true",
                         help="run the target once per sequence and keep its features in host RAM for every epoch "
                              "(refused when they would not fit); default: the target runs per batch")

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -395,8 +396,9 @@ class DFlashCandidateSelector(nn.Module):
         return torch.stack(chosen, dim=1)
 
 
-class DFlashDecoderLayer(nn.Module):
-    """Qwen3 decoder layer whose attention also reads the fused target context (DFlash2: convolutions around both)."""
+class DFlashDecoderLayer(GradientCheckpointingLayer):
+    """Qwen3 decoder layer whose attention also reads the fused target context (DFlash2: convolutions around both).
+    Under activation checkpointing (`gradient_checkpointing_enable`, training) the backward recomputes it."""
 
     def __init__(self, config: DFlashConfig, layer_idx: int, with_convolutions: bool = False) -> None:
         super().__init__()
@@ -450,6 +452,8 @@ class DFlashDraftModel(DFlashCheckpointMixin, PreTrainedModel, DFlashGenerationM
     _supports_flash_attn = True
     _supports_flash_attn_2 = True
     _supports_attention_backend = True
+    supports_gradient_checkpointing = True  # its DFlashDecoderLayers (docs/training.md, "Memory")
+    main_input_name = "block_embeddings"  # no input ids: Transformers then asks no gradient of an input embedding
 
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__(config)

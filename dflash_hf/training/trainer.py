@@ -71,6 +71,8 @@ class TrainingSettings:
     mixed_precision: str = "auto"
     batch_size: int = 1  # sequences per process per micro-batch, packed into one row
     gradient_accumulation_steps: int = 1  # micro-batches per optimiser step (Accelerate's accumulation)
+    # True: each draft layer is checkpointed, its activations recomputed in the backward (`activation_checkpointing`)
+    gradient_checkpointing: bool = False
     seed: int = 0
     checkpoint_every: int = 200  # optimiser steps between resumable checkpoints
     keep_checkpoints: int = 1  # checkpoints kept on disk, the latest (OUTPUT/checkpoint) included
@@ -487,10 +489,11 @@ def load_checkpoint(folder: str | Path, draft: torch.nn.Module, optimizer: torch
 
 # Settings a resumed run may change: they do not change what is trained (how often it is saved and how many
 # checkpoints stay, how long a process waits in a collective, where the metrics are reported, where the target's
-# signals are kept and how much host memory their cache may take). Any other difference (the batch size and the
-# accumulation steps among them) changes the data, the schedule or the loss.
+# signals are kept and how much host memory their cache may take, whether the layers' activations are recomputed).
+# Any other difference (the batch size and the accumulation steps among them) changes the data, the schedule or the
+# loss.
 CHANGEABLE_ON_RESUME = ("checkpoint_every", "keep_checkpoints", "process_group_timeout_minutes", "report_to",
-                        "cache_target", "cache_limit_gib")
+                        "cache_target", "cache_limit_gib", "gradient_checkpointing")
 
 
 def resume_facts(settings: TrainingSettings, num_sequences: int) -> dict[str, Any]:
@@ -828,6 +831,7 @@ def train_draft(
     draft.train()
     sharded = accelerator.distributed_type == DistributedType.FSDP
     model = copy.deepcopy(draft) if sharded else draft  # FSDP shards its module in place: `draft` stays whole
+    activation_checkpointing(model, settings.gradient_checkpointing)
     optimizer, scheduler = _optimizer_and_schedule(model, settings, total_steps)
     model, prepared_optimizer = accelerator.prepare(model, optimizer)  # not the scheduler: Accelerate's steps it
     unwrapped = accelerator.unwrap_model(model)                        # once per process
@@ -878,6 +882,7 @@ def train_draft(
                             settings.keep_checkpoints, sharded=sharded)
     shows.close()
     log.seconds = time.perf_counter() - started
+    activation_checkpointing(draft, False)  # the draft leaves with its layers' activations kept, as usual
     if sharded:  # every process's `draft` gets the trained weights, gathered from the shards
         draft.load_state_dict(whole_weights(model, every_process=True))
         draft.to(accelerator.device)
@@ -886,6 +891,19 @@ def train_draft(
         (output_dir / "training_log.json").write_text(json.dumps({"settings": asdict(settings), **asdict(log)}))
     accelerator.wait_for_everyone()  # no process leaves before the log and the last checkpoint are written
     return log
+
+
+def activation_checkpointing(model: DFlashDraftModel, enabled: bool) -> None:
+    """Switch activation checkpointing of the draft's layers on or off (Transformers' `GradientCheckpointingLayer`,
+    through torch's non-reentrant `checkpoint`): in training, each layer then keeps only its inputs for the backward,
+    which recomputes its activations (one more forward of the layers). Transformers 5 names the switch
+    `activation_checkpointing_enable` (`gradient_checkpointing_enable` is its deprecated alias), 4.57 only the
+    latter."""
+    if enabled:
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable({"use_reentrant": False})
+    else:
+        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
 
 
 def check_held_out(rows: list[dict] | SequenceStore | None, every: int) -> None:
