@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 from typing import Any
@@ -50,3 +51,18 @@ def device_description(model: torch.nn.Module) -> str:
              if line.startswith("model name")]
     name = names[0] if names else platform.processor() or "CPU"
     return f"{name}, {torch.get_num_threads()} threads"
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory a new allocation on `device` may take now: the GPU's free memory (`torch.cuda.mem_get_info`), or on the
+    CPU the host's available memory (Linux MemAvailable; elsewhere the free pages)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

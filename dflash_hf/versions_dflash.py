@@ -19,7 +19,8 @@ installed:
 - Transformers' own assisted decoding on recurrent targets (`assisted_decoding_runs_recurrent_targets`): refused
   (`_is_stateful`) before 5.25; from 5.25 on it runs them by recording past states and cropping them;
 - Transformers' continuous batching (`continuous_batching_refusal`, `generate_batch_arguments`): 5.25 runs it on the
-  CPU too and stops on a list of EOS ids; 4.57 sizes its cache from GPU memory only and stops on one id;
+  CPU too, stops on a list of EOS ids and takes the paged cache's size (`paged_cache_plan`); 4.57 sizes its cache
+  from GPU memory only and stops on one id;
 - where a `StaticCache` writes (`static_write_arguments`, `rewind_static_cache`): at the forward's `cache_position`
   on 4.57; at the cache's own tensor counter on 5.x, which takes no `cache_position` and is cut back by `crop`.
 
@@ -29,6 +30,7 @@ Hub remote code: imports only torch and transformers.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -210,16 +212,78 @@ def continuous_batching_refusal(device: torch.device) -> str | None:
 
 
 CONTINUOUS_BATCHING_PAGE = 256  # tokens of one paged-cache block (Transformers 5.25's default page size)
+CONTINUOUS_BATCH_TOKENS = 8192  # tokens one continuous-batching forward takes at most (5.25's default; it splits
+# longer prefills over several forwards)
+CONTINUOUS_CACHE_MEMORY = 0.8  # the share of the device's free memory the paged cache and its forwards may take
+# (5.25's own default where logit processors run; 0.9 without)
+CONTINUOUS_LOGIT_ROWS = 1024  # rows of logits 5.25 reserves for at most (its max_requests_per_batch fallback)
 
 
-def generate_batch_arguments(model: torch.nn.Module, settings: dict[str, Any],
-                             row_tokens: list[int]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class PagedCachePlan:
+    """How large Transformers' paged cache is made for one `generate_batch` call (`paged_cache_plan`)."""
+
+    num_blocks: int  # blocks of `page_size` tokens of every layer's keys and values
+    page_size: int
+    max_batch_tokens: int  # tokens of one forward
+    needed_blocks: int  # what the rows could ever hold at once: each its prompt and its whole cap, plus one
+    footprint: int  # bytes: the cache, what grows with it and with the forward's tokens, the logits (a bound)
+    budget: int  # bytes it may take: CONTINUOUS_CACHE_MEMORY of the free memory
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the cache holds at once, over all rows."""
+        return self.num_blocks * self.page_size
+
+
+def paged_cache_plan(config: Any, dtype: torch.dtype, row_tokens: list[int], free_bytes: int,
+                     memory_fraction: float = CONTINUOUS_CACHE_MEMORY) -> PagedCachePlan:
+    """The paged cache for rows of `row_tokens` tokens each (prompt and cap) of a model with this decoder `config`
+    whose cache and activations are `dtype`, on a device with `free_bytes` free: the blocks the rows need, but no more
+    than `memory_fraction` of the free memory holds, so a batch of many long rows gets the blocks that fit and
+    continuous batching starts the rest as earlier answers finish and free their blocks.
+
+    The footprint bounds Transformers 5.25's own (`PagedAttentionMemoryHandler`) from above: per cached token its
+    keys and values in every layer, their copy at the attention peak as sdpa reads them (key/value heads repeated to
+    the query heads), its read indices and a column of the sdpa mask per forward token; per forward token the larger of
+    its logits (float32) and its attention peak, and its index tensors (doubled, as 5.25's asynchronous batching
+    does); besides, the logits of CONTINUOUS_LOGIT_ROWS rows and two spare blocks. A row that alone does not fit is
+    refused: no cache would hold it."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    item, page = dtype.itemsize, CONTINUOUS_BATCHING_PAGE
+    batch_tokens = max(1, min(sum(row_tokens), CONTINUOUS_BATCH_TOKENS))
+    logits_row = config.hidden_size * item + config.vocab_size * 4  # [hidden] in dtype, [vocab] float32
+    cache_token = config.num_hidden_layers * 2 * kv_heads * head_dim * item  # keys and values of every layer
+    read_token = (2 * heads + kv_heads) * head_dim * item + 2 * 8  # the sdpa read's copy, read indices (int64, x2)
+    block = page * (cache_token + read_token + batch_tokens * item)  # a block and the mask columns it adds
+    forward_token = max(logits_row, item * (config.hidden_size + heads * head_dim + 2 * kv_heads * head_dim
+                                            + (2 * heads + kv_heads) * head_dim)) + 2 * (8 * 4 + 32 * 4 + 2 * 8)
+    fixed = (CONTINUOUS_LOGIT_ROWS * logits_row + 2 * page * cache_token + batch_tokens * forward_token
+             + batch_tokens * batch_tokens * item)  # logits, spare blocks, the forward's tensors, its own mask columns
+    budget = int(free_bytes * memory_fraction)
+    needed = sum(-(-tokens // page) for tokens in row_tokens) + 1
+    blocks = min(needed, max(0, (budget - fixed) // block))
+    if blocks * page < max(row_tokens, default=0):
+        raise ValueError(
+            f"--gen-engine continuous: {free_bytes / 2**30:.1f} GiB free on the device hold a paged cache of "
+            f"{blocks * page} tokens, but one row needs {max(row_tokens)} (its prompt and its answer cap): free "
+            "device memory, cap the answers (--gen-max-new-tokens, or a lower --max-length), or use --gen-engine "
+            "generate")
+    return PagedCachePlan(blocks, page, batch_tokens, needed, fixed + blocks * block, budget)
+
+
+def generate_batch_arguments(model: torch.nn.Module, settings: dict[str, Any], row_tokens: list[int],
+                             free_bytes: int) -> dict[str, Any]:
     """The keyword arguments of `model.generate_batch` (Transformers' continuous batching) for `settings` (a
-    `GenerationConfig`'s, eos_token_id a list) over rows of `row_tokens` tokens each (prompt and answer): where it
-    takes `warmup` (5.25), none (it captures CUDA graphs first); where it takes a `ContinuousBatchingConfig` (5.25),
-    a cache of the blocks these rows need, not the 90 % of free memory it takes by default (on a CPU that is most of
-    the host's, which other processes then run out of); before 5.25 the first EOS id alone (4.57 compares a token
-    with one id: the caller cuts after a later stop id)."""
+    `GenerationConfig`'s, eos_token_id a list) over rows of `row_tokens` tokens each (prompt and answer cap), on a
+    device with `free_bytes` free: where it takes `warmup` (5.25), none (it captures CUDA graphs first); where it
+    takes a `ContinuousBatchingConfig` (5.25), the paged cache `paged_cache_plan` sizes (the blocks the rows need, no
+    more than fit in CONTINUOUS_CACHE_MEMORY of the free memory; by default 5.25 would take 90 % of it, on a CPU most
+    of the host's, which other processes then run out of); before 5.25 the first EOS id alone (4.57 compares a token
+    with one id: the caller cuts after a later stop id), and 4.57 sizes its cache itself from the GPU's free
+    memory (at most 4,096 blocks of 32 tokens)."""
     from transformers import GenerationConfig
 
     if TRANSFORMERS_RELEASE < CONTINUOUS_BATCHING_ON_CPU_FROM:
@@ -231,7 +295,9 @@ def generate_batch_arguments(model: torch.nn.Module, settings: dict[str, Any],
     if "continuous_batching_config" in parameters:
         from transformers.generation import ContinuousBatchingConfig
 
-        blocks = sum(-(-tokens // CONTINUOUS_BATCHING_PAGE) for tokens in row_tokens) + 1
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        plan = paged_cache_plan(config, model.dtype, row_tokens, free_bytes)
         arguments["continuous_batching_config"] = ContinuousBatchingConfig(
-            page_size=CONTINUOUS_BATCHING_PAGE, num_blocks=blocks, max_batch_tokens=sum(row_tokens))
+            page_size=plan.page_size, num_blocks=plan.num_blocks, max_batch_tokens=plan.max_batch_tokens,
+            max_memory_percent=CONTINUOUS_CACHE_MEMORY)
     return arguments

@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..cache_dflash import left_pad
 from ..devices_dflash import target_device
+from ..loading import free_memory_bytes
 from ..prompts import check_prompt_file, line_turns, read_conversations, user_prompt_ids
 from ..sampling_dflash import cut_after_stop
 from ..tokens_dflash import generation_tokens
@@ -556,7 +557,7 @@ def _respond_continuously(target: torch.nn.Module, batch_ids: list[list[int]], t
     settings = {"max_new_tokens": max_new_tokens, "pad_token_id": tokens.pad_token_id,
                 "eos_token_id": list(tokens.stop_token_ids), **sampling}
     outputs = target.generate_batch(batch_ids, progress_bar=False, **generate_batch_arguments(
-        target, settings, [len(ids) + max_new_tokens for ids in batch_ids]))
+        target, settings, [len(ids) + max_new_tokens for ids in batch_ids], free_memory_bytes(target_device(target))))
     answers: dict[tuple[int, ...], list[list[int]]] = {}  # by prompt: a prompt given twice has two answers
     for output in outputs.values():
         if output.error is None:
