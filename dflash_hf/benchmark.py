@@ -39,7 +39,7 @@ class DatasetSource:
 
     file_name: str
     field: str  # the prompt field; "turns" holds a list of user turns
-    hub: tuple[str, str | None, str]  # (dataset id, config, split) for `datasets.load_dataset`
+    hub: tuple[str, str | None, str] | None  # (dataset id, config, split) for `datasets.load_dataset`; None: ours
     hub_field: str
 
 
@@ -50,6 +50,7 @@ DATASETS = {
     "mbpp": DatasetSource("mbpp_sanitized_test.jsonl", "prompt",
                           ("google-research-datasets/mbpp", "sanitized", "test"), "prompt"),
     "mt-bench": DatasetSource("mt_bench.jsonl", "turns", ("HuggingFaceH4/mt_bench_prompts", None, "train"), "prompt"),
+    "general": DatasetSource("general.jsonl", "prompt", None, "prompt"),  # writing, advice, explanation (ours)
 }
 
 
@@ -67,6 +68,10 @@ def load_conversations(dataset: str, data_dir: str | Path, limit: int | None = N
     path = Path(data_dir) / source.file_name
     if path.exists():
         return read_conversations(path, source.field, limit)
+    if source.hub is None:
+        raise FileNotFoundError(f"No {source.file_name} in {Path(data_dir)}: it ships with dflash-hf only "
+                                f"(dflash_hf/data/{source.file_name}); copy it into that folder or leave out "
+                                "--data-dir.")
     try:
         from datasets import load_dataset
     except ImportError as error:
