@@ -281,3 +281,85 @@ def test_a_row_whose_teacher_ids_are_all_outside_the_own_vocabulary_is_left_out_
     rows, probs, ids = draft_vocabulary_targets(draft, labels, teacher_probs, teacher_ids)
     assert rows.tolist() == [1, IGNORED_LABEL, IGNORED_LABEL]  # 4 is row 1 of (2, 4, 6, 8)
     assert probs[0].tolist() == [1.0, 0.0] and ids[0].tolist() == [1, 0]  # renormalised over the ids inside
+
+
+def _row_loss_inputs(seed: int = 5, rows: int = 6, k: int = 4):
+    """A draft, a head, rows [n, H], labels [n] and a top-k teacher (probabilities, ids, raw logits) for the loss terms."""
+    draft = make_draft(seed, block_size=4)
+    head = torch.nn.Linear(draft.config.hidden_size, VOCAB_SIZE, bias=False)
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, draft.config.hidden_size, generator=generator)
+    teacher_full = 3 * torch.randn(rows, VOCAB_SIZE, generator=generator)  # [n, V]
+    top = teacher_full.topk(k, dim=-1)
+    return draft, head, hidden, top.indices[:, 0], top.values.softmax(-1), top.indices, top.values
+
+
+def test_the_l1_term_is_the_distance_between_the_draft_and_the_teachers_distributions():
+    """With l1 = 1 a row's loss is sum |q - p| over the whole vocabulary, p the teacher's top-k distribution (0
+    elsewhere), or the label's one-hot without a teacher; a share W mixes it with cross-entropy as (1 - W) CE + W L1."""
+    from dflash_hf.training.objective import LossWeights, chunked_row_losses
+
+    draft, head, hidden, labels, probs, ids, _ = _row_loss_inputs()
+    with torch.no_grad():
+        q = draft.scale_logits(head(hidden)).float().softmax(-1)  # [n, V]
+        p = torch.zeros_like(q).scatter(-1, ids, probs)
+        one_hot = torch.nn.functional.one_hot(labels, VOCAB_SIZE).float()
+        soft_ce, _ = chunked_row_losses(draft, head, hidden, labels, probs, ids)
+        hard_ce, _ = chunked_row_losses(draft, head, hidden, labels)
+        soft_l1, _ = chunked_row_losses(draft, head, hidden, labels, probs, ids, weights=LossWeights(l1=1.0))
+        hard_l1, _ = chunked_row_losses(draft, head, hidden, labels, weights=LossWeights(l1=1.0))
+        mixed, _ = chunked_row_losses(draft, head, hidden, labels, probs, ids, weights=LossWeights(l1=0.9))
+    torch.testing.assert_close(soft_l1, (q - p).abs().sum(-1))
+    torch.testing.assert_close(hard_l1, (q - one_hot).abs().sum(-1))
+    torch.testing.assert_close(mixed, 0.1 * soft_ce + 0.9 * soft_l1)
+    assert not torch.allclose(soft_ce, hard_ce)  # the teacher is not the label's one-hot here
+    assert bool(((soft_l1 >= 0) & (soft_l1 <= 2)).all())
+
+
+def test_the_raw_logit_term_is_the_squared_error_on_the_teachers_ids_and_pulls_the_draft_to_the_targets_level():
+    from dflash_hf.training.objective import LossWeights, chunked_row_losses
+
+    draft, head, hidden, labels, probs, ids, values = _row_loss_inputs()
+    with torch.no_grad():
+        logits = draft.scale_logits(head(hidden)).float()
+        plain, _ = chunked_row_losses(draft, head, hidden, labels, probs, ids)
+        with_term, _ = chunked_row_losses(draft, head, hidden, labels, probs, ids, teacher_logits=values,
+                                          weights=LossWeights(logits=0.5))
+    expected = (logits.gather(-1, ids) - values).square().mean(-1)
+    torch.testing.assert_close(with_term, plain + 0.5 * expected)
+    # minimising the term alone moves the draft's logits on the teacher's ids to the target's values
+    head.weight.requires_grad_(True)
+    optimizer = torch.optim.Adam(head.parameters(), lr=0.05)
+    for _ in range(200):
+        with_term, _ = chunked_row_losses(draft, head, hidden, labels, probs, ids, teacher_logits=values,
+                                          weights=LossWeights(logits=1.0))
+        without, _ = chunked_row_losses(draft, head, hidden, labels, probs, ids)
+        optimizer.zero_grad()
+        (with_term - without).mean().backward()  # the term alone
+        optimizer.step()
+    with torch.no_grad():
+        gap = (draft.scale_logits(head(hidden)).float().gather(-1, ids) - values).abs().mean()
+    assert float(gap) < 0.1 * float((logits.gather(-1, ids) - values).abs().mean())
+
+
+def test_the_loss_terms_reach_training_and_are_refused_out_of_range():
+    from dflash_hf.training.objective import LossWeights, target_signals, teacher_rows
+    from dflash_hf.training.trainer import TrainingSettings
+
+    target, draft = make_target("qwen3", seed=4), make_draft(4, block_size=4)
+    input_ids = torch.randint(0, MASK, (24,), generator=torch.Generator().manual_seed(4))
+    loss_mask = torch.cat((torch.zeros(6), torch.ones(18)))
+    signals = target_signals(target, input_ids, draft.target_layer_ids, 8, teacher_rows(loss_mask), keep_logits=True)
+    assert signals.teacher_logits is not None and torch.allclose(signals.teacher_logits.softmax(-1)[6:-1],
+                                                                 signals.teacher_probs[6:-1])
+    losses = [float(dflash_loss(draft, target, input_ids, loss_mask, 6, torch.Generator().manual_seed(0), signals,
+                                loss_weights=weights).loss.detach())
+              for weights in (LossWeights(), LossWeights(l1=0.9), LossWeights(logits=0.1))]
+    assert len(set(losses)) == 3
+    with pytest.raises(ValueError, match="teacher's logits"):
+        dflash_loss(draft, target, input_ids, loss_mask, 6, signals=target_signals(
+            target, input_ids, draft.target_layer_ids, 8), loss_weights=LossWeights(logits=0.1))
+    with pytest.raises(ValueError, match="--l1-weight"):
+        TrainingSettings(l1_weight=1.5)
+    with pytest.raises(ValueError, match="--no-distill"):
+        TrainingSettings(logit_weight=0.1, distill=False)

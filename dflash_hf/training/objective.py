@@ -205,6 +205,7 @@ class TargetSignals:
     hidden: torch.Tensor  # [T, L*H]: concatenated outputs of the target layers feeding the draft
     teacher_probs: torch.Tensor | None = None  # [T, k]: top-k probabilities of the token at p + 1 (renormalised)
     teacher_ids: torch.Tensor | None = None  # [T, k]
+    teacher_logits: torch.Tensor | None = None  # [T, k]: the target's raw logits of those ids (`LossWeights.logits`)
 
     def apply(self, function: Callable[[torch.Tensor], torch.Tensor]) -> TargetSignals:
         """The same signals with `function` applied to each tensor."""
@@ -256,12 +257,14 @@ def target_signals(
     teacher_top_k: int | None = None,
     needed_rows: torch.Tensor | None = None,
     chunk_rows: int = LOSS_CHUNK_ROWS,
+    keep_logits: bool = False,
 ) -> TargetSignals:
     """Run the frozen target once over a sequence [T]; keep the features and, if asked, its top-k.
 
     needed_rows [T] (bool, e.g. `teacher_rows(loss_mask)`): positions whose top-k the loss reads (default: all);
     the others get zero probabilities. The LM head runs on those rows only, `chunk_rows` at a time, wherever the
     target's logits are exactly its head's (`plain_head_parts`); otherwise the target's own forward gives them.
+    `keep_logits`: also keep the top-k's raw logit values (the raw-logit loss term, `LossWeights.logits`).
     """
     hidden, final, logits = target_features(target, input_ids, target_layer_ids)
     if teacher_top_k is None:
@@ -270,12 +273,39 @@ def target_signals(
     positions = rows.nonzero().flatten()  # [P]
     probs = torch.zeros(len(input_ids), teacher_top_k, device=input_ids.device)  # [T, k]
     ids = torch.zeros(len(input_ids), teacher_top_k, dtype=torch.long, device=input_ids.device)
+    values = torch.zeros(len(input_ids), teacher_top_k, device=input_ids.device) if keep_logits else None  # [T, k]
     lm_head = target.get_output_embeddings()
     for chunk in positions.split(chunk_rows):
         chunk_logits = lm_head(final[chunk]) if logits is None else logits[chunk]  # [c, V]
         top = chunk_logits.float().topk(teacher_top_k, dim=-1)
         probs[chunk], ids[chunk] = top.values.softmax(-1), top.indices
-    return TargetSignals(hidden, probs, ids)
+        if values is not None:
+            values[chunk] = top.values
+    return TargetSignals(hidden, probs, ids, values)
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    """The terms of the per-token loss (docs/training.md, "Loss terms"): `(1 - l1) x cross-entropy + l1 x L1 +
+    logits x raw-logit error`.
+
+    - cross-entropy: to the teacher's top-k distribution (distillation) or to the sequence's token;
+    - L1 (DeepSpec's distribution-matching term, `l1_loss_alpha`): sum |q - p| between the draft's distribution q and
+      the teacher's p (its top-k, the rest of q counted as error), or the token's one-hot; at temperature 1 a
+      position is accepted with probability 1 - L1 / 2, so this term aims at sampled acceptance directly;
+    - raw-logit error: mean over the teacher's top-k ids of (draft logit - target logit)^2, so the draft's logits
+      sit at the target's level and a value-dependent processor (a repetition penalty) moves both alike.
+    """
+
+    l1: float = 0.0
+    logits: float = 0.0
+
+    def __post_init__(self) -> None:
+        """Refuse weights outside their ranges, by flag."""
+        if not 0.0 <= self.l1 <= 1.0:
+            raise ValueError(f"l1 weight {self.l1} (--l1-weight): expected 0 to 1 (the cross-entropy gets 1 - it)")
+        if self.logits < 0.0:
+            raise ValueError(f"logit weight {self.logits} (--logit-weight): expected >= 0")
 
 
 IGNORED_LABEL = -100  # F.cross_entropy's ignore_index: a label outside the draft's own vocabulary adds no loss
@@ -287,8 +317,8 @@ def draft_vocabulary_targets(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Labels [N] and the teacher's top-k ([N, k] probabilities and ids) in the rows of the draft's own LM head: a
     target id's row is its rank among the draft's ids (`t2d`, ascending, as `d2t` has them). A label outside the
-    vocabulary becomes IGNORED_LABEL; a teacher id outside it gets probability 0 (the rest renormalised), and a row
-    whose teacher ids are all outside becomes IGNORED_LABEL too (nothing left to distil)."""
+    vocabulary becomes IGNORED_LABEL; a teacher id outside it gets probability 0 (the rest renormalised; the raw-logit
+    term leaves it out too), and a row whose teacher ids are all outside becomes IGNORED_LABEL (nothing to distil)."""
     rows = model.t2d.long().cumsum(0) - 1  # [V]: each target id's row where t2d is True
     inside = model.t2d[labels]
     draft_labels = torch.where(inside, rows[labels], torch.full_like(labels, IGNORED_LABEL))
@@ -303,20 +333,38 @@ def draft_vocabulary_targets(
 
 def _supervised_row_losses(
     model: DFlashDraftModel, lm_head: torch.nn.Module, rows: torch.Tensor, labels: torch.Tensor,
-    teacher_probs: torch.Tensor | None, teacher_ids: torch.Tensor | None,
+    teacher_probs: torch.Tensor | None, teacher_ids: torch.Tensor | None, teacher_logits: torch.Tensor | None,
+    weights: LossWeights,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss [n], argmax prediction [n]) of supervised rows [n, H]: cross-entropy to labels [n] (0 where a label is
-    IGNORED_LABEL), or to the teacher; logits, labels and predictions index `lm_head`'s rows."""
+    """(loss [n], argmax prediction [n]) of supervised rows [n, H] (`LossWeights`' terms): to labels [n] (0 where a
+    label is IGNORED_LABEL), or to the teacher; logits, labels and predictions index `lm_head`'s rows."""
     logits = model.scale_logits(lm_head(rows.to(lm_head.weight.dtype))).float()  # [n, V]
+    log_q = logits.log_softmax(-1)  # [n, V]
     if teacher_probs is None:
-        return F.cross_entropy(logits, labels, reduction="none", ignore_index=IGNORED_LABEL), logits.argmax(-1)
-    return -(teacher_probs * logits.log_softmax(-1).gather(-1, teacher_ids)).sum(-1), logits.argmax(-1)
+        known = labels != IGNORED_LABEL
+        ids, probs = labels.clamp(min=0)[:, None], known.float()[:, None]  # [n, 1]: the one-hot of the label
+        loss = F.cross_entropy(logits, labels, reduction="none", ignore_index=IGNORED_LABEL)
+    else:
+        ids, probs = teacher_ids, teacher_probs  # [n, k]
+        loss = -(probs * log_q.gather(-1, ids)).sum(-1)
+    if weights.l1 > 0:
+        # [n, k]: the draft's probability of the teacher's ids; an id where p is 0 (outside the draft's own
+        # vocabulary) counts with the draft's mass outside the teacher's ids, which is the same L1
+        q = log_q.gather(-1, ids).exp() * (probs > 0)
+        l1 = (q - probs).abs().sum(-1) + (1.0 - q.sum(-1)).clamp(min=0.0)
+        loss = (1.0 - weights.l1) * loss + weights.l1 * l1 * (probs.sum(-1) > 0)
+    if weights.logits > 0 and teacher_logits is not None:
+        counted = (probs > 0).float()  # [n, k]: ids inside the draft's vocabulary
+        error = (logits.gather(-1, ids) - teacher_logits).square() * counted
+        loss = loss + weights.logits * error.sum(-1) / counted.sum(-1).clamp(min=1.0)
+    return loss, logits.argmax(-1)
 
 
 def chunked_row_losses(
     model: DFlashDraftModel, lm_head: torch.nn.Module, rows: torch.Tensor, labels: torch.Tensor,
     teacher_probs: torch.Tensor | None = None, teacher_ids: torch.Tensor | None = None,
-    chunk_rows: int = LOSS_CHUNK_ROWS,
+    chunk_rows: int = LOSS_CHUNK_ROWS, teacher_logits: torch.Tensor | None = None,
+    weights: LossWeights = LossWeights(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`_supervised_row_losses` of rows [N, H], `chunk_rows` at a time; with gradients each chunk is checkpointed,
     so the backward recomputes one chunk's logits at a time instead of keeping all of them."""
@@ -326,12 +374,12 @@ def chunked_row_losses(
     losses, predictions = [], []
     for start in range(0, rows.shape[0], chunk_rows):
         piece = slice(start, start + chunk_rows)
-        args = (rows[piece], labels[piece], None if teacher_probs is None else teacher_probs[piece],
-                None if teacher_ids is None else teacher_ids[piece])
+        args = [rows[piece], labels[piece]] + [None if tensor is None else tensor[piece]
+                                               for tensor in (teacher_probs, teacher_ids, teacher_logits)]
         if recompute:
-            loss, prediction = checkpoint(_supervised_row_losses, model, lm_head, *args, use_reentrant=False)
+            loss, prediction = checkpoint(_supervised_row_losses, model, lm_head, *args, weights, use_reentrant=False)
         else:
-            loss, prediction = _supervised_row_losses(model, lm_head, *args)
+            loss, prediction = _supervised_row_losses(model, lm_head, *args, weights)
         losses.append(loss)
         predictions.append(prediction)
     return torch.cat(losses), torch.cat(predictions)
@@ -347,10 +395,11 @@ def dflash_loss(
     signals: TargetSignals | None = None,
     chunk_rows: int = LOSS_CHUNK_ROWS,
     tile_rows: int | None = TILE_ROWS,
+    loss_weights: LossWeights = LossWeights(),
 ) -> StepResult:
     """Position-decayed loss of the draft on one sequence [T], all blocks in one forward (`packed_dflash_loss`)."""
     return packed_dflash_loss(draft, target, [(input_ids, loss_mask)], num_anchors, generator,
-                              None if signals is None else [signals], chunk_rows, tile_rows)
+                              None if signals is None else [signals], chunk_rows, tile_rows, loss_weights)
 
 
 def packed_dflash_loss(
@@ -362,6 +411,7 @@ def packed_dflash_loss(
     signals: list[TargetSignals] | None = None,
     chunk_rows: int = LOSS_CHUNK_ROWS,
     tile_rows: int | None = TILE_ROWS,
+    loss_weights: LossWeights = LossWeights(),
 ) -> StepResult:
     """Mean over `sequences` (input ids [T_i], loss mask [T_i]) of each one's position-decayed loss, all packed into
     one row and one draft forward.
@@ -369,7 +419,8 @@ def packed_dflash_loss(
     Each sequence draws its anchors from `generator` in turn (as one call per sequence would) and its blocks see only
     its own context (`pack_blocks`). `signals` (from `target_signals`, one per sequence, possibly cached on the host)
     default to one target forward per sequence without a teacher. With a teacher the loss is the cross-entropy to the
-    target's top-k distribution (distillation); without, to the sequence's own tokens. The attention runs under the
+    target's top-k distribution (distillation); without, to the sequence's own tokens; `loss_weights` adds the L1 and
+    raw-logit terms (`LossWeights`; the latter needs signals with the teacher's logits). The attention runs under the
     block-sparse mask, `tile_rows` query rows per tile (`tiled_block_mask`), or with None under the dense mask (the
     reference; the same loss). Logits are computed for supervised rows only, `chunk_rows` at a time.
 
@@ -408,19 +459,24 @@ def packed_dflash_loss(
     )  # [1, K*B, H]; causal / sliding layers add their restriction by position
     hidden = hidden.view(num_blocks, block_size, -1)[:, 1:]  # [K, B-1, H]: positions that predict
     supervised = blocks.label_mask  # [K, B-1]
-    teacher_probs = teacher_ids = None
+    teacher_probs = teacher_ids = teacher_logits = None
     if packed.teacher_probs is not None:
         # the target's distribution for the token at p + 1 is its output at position p (a column of the row)
         columns = blocks.block_position_ids.view(num_blocks, block_size)[:, :-1] + blocks.context_start[:, None]
         teacher_probs, teacher_ids = packed.teacher_probs[columns[supervised]], packed.teacher_ids[columns[supervised]]
+        if packed.teacher_logits is not None:
+            teacher_logits = packed.teacher_logits[columns[supervised]]
+    if loss_weights.logits > 0 and teacher_logits is None:
+        raise ValueError("The raw-logit loss term (--logit-weight) needs the teacher's logits: distillation on "
+                         "(--distill) and target signals taken with keep_logits=True.")
     labels = blocks.labels[supervised]  # [N]: target ids
     if model.lm_head is not None:  # its own head: its rows, labels outside its vocabulary left out
         lm_head = model.lm_head
         head_labels, teacher_probs, teacher_ids = draft_vocabulary_targets(model, labels, teacher_probs, teacher_ids)
     else:
         head_labels = labels
-    token_loss, predictions = chunked_row_losses(model, lm_head, hidden[supervised], head_labels,
-                                                 teacher_probs, teacher_ids, chunk_rows)  # [N], [N]
+    token_loss, predictions = chunked_row_losses(model, lm_head, hidden[supervised], head_labels, teacher_probs,
+                                                 teacher_ids, chunk_rows, teacher_logits, loss_weights)  # [N], [N]
     inside = head_labels != IGNORED_LABEL  # [N]
     if model.lm_head is not None:
         predictions = predictions + model.d2t[predictions]  # the head's rows -> target ids

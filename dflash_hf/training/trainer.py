@@ -14,13 +14,14 @@ device at a time.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
@@ -30,8 +31,15 @@ from torch.optim.lr_scheduler import LRScheduler
 from transformers import get_cosine_schedule_with_warmup
 
 from ..modeling_dflash import DFlashDraftModel
-from .objective import StepResult, TargetSignals, packed_dflash_loss, target_signals, teacher_rows
-from .processes import check_fsdp_applies, check_fsdp_torch, epoch_order, gather_json, process_group_kwargs
+from .objective import LossWeights, StepResult, TargetSignals, packed_dflash_loss, target_signals, teacher_rows
+from .processes import (
+    check_fsdp_applies,
+    check_fsdp_torch,
+    epoch_order,
+    fsdp_precision,
+    gather_json,
+    process_group_kwargs,
+)
 from .store import SequenceStore, row_tokens
 
 if TYPE_CHECKING:
@@ -47,7 +55,11 @@ LEGACY_CHECKPOINT_FILE = "checkpoint.pt"  # the pickled checkpoint of earlier ve
 TRACKER_DIR = "logs"  # OUTPUT/logs/: the trackers' files (--report-to); TensorBoard's in OUTPUT/logs/<TRACKER_RUN>/
 TRACKER_RUN = "dflash-hf"
 MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16}  # --mixed-precision: the autocast dtype of the forward
-AUTO_MIXED_PRECISION = {"cuda": "bf16"}  # --mixed-precision auto: bf16 on a GPU, float32 ("no") elsewhere
+# "auto" dtypes: bfloat16 for many-row work (training, batched regeneration) on a GPU, and on a CPU where a 512-row
+# product at the model's width measures this many times faster than float32 (AMX); widths below BF16_MIN_WIDTH are
+# overhead-bound and stay float32 (docs/training.md, "Precision on a CPU")
+BF16_MIN_SPEEDUP = 1.3
+BF16_MIN_WIDTH = 256
 
 
 @dataclass
@@ -63,6 +75,8 @@ class TrainingSettings:
     max_length: int = 3072
     distill: bool = True  # soft labels: the target's top-k next-token distribution (every documented recipe)
     teacher_top_k: int = 32
+    l1_weight: float = 0.0  # the L1 (distribution-matching) term's share of the loss (`LossWeights.l1`)
+    logit_weight: float = 0.0  # the raw-logit term's weight (`LossWeights.logits`; needs distill)
     # False: the target runs per micro-batch (memory bounded by one batch); True: once per sequence, its signals
     # cached in host RAM for every epoch, refused when they would not fit (`check_feature_cache`)
     cache_target: bool = False
@@ -92,11 +106,20 @@ class TrainingSettings:
         below = [f"{name} {value}" for name, value in counts.items() if value < 1]
         if below:
             raise ValueError(f"{', '.join(below)}: expected >= 1")
+        if self.logit_weight > 0 and not self.distill:
+            raise ValueError("logit_weight (--logit-weight) matches the target's top-k logits, which only "
+                             "distillation keeps: drop --no-distill")
+        LossWeights(self.l1_weight, self.logit_weight)  # refuses weights outside their ranges
         if self.max_length < 2:
             raise ValueError(f"max_length {self.max_length} (--max-length): expected >= 2 (a label follows a token)")
         if self.process_group_timeout_minutes is not None and self.process_group_timeout_minutes <= 0:
             raise ValueError(f"process_group_timeout_minutes {self.process_group_timeout_minutes} "
                              "(--process-group-timeout): expected minutes > 0")
+
+    @property
+    def loss_weights(self) -> LossWeights:
+        """The loss terms' weights (`LossWeights`)."""
+        return LossWeights(self.l1_weight, self.logit_weight)
 
     @property
     def sequences_per_step(self) -> int:
@@ -150,7 +173,7 @@ def held_out_loss(accelerator: Accelerator, model: torch.nn.Module, target: torc
             input_ids, loss_mask = (t.to(device) for t in sequences[index])
             result = packed_dflash_loss(model, target, [(input_ids, loss_mask)], settings.num_anchors,
                                         torch.Generator().manual_seed(anchor_seed(settings.seed, -1, index)),
-                                        [signals_of(input_ids, loss_mask)])
+                                        [signals_of(input_ids, loss_mask)], loss_weights=settings.loss_weights)
             counts = torch.stack([result.loss.detach().float(), torch.ones((), device=device),
                                   result.leading_correct.float().sum(),
                                   torch.tensor(float(len(result.leading_correct)), device=device)])
@@ -177,11 +200,38 @@ def step_metrics(log: TrainingLog, tokens_per_second: float) -> dict[str, float]
             **{f"train/accuracy_position_{k}": accuracy for k, accuracy in enumerate(log.position_accuracy, 1)}}
 
 
-def autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype of the draft's forward and loss (None: float32): `mixed_precision`, where "auto" is bf16 on
-    a GPU and float32 on the CPU (few-row bf16 matmuls are slow there without native bf16)."""
-    choice = AUTO_MIXED_PRECISION.get(device.type, "no") if mixed_precision == "auto" else mixed_precision
-    return MIXED_PRECISION[choice]
+@functools.lru_cache(maxsize=None)
+def cpu_bf16_speedup(width: int, rows: int = 512) -> float:
+    """How many times faster a `rows`-row product with a [width, 4 x width] weight runs in bfloat16 than in float32
+    on this CPU, with torch's threads (the best of 3 timings each, after a warm-up)."""
+    def best_seconds(dtype: torch.dtype) -> float:
+        left, right = torch.randn(rows, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype)
+        left @ right  # warm-up: kernels chosen, pages touched
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            left @ right
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return best_seconds(torch.float32) / best_seconds(torch.bfloat16)
+
+
+def prefers_bf16(device: torch.device, width: int | None) -> bool:
+    """Whether "auto" picks bfloat16 for many-row work on `device` with a model `width` wide: on CUDA, and on a CPU
+    where `cpu_bf16_speedup(width)` reaches BF16_MIN_SPEEDUP (None: a width not known, or few-row work: float32)."""
+    if device.type == "cuda":
+        return True
+    return (device.type == "cpu" and width is not None and width >= BF16_MIN_WIDTH
+            and cpu_bf16_speedup(width) >= BF16_MIN_SPEEDUP)
+
+
+def autocast_dtype(mixed_precision: str, device: torch.device, width: int | None = None) -> torch.dtype | None:
+    """The autocast dtype of the draft's forward and loss (None: float32): `mixed_precision`, where "auto" is bf16
+    where `prefers_bf16(device, width)` (a GPU; a CPU whose bf16 products measure faster at the draft's `width`)."""
+    if mixed_precision == "auto":
+        return torch.bfloat16 if prefers_bf16(device, width) else None
+    return MIXED_PRECISION[mixed_precision]
 
 
 @dataclass
@@ -281,12 +331,13 @@ def anchor_seed(seed: int, process_index: int, micro_step: int) -> int:
 
 
 def feature_cache_bytes(target: torch.nn.Module, sequences: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                        num_features: int, teacher_top_k: int | None) -> int:
+                        num_features: int, teacher_top_k: int | None, teacher_logits: bool = False) -> int:
     """Host bytes the target-signal cache takes for `sequences`: per token, `num_features` hidden states in the
-    target's dtype, and with a teacher its top-k probabilities (float32) and ids (int64)."""
+    target's dtype, and with a teacher its top-k probabilities (float32), ids (int64) and, for the raw-logit term,
+    logits (float32)."""
     hidden_size = target.get_input_embeddings().weight.shape[1]
     itemsize = next(target.parameters()).dtype.itemsize
-    per_token = num_features * hidden_size * itemsize + (teacher_top_k or 0) * (4 + 8)
+    per_token = num_features * hidden_size * itemsize + (teacher_top_k or 0) * (4 + 8 + 4 * teacher_logits)
     return per_token * sum(len(input_ids) for input_ids, _ in sequences)
 
 
@@ -323,8 +374,8 @@ def host_feature_cache(target: torch.nn.Module, sequences: Sequence[tuple[torch.
     from tqdm.auto import tqdm
 
     check_feature_cache(feature_cache_bytes(target, [sequences[i] for i in indices], num_features,
-                                            settings.teacher_top_k if settings.distill else None),
-                        settings.cache_limit_gib)
+                                            settings.teacher_top_k if settings.distill else None,
+                                            settings.logit_weight > 0), settings.cache_limit_gib)
     return {i: on_host(signals_of(*sequences[i]))
             for i in tqdm(indices, desc="target features", disable=not progress)}
 
@@ -740,7 +791,7 @@ def _micro_batch_step(accelerator: Any, draft: torch.nn.Module, target: torch.nn
             result = packed_dflash_loss(draft, target, [(ids, mask) for ids, mask, _ in batch], settings.num_anchors,
                                         torch.Generator().manual_seed(
                                             anchor_seed(settings.seed, accelerator.process_index, micro_step)),
-                                        [signals for _, _, signals in batch])
+                                        [signals for _, _, signals in batch], loss_weights=settings.loss_weights)
         accelerator.backward(result.loss)  # divided by the accumulation steps: the step sees their mean
         if not accelerator.sync_gradients:
             return result, None
@@ -822,6 +873,9 @@ def train_draft(
     check_fsdp_applies(accelerator.state)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
+    requested = settings  # "auto" precision is decided once, here, at the draft's width (a resume compares requests)
+    settings = replace(settings, mixed_precision="no" if autocast_dtype(
+        settings.mixed_precision, accelerator.device, draft.config.hidden_size) is None else "bf16")
     target.requires_grad_(False).to(accelerator.device)
     sequences = training_sequences(rows, settings.max_length)
     held_out_sequences = training_sequences(held_out_rows or [], settings.max_length)
@@ -830,12 +884,11 @@ def train_draft(
     total_steps = plan.steps_per_epoch * settings.epochs
     draft.train()
     sharded = accelerator.distributed_type == DistributedType.FSDP
-    model = copy.deepcopy(draft) if sharded else draft  # FSDP shards its module in place: `draft` stays whole
-    activation_checkpointing(model, settings.gradient_checkpointing)
+    model = training_module(accelerator, draft, settings, sharded)
     optimizer, scheduler = _optimizer_and_schedule(model, settings, total_steps)
     model, prepared_optimizer = accelerator.prepare(model, optimizer)  # not the scheduler: Accelerate's steps it
     unwrapped = accelerator.unwrap_model(model)                        # once per process
-    checkpoint_dir, facts = output_dir / CHECKPOINT_DIR, resume_facts(settings, len(sequences))
+    checkpoint_dir, facts = output_dir / CHECKPOINT_DIR, resume_facts(requested, len(sequences))
     log = load_checkpoint(checkpoint_dir, unwrapped, optimizer, scheduler, facts,
                           accelerator.num_processes) or TrainingLog(processes=accelerator.num_processes)
     started, last = (time.perf_counter() - log.seconds,
@@ -843,7 +896,8 @@ def train_draft(
 
     def signals_of(input_ids: torch.Tensor, loss_mask: torch.Tensor) -> TargetSignals:
         return target_signals(target, input_ids.to(accelerator.device), draft.target_layer_ids,
-                              settings.teacher_top_k if settings.distill else None, teacher_rows(loss_mask))
+                              settings.teacher_top_k if settings.distill else None, teacher_rows(loss_mask),
+                              keep_logits=settings.logit_weight > 0)
 
     def held_out(first: bool = False) -> None:  # the held-out measurements due now (`first`: before training)
         if evaluate is not None and (first or _due(log.steps, eval_every, last)):
@@ -891,6 +945,18 @@ def train_draft(
         (output_dir / "training_log.json").write_text(json.dumps({"settings": asdict(settings), **asdict(log)}))
     accelerator.wait_for_everyone()  # no process leaves before the log and the last checkpoint are written
     return log
+
+
+def training_module(accelerator: Accelerator, draft: DFlashDraftModel, settings: TrainingSettings,
+                    sharded: bool) -> DFlashDraftModel:
+    """The module that trains, before `prepare`: `draft` itself, or under FSDP a copy (FSDP shards its module in
+    place: `draft` stays whole) with the FSDP plugin given the precision of the autocast dtype (`fsdp_precision`:
+    float32 shards, gathered and computed in bf16 under bf16); its layers checkpointed if the settings say so."""
+    model = copy.deepcopy(draft) if sharded else draft
+    if sharded:
+        fsdp_precision(accelerator, autocast_dtype(settings.mixed_precision, accelerator.device))
+    activation_checkpointing(model, settings.gradient_checkpointing)
+    return model
 
 
 def activation_checkpointing(model: DFlashDraftModel, enabled: bool) -> None:
