@@ -3,7 +3,8 @@
 `python distributed_worker.py MODES FOLDER [CLI ARGS...]`: MODES, comma-separated, run one after the other in the
 same two processes and process group (one launch, one import of the package), each in FOLDER/<mode>/run. MODE `train`
 runs `train_draft` on tiny seeded models built here (two checkpoints kept); MODE `fsdp` the same under Accelerate's
-FSDP (started by `accelerate launch --config_file examples/accelerate_fsdp.yaml`); MODEs `train-batched` and
+FSDP (started by `accelerate launch --config_file examples/accelerate_fsdp.yaml`), MODE `fsdp-bf16` its first run in
+bf16 mixed precision (`run_precision`); MODEs `train-batched` and
 `fsdp-batched` train two sequences per process per optimiser step (`run_batched`); MODE `cli` runs `dflash-hf train`
 with the CLI ARGS (their --output: FOLDER/cli/run). Every process records what it did in each mode in
 FOLDER/<mode>/records/rank<i>.json (outside the run folder): the files it wrote under the run folder (seen by an audit
@@ -85,7 +86,15 @@ def record_calls() -> None:
         from torch.distributed.tensor import DTensor
 
         sharded = isinstance(draft, FSDPModule) and all(isinstance(p, DTensor) for p in draft.parameters())
-        result = loss(draft, *args, **kwargs)
+        dtypes = [p.dtype for p in draft.parameters()]  # before the forward gathers them (FSDP: the shards')
+        layer = getattr(draft, "layers", [None])[0]  # the dtype a layer computes with (FSDP: its gathered weights)
+        hook = None if layer is None else layer.mlp.register_forward_hook(lambda module, inputs, output: seen(
+            "gathered_dtypes", [module.gate_proj.weight.dtype]))
+        try:
+            result = loss(draft, *args, **kwargs)
+        finally:
+            if hook is not None:
+                hook.remove()
         rows = [ROW_INDEX.get(tuple(input_ids.tolist())) for input_ids, _ in args[1]]  # this micro-batch's rows
         if not torch.is_grad_enabled():  # a held-out measurement, not a training step
             RECORD.setdefault("held_out_rows", []).append(rows)
@@ -94,6 +103,7 @@ def record_calls() -> None:
         RECORD.setdefault("anchor_seeds", {}).setdefault(RECORD["phase"], []).append(args[3].initial_seed())
         if RECORD["recording"]:
             RECORD["local_losses"].append(float(result.loss.detach()))
+            seen("parameter_dtypes", dtypes)
             RECORD["sharded_steps"] = RECORD.get("sharded_steps", 0) + sharded  # this step's draft held shards
         return result
 
@@ -129,6 +139,11 @@ def record_calls() -> None:
     dflash_hf.training.command.evaluate_draft = counted_evaluate
     dflash_hf.training.command.generate_responses = counted_collectives(generate)
     dflash_hf.training.command.training_vocabulary = recorded_vocabulary
+
+
+def seen(name: str, dtypes: list[torch.dtype]) -> None:
+    """Add `dtypes` to the record's sorted list `name` of distinct dtypes."""
+    RECORD[name] = sorted(set(RECORD.get(name, [])) | {str(dtype) for dtype in dtypes})
 
 
 def counted_collectives(generate: Any) -> Any:
@@ -248,6 +263,19 @@ def run_batched(output: Path, sharded: bool) -> None:
                          "held_out_losses": log.held_out_losses}
 
 
+def run_precision(output: Path) -> None:
+    """`run_train`'s first run (same rows, seed and schedule) under bf16 mixed precision (`--mixed-precision bf16`:
+    FSDP gathers bf16 weights from float32 shards; bf16 autocast) with the draft's layers checkpointed."""
+    from helpers import make_draft, make_target
+
+    settings = trainer.TrainingSettings(epochs=2, learning_rate=2e-3, num_anchors=8, warmup_ratio=0.25,
+                                        checkpoint_every=2, mixed_precision="bf16", gradient_checkpointing=True)
+    draft = make_draft(5, block_size=4)
+    log = trainer.train_draft(draft, make_target("qwen3", seed=4), train_rows(5), settings, output, progress=False)
+    RECORD["log_steps"], RECORD["weights_sum"] = log.steps, weights_sum(draft)
+    RECORD["exported_dtypes"] = sorted({str(p.dtype) for p in draft.parameters()})
+
+
 def force_fsdp() -> None:
     """Make these CPU processes FSDP ones, as a GPU launch with the same config file is. Accelerate applies its FSDP
     plugin to GPU processes only (accelerate/state.py: CPU processes are MULTI_CPU, and `train` refuses the FSDP
@@ -273,6 +301,8 @@ def run_mode(mode: str, output: Path, cli_args: list[str]) -> None:
     """One mode's run in `output`."""
     if mode in ("train", "fsdp"):
         run_train(output)
+    elif mode == "fsdp-bf16":
+        run_precision(output)
     elif mode in ("train-batched", "fsdp-batched"):
         run_batched(output, sharded=mode.startswith("fsdp"))
     else:

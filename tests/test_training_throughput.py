@@ -4,12 +4,14 @@ the token-budget sampler (docs/training.md, "Batches" and "FSDP")."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import VOCAB_SIZE, make_draft, make_target
 
 from dflash_hf.training.objective import dflash_loss, target_signals, teacher_rows
+from dflash_hf.training.processes import fsdp_precision
 from dflash_hf.training.trainer import TrainingSettings, activation_checkpointing, train_draft
 
 
@@ -80,3 +82,13 @@ def test_training_with_gradient_checkpointing_gives_the_same_run(tmp_path):
     assert logs[1].grad_norms == pytest.approx(logs[0].grad_norms, rel=1e-5)
     for (name, plain), checkpointed in zip(drafts[0].state_dict().items(), drafts[1].state_dict().values()):
         assert torch.allclose(checkpointed, plain, rtol=1e-5, atol=1e-6), name
+
+
+def test_fsdp_precision_keeps_float32_shards_and_gathers_in_the_autocast_dtype():
+    for dtype, reduce_dtype in ((torch.bfloat16, torch.float32), (None, None)):
+        accelerator = SimpleNamespace(mixed_precision="no", state=SimpleNamespace(fsdp_plugin=SimpleNamespace()))
+        fsdp_precision(accelerator, dtype)
+        policy = accelerator.state.fsdp_plugin.mixed_precision_policy
+        assert (policy.param_dtype, policy.reduce_dtype) == (dtype, reduce_dtype)
+    with pytest.raises(ValueError, match=r"mixed_precision 'bf16'.*--mixed-precision.*mixed_precision: 'no'"):
+        fsdp_precision(SimpleNamespace(mixed_precision="bf16"), torch.bfloat16)

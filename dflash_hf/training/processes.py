@@ -17,7 +17,7 @@ import torch
 from ..versions_dflash import torch_refusal
 
 if TYPE_CHECKING:
-    from accelerate import PartialState
+    from accelerate import Accelerator, PartialState
     from accelerate.utils import InitProcessGroupKwargs
 
 
@@ -99,6 +99,24 @@ def check_fsdp_torch() -> None:
     refusal = torch_refusal("FSDP training")
     if refusal is not None:
         raise ValueError(refusal)
+
+
+def fsdp_precision(accelerator: Accelerator, dtype: torch.dtype | None) -> None:
+    """Give Accelerate's FSDP plugin (its run configuration, read when `prepare` shards the draft) the mixed precision
+    of the autocast `dtype` (`trainer.autocast_dtype`, the one place that decides): the sharded parameters, which are
+    the master weights the optimiser steps, and so AdamW's state stay float32; each unit's all-gather casts its
+    parameters to `dtype` (half the bytes gathered, and the forward and backward compute in it), and the gradients
+    are reduce-scattered in float32 into the float32 shards. None: float32 throughout. An Accelerate config with a
+    mixed precision of its own is refused: dflash-hf's `--mixed-precision` decides (docs/training.md, "FSDP")."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if accelerator.mixed_precision != "no":
+        raise ValueError(f"the Accelerate config sets mixed_precision {accelerator.mixed_precision!r}: dflash-hf "
+                         "sets FSDP's precision from its own --mixed-precision (auto: bf16 on GPUs, with float32 "
+                         "master weights); set mixed_precision: 'no' in the config (as examples/accelerate_fsdp.yaml "
+                         "does)")
+    accelerator.state.fsdp_plugin.mixed_precision_policy = MixedPrecisionPolicy(
+        param_dtype=dtype, reduce_dtype=None if dtype is None else torch.float32)
 
 
 def check_fsdp_applies(state: PartialState) -> None:
