@@ -14,7 +14,7 @@ import torch
 from .configuration_dflash import DFLASH_HF_VERSION
 from .kernels_dflash import CPU_KERNEL_NAMES
 from .loading import DTYPES, PUBLISHED_CONFIGS, SMOLLM2, device_description, load_target
-from .training.data import GEN_ENGINES
+from .training.data import GEN_ENGINES, REGENERATE_TURNS
 from .training.trainer import TrainingSettings
 from .versions_dflash import torch_refusal
 
@@ -197,6 +197,11 @@ def add_train_scale_arguments(parser: argparse.ArgumentParser) -> None:
                         help='JSONL rows {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]} '
                              "trained as they are: rendered with the target's chat template, the loss on the "
                              "assistant turns only (with no --prompts, no prompt is generated)")
+    parser.add_argument("--regenerate-turns", choices=REGENERATE_TURNS, default="first",
+                        help="first: the prompts' first user turn is answered by the target and --conversations "
+                             "train as given; all: also every assistant turn of --conversations is re-answered by "
+                             "the target, turn by turn, its answers the history of the next turn "
+                             "(OUTPUT/conversations.jsonl, resumable; docs/training.md, 'Data')")
     parser.add_argument("--train-batch-size", type=int, default=TrainingSettings.batch_size,
                         help="sequences per process per micro-batch, packed into one row (no attention or loss "
                              "across sequences)")

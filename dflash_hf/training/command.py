@@ -24,7 +24,15 @@ from ..prompts import default_data_dir, user_prompt_ids
 from ..smollm2 import SMOLLM2_MASK_TOKEN
 from ..tokens_dflash import GenerationTokens, generation_tokens
 from ..validation_dflash import check_draft_target
-from .data import PromptTexts, engine_refusal, generate_responses, read_chat_rows, read_prompts, training_rows
+from .data import (
+    PromptTexts,
+    engine_refusal,
+    generate_responses,
+    read_chat_rows,
+    read_prompts,
+    regenerate_conversations,
+    training_rows,
+)
 from .processes import check_fsdp_applies, process_state, sum_over_processes
 from .recipe import (
     DEFAULT_DRAFT_BLOCK_SIZE,
@@ -82,6 +90,9 @@ def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> 
     if args.draft_vocab_size is not None and args.draft_vocab_size < 1:
         raise SystemExit(f"--draft-vocab-size {args.draft_vocab_size}: expected K >= 1 tokens (or leave it out: the "
                          "draft borrows the target's LM head)")
+    if args.regenerate_turns == "all" and not args.conversations:
+        raise SystemExit("--regenerate-turns all re-answers the assistant turns of --conversations rows: pass them "
+                         "(--prompts give one user turn each, answered either way)")
     if args.cache_limit_gib is not None and not args.cache_target_features:
         raise SystemExit("--cache-limit-gib bounds the feature cache: pass it with --cache-target-features")
     missing = [path for path in args.responses if not Path(path).is_file()]
@@ -160,14 +171,25 @@ def regenerate(args: argparse.Namespace, target: torch.nn.Module | VllmTarget, t
     paged = args.gen_engine == "continuous" and target.config._attn_implementation == GROUPED_QUERY_SDPA
     if paged:  # continuous batching pages "sdpa" itself, not load_target's grouped_query_sdpa: back to it after
         target.set_attn_implementation("sdpa")
+    draft = generation_draft(args.gen_draft, target)
     rows = generate_responses(target, tokenizer, prompts, responses, batch_size=args.gen_batch_size,
                               max_new_tokens=args.gen_max_new_tokens, max_length=args.max_length,
                               temperature=args.gen_temperature, seed=args.seed,
                               by_length=args.gen_order == "length", engine=args.gen_engine,
-                              draft=generation_draft(args.gen_draft, target), seed_paths=args.responses)
+                              draft=draft, seed_paths=args.responses)
+    if args.regenerate_turns == "all":  # every assistant turn of the conversations, turn by turn
+        regenerate_conversations(target, tokenizer, args.conversations, regenerated_conversations(responses),
+                                 batch_size=args.gen_batch_size, max_new_tokens=args.gen_max_new_tokens,
+                                 max_length=args.max_length, temperature=args.gen_temperature, seed=args.seed,
+                                 by_length=args.gen_order == "length", engine=args.gen_engine, draft=draft)
     if paged:
         use_grouped_query_sdpa(target)
     return rows
+
+
+def regenerated_conversations(responses: Path) -> Path:
+    """Where `--regenerate-turns all` writes the conversations the target re-answered: beside responses.jsonl."""
+    return responses.with_name("conversations.jsonl")
 
 
 def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
@@ -194,7 +216,9 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     num_rows = regenerate(args, target, tokenizer, prompts, responses)
     if args.generate_only:
         if state.is_main_process:
-            print(f"{num_rows} rows in {responses}")
+            print(f"{num_rows} rows in {responses}" + (f", {conversations} conversations re-answered in "
+                                                       f"{regenerated_conversations(responses)}"
+                                                       if args.regenerate_turns == "all" else ""))
         return {"num_rows": num_rows}
     training_rows, held_out_rows = training_store(args, output, range(args.first_prompt, num_rows), conversations,
                                                   generation_tokens(target, tokenizer).stop_token_ids, tokenizer,
@@ -244,10 +268,13 @@ def training_store(args: argparse.Namespace, output: Path, prompts: range, num_c
     if args.held_out_rows >= total:
         raise SystemExit(f"--held-out-rows {args.held_out_rows}: there are only {total} training rows; hold out fewer")
     folder, responses = output / STORE_DIR, output / "responses.jsonl"
-    sources = ([responses] if prompts else []) + [Path(path) for path in args.conversations]
+    regenerated = regenerated_conversations(responses) if args.regenerate_turns == "all" else None
+    sources = ([responses] if prompts else []) + ([regenerated] if regenerated else
+                                                  [Path(path) for path in args.conversations])
     facts = {"sources": [[str(path), path.stat().st_size, path.stat().st_mtime_ns] for path in sources],
              "target": args.target, "prompts": [prompts.start, prompts.stop], "conversations": num_conversations,
-             "max_length": args.max_length, "held_out_rows": args.held_out_rows, "processes": state.num_processes}
+             "max_length": args.max_length, "held_out_rows": args.held_out_rows, "processes": state.num_processes,
+             "regenerate_turns": args.regenerate_turns}
     if read_store_facts(folder) != facts:
         state.wait_for_everyone()  # every process has read the old facts before they go
         if state.is_main_process:
@@ -260,7 +287,8 @@ def training_store(args: argparse.Namespace, output: Path, prompts: range, num_c
             for part, rows in zip(PARTS, (range(mine.start, min(mine.stop, split)),
                                           range(max(mine.start, split), mine.stop))):
                 write_sequences(part_file(folder, part, rank), training_rows(
-                    responses, prompts, args.conversations, tokenizer, stop_token_ids, rows), args.max_length)
+                    responses, prompts, args.conversations, tokenizer, stop_token_ids, rows, regenerated),
+                    args.max_length)
         except ValueError as error:
             raise SystemExit(f"dflash-hf train: {error}") from error
         state.wait_for_everyone()  # every part file is written
@@ -427,8 +455,11 @@ def training_facts(args: argparse.Namespace, argv: list[str], prompt_files: list
                              f"{prompt_files_text(prompt_files, args.num_prompts)}, "
                              f"responses regenerated by the target (greedy={args.gen_temperature == 0}, "
                              f"{answer_length_text(args)})"} if num_rows else {}),
-        **({"conversations": f"{num_conversations} rows of {', '.join(map(str, args.conversations))}, trained as "
-                             "given (the loss on the assistant turns)"} if num_conversations else {}),
+        **({"conversations": f"{num_conversations} rows of {', '.join(map(str, args.conversations))}, "
+                             + ("every assistant turn re-answered by the target, turn by turn (greedy="
+                                f"{args.gen_temperature == 0}, {answer_length_text(args)})"
+                                if args.regenerate_turns == "all" else "trained as given")
+                             + " (the loss on the assistant turns)"} if num_conversations else {}),
         "mask token": f"{mask_token!r} (id {mask_token_id}), an existing token of the target vocabulary",
         "command": "`dflash-hf " + " ".join(shlex.quote(a) for a in argv) + "`",
         **({"initialisation": f"the trained draft {args.init_from}, then a new schedule on this data"}

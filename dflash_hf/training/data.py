@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import time
 from array import array
 from bisect import bisect_right
@@ -94,24 +95,32 @@ def read_chat_rows(paths: Iterable[str | Path], rows: range | None = None
     """(where: "file:line", messages) of each row of JSONL conversation files, one at a time, each {"messages":
     [{"role", "content"}, ...]} with system, user and assistant turns, at least one of them the assistant's; a
     malformed row raises a ValueError naming its file and line. `rows`: only the rows at these positions (counted
-    over the files, blank lines skipped), the others not parsed."""
+    over the files, blank lines skipped; a stepped range takes every k-th), the others not parsed."""
+    for _, path, _, number, line in chat_lines(paths, rows):
+        where = f"{path}:{number}"
+        yield where, conversation_messages(line, where)
+
+
+def chat_lines(paths: Iterable[str | Path], rows: range | None = None) -> Iterator[tuple[int, Path, int, int, bytes]]:
+    """(position, file, byte offset, line number, line) of each row of JSONL conversation files at the positions
+    `rows` (all without), not parsed: the positions count the rows over the files, blank lines skipped."""
     position = 0
-    for path in paths:
-        if not Path(path).is_file():
+    for path in map(Path, paths):
+        if not path.is_file():
             raise FileNotFoundError(f"--conversations {path}: no such file")
-        with open(path, encoding="utf-8") as handle:
+        with open(path, "rb") as handle:
+            offset = 0
             for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                if rows is None or position in rows:
-                    where = f"{path}:{number}"
-                    yield where, conversation_messages(line, where)
-                position += 1
-                if rows is not None and position >= rows.stop:
-                    return
+                if line.strip():
+                    if rows is None or position in rows:
+                        yield position, path, offset, number, line
+                    position += 1
+                    if rows is not None and position >= rows.stop:
+                        return
+                offset += len(line)
 
 
-def conversation_messages(line: str, where: str) -> list[dict[str, str]]:
+def conversation_messages(line: str | bytes, where: str) -> list[dict[str, str]]:
     """The messages of one JSONL conversation row, checked; a ValueError naming `where` and the fix otherwise."""
     expected = ('expected {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]} with at '
                 "least one assistant turn")
@@ -134,19 +143,76 @@ def conversation_messages(line: str, where: str) -> list[dict[str, str]]:
 
 
 def conversation_row(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],
-                     stop_token_ids: Iterable[int], where: str) -> dict[str, list[int]]:
+                     stop_token_ids: Iterable[int], where: str, answers: Sequence[list[int]] | None = None,
+                     add_generation_prompt: bool = False) -> dict[str, list[int]]:
     """{"input_ids", "loss_mask"} of a conversation rendered with the tokenizer's chat template and tokenized once;
     the loss mask holds the assistant turns' tokens and the end-of-turn (stop) token right after each.
 
-    Each turn's content is found in the rendered text in order, and its tokens by their character offsets (a fast
-    tokenizer's), so the template may add anything around the turns (system prompt, generation markers)."""
+    Each turn's content is found in the rendered text (`content_spans`), and its tokens by their character offsets (a
+    fast tokenizer's), so the template may add anything around the turns (system prompt, generation markers).
+    `answers`: the token ids the target generated for each assistant turn (`regenerate_conversations`: a stop id
+    last where it stopped), which replace that turn's tokens where tokenizing its decoded text gives other ids (the
+    round trip through text is not exact for every tokenizer); the end-of-turn token after a turn is then labelled
+    only where the target generated one (not after an answer its cap cut). `add_generation_prompt`: render the
+    template's generation prompt after the last turn (the prompt of the next answer)."""
     if not tokenizer.is_fast:
         raise ValueError(f"{where}: conversations need a fast tokenizer (character offsets); this target's "
                          f"{type(tokenizer).__name__} is not one")
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    text, spans = content_spans(tokenizer, messages, where, add_generation_prompt)
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids, offsets = list(encoding["input_ids"]), encoding["offset_mapping"]
-    loss_mask, cursor, stops = [0] * len(input_ids), 0, set(stop_token_ids)
+    stops = set(stop_token_ids)
+    turns = [(start, end) for (start, end), message in zip(spans, messages) if message["role"] == "assistant"]
+    labelled: list[tuple[int, int, bool]] = []  # (first token, end token, whether the end-of-turn token counts)
+    for number, (start, end) in enumerate(turns):
+        tokens = [token for token, (first, last) in enumerate(offsets) if first < end and last > start]
+        first = tokens[0] if tokens else next((t for t, (low, _) in enumerate(offsets) if low >= end), len(offsets))
+        stop = first + len(tokens)
+        if answers is None:
+            labelled.append((first, stop, bool(tokens)))
+            continue
+        answer = list(answers[number])
+        stopped = bool(answer) and answer[-1] in stops
+        generated = answer[:-1] if stopped else answer
+        clean = all(offsets[t][0] >= start and offsets[t][1] <= end for t in tokens)  # no token shared with markup
+        if input_ids[first:stop] != generated and clean:  # the target's own ids, where the text round trip differs
+            input_ids[first:stop], offsets[first:stop] = generated, [(start, end)] * len(generated)
+            stop = first + len(generated)  # the later turns' tokens are found by their characters, after the splice
+        labelled.append((first, stop, stopped))
+    loss_mask = [0] * len(input_ids)
+    for first, stop, ends in labelled:
+        for token in range(first, stop):
+            loss_mask[token] = 1
+        if ends and stop < len(input_ids) and input_ids[stop] in stops:
+            loss_mask[stop] = 1  # the end of the turn, which the target generates too
+    return {"input_ids": input_ids, "loss_mask": loss_mask}
+
+
+def content_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], where: str,
+                  add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
+    """(the conversation rendered with the chat template, the (start, end) characters of each message's content in
+    it). The template is rendered once more with a marker in place of each content: where the template writes the
+    contents as they are, that locates each one exactly (a short content such as "a" is not mistaken for a piece of
+    the markup); otherwise each content is searched for in order. A content not found raises a ValueError."""
+    settings = {"tokenize": False, "add_generation_prompt": add_generation_prompt, "enable_thinking": False}
+    text = tokenizer.apply_chat_template(messages, **settings)
+    marks = [f"\x00{index}\x00" for index in range(len(messages))]
+    skeleton = tokenizer.apply_chat_template([{**message, "content": mark} for message, mark in zip(messages, marks)],
+                                             **settings)
+    pieces, spans, length, cursor = [], [], 0, 0
+    for message, mark in zip(messages, marks):
+        found = skeleton.find(mark, cursor)
+        if found < 0:
+            break
+        pieces.append(skeleton[cursor:found])
+        length += found - cursor
+        spans.append((length, length + len(message["content"])))
+        pieces.append(message["content"])
+        length += len(message["content"])
+        cursor = found + len(mark)
+    if len(spans) == len(messages) and "".join(pieces) + skeleton[cursor:] == text:
+        return text, spans
+    spans, cursor = [], 0
     for index, message in enumerate(messages):
         start = text.find(message["content"], cursor)
         if start < 0:
@@ -154,14 +220,8 @@ def conversation_row(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str
                              f"({message['role']}) verbatim, so its tokens cannot be told apart; pass the rows as "
                              "prompt_ids / response_ids in --responses instead (docs/training.md, 'Data')")
         cursor = start + len(message["content"])
-        if message["role"] != "assistant":
-            continue
-        tokens = [token for token, (first, last) in enumerate(offsets) if first < cursor and last > start]
-        if tokens and tokens[-1] + 1 < len(input_ids) and input_ids[tokens[-1] + 1] in stops:
-            tokens.append(tokens[-1] + 1)  # the end of the turn, which the target generates too
-        for token in tokens:
-            loss_mask[token] = 1
-    return {"input_ids": input_ids, "loss_mask": loss_mask}
+        spans.append((start, cursor))
+    return text, spans
 
 
 def read_rows(path: str | Path, repair: bool = True) -> list[dict]:
@@ -179,25 +239,39 @@ def read_rows(path: str | Path, repair: bool = True) -> list[dict]:
 
 
 def repair_rows(path: str | Path) -> None:
-    """Rewrite a `.jsonl` response file without the line an interruption cut, one line at a time (nothing to do when
-    every line is whole and ends the line, or there is no file)."""
+    """Make a `.jsonl` rows file end with a whole row and its newline: rows are only ever appended, whole, and the
+    file is repaired before each append, so an interruption can cut only its last line, which is dropped (a whole
+    row that lost only its newline gets it back). Reads the last line only (nothing to do without a file)."""
     path = Path(path)
-    if not path.exists():
+    if not path.exists() or not path.stat().st_size:
         return
-    with open(path, encoding="utf-8") as handle:  # a row cut just before its newline would join the next one
-        if all(line.endswith("\n") and _whole(line) for line in handle):
+    with open(path, "rb+") as handle:
+        size = handle.seek(0, os.SEEK_END)
+        start = size
+        while start > 0:  # where the last line starts: after the newline before it
+            step = min(start, 1 << 16)
+            handle.seek(start - step)
+            chunk = handle.read(step)
+            cut = chunk.rfind(b"\n", 0, step - 1 if start == size else step)
+            if cut >= 0:
+                start -= step - cut - 1
+                break
+            start -= step
+        handle.seek(start)
+        last = handle.read()
+        if last.endswith(b"\n") and _whole(last):
             return
-    staging = path.with_name(path.name + ".tmp")
-    with open(staging, "w", encoding="utf-8") as handle:
-        handle.writelines(json.dumps(row) + "\n" for row in iter_rows(path))
-    staging.replace(path)
+        if _whole(last):
+            handle.write(b"\n")
+        else:
+            handle.truncate(start)
 
 
-def _whole(line: str) -> bool:
+def _whole(line: str | bytes) -> bool:
     """Whether a line of a response file is a whole JSON row."""
     try:
         json.loads(line)
-    except json.JSONDecodeError:
+    except ValueError:  # not JSON, or bytes cut inside a character
         return False
     return True
 
@@ -238,13 +312,21 @@ def rows_by_index(path: str | Path, indices: range) -> Iterator[dict]:
 
 
 def training_rows(responses: Path, prompts: range, conversations: list[str], tokenizer: PreTrainedTokenizerBase,
-                  stop_token_ids: Iterable[int], rows: range) -> Iterator[tuple[list[int], list[int]]]:
+                  stop_token_ids: Iterable[int], rows: range, regenerated: Path | None = None
+                  ) -> Iterator[tuple[list[int], list[int]]]:
     """(token ids, loss mask) of the training rows at positions `rows`, one at a time: first the response rows of
-    the prompts at `prompts` (in prompt order), then the conversations (`conversation_row`, in file order)."""
+    the prompts at `prompts` (in prompt order), then the conversations (`conversation_row`, in file order): as
+    given, or with `regenerated` the rows of that file (`regenerate_conversations`: every assistant turn the
+    target's, its generated ids kept)."""
     answered = range(max(rows.start, 0), min(rows.stop, len(prompts)))
     for row in rows_by_index(responses, prompts[answered.start:answered.stop]) if answered else ():
         yield row_tokens(row)
     chats = range(max(rows.start - len(prompts), 0), max(rows.stop - len(prompts), 0))
+    if regenerated is not None:
+        for row in rows_by_index(regenerated, chats) if chats else ():
+            yield row_tokens(conversation_row(tokenizer, row["messages"], stop_token_ids,
+                                              f"{regenerated} row {row['index']}", row["answer_ids"]))
+        return
     for where, messages in read_chat_rows(conversations, chats) if chats else ():
         yield row_tokens(conversation_row(tokenizer, messages, stop_token_ids, where))
 
@@ -300,15 +382,7 @@ def generate_responses(
     files, `finish_shards`: the wait is outside any collective), the main process appends the shards to `output_path`
     and removes them (`merge_shards`); a rerun first merges the shards a killed run left.
     """
-    refusal = engine_refusal(engine, draft is not None)
-    if refusal is not None:
-        raise ValueError(refusal)
-    if (engine == "vllm") != isinstance(target, VllmTarget):
-        raise ValueError(f"engine {engine!r} with a {type(target).__name__} target: vllm answers through a "
-                         "vllm_engine.VllmTarget (vllm_engine.load_vllm_target), the other engines through the model")
-    refusal = continuous_batching_refusal(target_device(target)) if engine == "continuous" else None
-    if refusal is not None:
-        raise ValueError(refusal)
+    check_engine(target, engine, draft)
     output_path, state = Path(output_path), process_state()
     main_shard = shard_path(output_path, 0, state.num_processes)
     if state.is_main_process:  # merges a killed run's shards and appends the seeded rows before any process reads
@@ -346,6 +420,248 @@ def generate_responses(
     return len(prompts)
 
 
+def check_engine(target: torch.nn.Module | VllmTarget, engine: str, draft: torch.nn.Module | None) -> None:
+    """Raise a ValueError naming why `engine` cannot answer through this target (and draft) here."""
+    refusal = engine_refusal(engine, draft is not None)
+    if refusal is not None:
+        raise ValueError(refusal)
+    if (engine == "vllm") != isinstance(target, VllmTarget):
+        raise ValueError(f"engine {engine!r} with a {type(target).__name__} target: vllm answers through a "
+                         "vllm_engine.VllmTarget (vllm_engine.load_vllm_target), the other engines through the model")
+    refusal = continuous_batching_refusal(target_device(target)) if engine == "continuous" else None
+    if refusal is not None:
+        raise ValueError(refusal)
+
+
+REGENERATE_TURNS = ("first", "all")  # --regenerate-turns: which assistant turns the target answers
+
+
+@torch.no_grad()
+def regenerate_conversations(
+    target: torch.nn.Module | VllmTarget,
+    tokenizer: PreTrainedTokenizerBase,
+    paths: Sequence[str | Path],
+    output_path: str | Path,
+    batch_size: int = 16,
+    max_new_tokens: int | None = 256,
+    max_length: int | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    progress: bool = True,
+    draft: torch.nn.Module | None = None,
+    by_length: bool = True,
+    engine: str = "generate",
+) -> int:
+    """Re-answer every assistant turn of the conversations of `paths` (`--conversations` rows) with the target, in
+    order, into `output_path`; returns the number of conversations, every one then there once.
+
+    Turn by turn, as a chat goes: the answer to assistant turn k is generated on the conversation rendered up to it
+    with the generation prompt (`conversation_row`), where every earlier assistant turn is the target's own answer,
+    so the target's answer to turn k is the history of turn k + 1. Each row is {"index", "messages", "answer_ids"}:
+    the messages with the target's answers as the assistant contents (decoded), and the ids the target generated for
+    each (a stop id last where it stopped), which `conversation_row` keeps where tokenizing the text would give
+    other ids; so the histories and the training sequence hold exactly the tokens the target generated. A
+    conversation ends at the first turn whose history already fills `max_length` (training would cut the rest).
+
+    The processes share the conversations (every `num_processes`-th from `process_index` on, each parsing only its
+    own), each takes `batch_size` of its own at a time (longest first with `by_length`, by turns then characters),
+    answers all their turns k together in one batch per k, and appends the finished rows to its shard; a killed run
+    resumes from the rows written (`generate_responses` describes the shards and engines; a stored row is checked
+    against its conversation: the same system and user turns)."""
+    check_engine(target, engine, draft)
+    output_path, state = Path(output_path), process_state()
+    count = sum(1 for _ in chat_lines(paths))
+    prepare_output(output_path, state)
+    offsets = stored_row_offsets(output_path, count, state)
+    todo, keys = [], []  # this process's conversations still to answer: where each is, and its length
+    for position, path, offset, number, line in chat_lines(paths, range(state.process_index, count,
+                                                                        state.num_processes)):
+        messages = conversation_messages(line, f"{path}:{number}")
+        if offsets[position] >= 0:
+            _check_stored_conversation(output_path, int(offsets[position]), messages, position, path)
+            continue
+        todo.append((position, path, offset, number))
+        keys.append((sum(message["role"] == "assistant" for message in messages),
+                     sum(len(message["content"]) for message in messages)))
+    if by_length:
+        todo = [todo[i] for i in sorted(range(len(todo)), key=lambda i: (-keys[i][0], -keys[i][1], i))]
+    device = None if engine == "vllm" else target_device(target)
+    tokens = generation_tokens(target, tokenizer)
+    if temperature > 0:
+        torch.manual_seed(seed + state.process_index)
+    bar = _progress(len(todo), 0, progress and state.is_main_process,
+                    f"regenerating conversations (process {state.process_index}: {len(todo)} of {count})")
+    with open(shard_path(output_path, state.process_index, state.num_processes), "a", encoding="utf-8") as handle:
+        for start in range(0, len(todo), batch_size):
+            group = [(position, _read_conversation(path, offset, number))
+                     for position, path, offset, number in todo[start:start + batch_size]]
+            rows = _answer_turns(target, tokenizer, draft, group, tokens, device, max_new_tokens, max_length,
+                                 temperature, engine, seed)
+            handle.writelines(json.dumps(row) + "\n" for row in rows)
+            handle.flush()
+            bar.update(len(rows))
+    bar.close()
+    finish_shards(output_path, state)
+    return count
+
+
+def _read_conversation(path: Path, offset: int, number: int) -> list[dict[str, str]]:
+    """The messages of the conversation row at byte `offset` (line `number`) of `path`."""
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        return conversation_messages(handle.readline(), f"{path}:{number}")
+
+
+def _check_stored_conversation(output_path: Path, offset: int, messages: list[dict[str, str]], position: int,
+                               source: Path) -> None:
+    """Raise a ValueError where the stored row at `offset` of `output_path` is not a regeneration of `messages`
+    (other system or user turns, or other roles)."""
+    with open(output_path, "rb") as handle:
+        handle.seek(offset)
+        stored = json.loads(handle.readline())["messages"]
+    given = [(message["role"], message["content"] if message["role"] != "assistant" else None)
+             for message in messages[:len(stored)]]
+    if given != [(message["role"], message["content"] if message["role"] != "assistant" else None)
+                 for message in stored]:
+        raise ValueError(f"row {position} of {output_path} answers another conversation than conversation "
+                         f"{position} of these files ({source} ...): pass the matching --conversations, or use a new "
+                         "--output")
+
+
+def _answer_turns(target: torch.nn.Module | VllmTarget, tokenizer: PreTrainedTokenizerBase,
+                  draft: torch.nn.Module | None, group: list[tuple[int, list[dict[str, str]]]], tokens: Any,
+                  device: torch.device | None, max_new_tokens: int | None, max_length: int | None,
+                  temperature: float, engine: str, seed: int) -> list[dict]:
+    """The regenerated rows {"index", "messages", "answer_ids"} of a group of (position, messages): assistant turn k
+    of every conversation that has one answered in one batch, k = 0, 1, ... (`regenerate_conversations`)."""
+    stops = frozenset(tokens.stop_token_ids)
+    turns = {position: [k for k, message in enumerate(messages) if message["role"] == "assistant"]
+             for position, messages in group}
+    history = {position: [dict(message) for message in messages] for position, messages in group}
+    answers: dict[int, list[list[int]]] = {position: [] for position, _ in group}
+    for k in range(max(map(len, turns.values()))):
+        batch = []
+        for position, _ in group:
+            if len(answers[position]) != k or k >= len(turns[position]):
+                continue  # ended: no turn k, or an earlier history filled max_length
+            where = f"conversation {position}, assistant turn {k}"
+            ids = conversation_row(tokenizer, history[position][:turns[position][k]], stops, where, answers[position],
+                                   add_generation_prompt=True)["input_ids"]
+            if k and max_length is not None and len(ids) >= max_length:
+                continue  # training cuts this turn and the later ones away
+            batch.append((position, ids))
+        if not batch:
+            break
+        caps = [answer_cap(len(ids), max_new_tokens, max_length) for _, ids in batch]
+        for row in _generate_rows(target, draft, batch, tokens, device, caps, temperature, engine, seed):
+            position, answer = row["index"], row["response_ids"]
+            text = answer[:-1] if answer and answer[-1] in stops else answer
+            history[position][turns[position][k]]["content"] = tokenizer.decode(
+                text, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            answers[position].append(answer)
+    return [{"index": position, "messages": history[position][:turns[position][len(answers[position]) - 1] + 1],
+             "answer_ids": answers[position]} for position, _ in group]
+
+
+ROW_INDEX = re.compile(rb'\{"index": (\d+)[,}]')  # how a stored row's line starts (json.dumps of a row, "index" first)
+
+
+def row_index(line: bytes) -> int | None:
+    """The "index" of a stored row's line: read from its start where it has the form this package writes, else by
+    decoding it; None for a line an interruption cut."""
+    match = ROW_INDEX.match(line)
+    if match is not None:
+        return int(match.group(1))
+    try:
+        return int(json.loads(line)["index"])
+    except (ValueError, KeyError, TypeError):  # a line an interruption cut
+        return None
+
+
+def stored_row_offsets(path: Path, count: int, state: Any) -> torch.Tensor:
+    """Where the first row of each index 0 .. count - 1 starts in the rows file `path`, in bytes (-1: none), on
+    every process: each process reads only the lines that start in its own slice of the file and notes where each
+    row is (its index read from the line's start, `row_index`), and the processes' notes are combined (a collective,
+    after about 1 / num_processes of the file each: every process calls this). [count] int64"""
+    missing = torch.iinfo(torch.int64).max
+    offsets = torch.full((count,), missing, dtype=torch.int64)  # [count]
+    size = path.stat().st_size if path.exists() else 0
+    rank, processes = state.process_index, state.num_processes
+    low, high = size * rank // processes, size * (rank + 1) // processes
+    if high > low:
+        with open(path, "rb") as handle:
+            position = low
+            if low:
+                handle.seek(low - 1)
+                position += len(handle.readline()) - 1  # the line that started before the slice is the previous one's
+            found = array("q")  # [2 x rows] index, offset
+            while position < high:
+                line = handle.readline()
+                if not line:
+                    break
+                index = row_index(line)
+                if index is not None and 0 <= index < count:
+                    found.extend((index, position))
+                position += len(line)
+        pairs = torch.asarray(found, dtype=torch.int64).view(-1, 2)  # [rows, 2]
+        offsets.scatter_reduce_(0, pairs[:, 0], pairs[:, 1], reduce="amin")
+    if state.num_processes > 1:
+        offsets = offsets.to(state.device)
+        torch.distributed.all_reduce(offsets, op=torch.distributed.ReduceOp.MIN)
+        offsets = offsets.cpu()
+    return offsets.masked_fill_(offsets == missing, -1)
+
+
+def prepare_output(output_path: Path, state: Any, poll_seconds: float = 1.0) -> None:
+    """Make `output_path` hold every row a killed run wrote before any process reads it. The main process rewrites
+    a line an interruption cut (`repair_rows`), removes a killed run's markers, then (after one barrier, which
+    nothing long precedes) appends its shards' rows of indices not stored yet (`merge_shards`) and writes the
+    `ready_marker`; every other process first learns whether `output_path` is on a file system every process sees,
+    then waits for the marker by polling the file system (no collective timeout applies to the merge; a merge that
+    stalls stops the wait, `wait_for_files`). The marker goes at `finish_shards`."""
+    main_shard, ready = shard_path(output_path, 0, state.num_processes), ready_marker(output_path)
+    if state.is_main_process:
+        ready.unlink(missing_ok=True)
+        for marker in output_path.parent.glob(done_marker(output_path, "*", "*").name):  # a killed run's
+            marker.unlink()
+        repair_rows(output_path)
+        main_shard.touch()  # every process must see it: the shards are merged through the file system
+    state.wait_for_everyone()
+    if not main_shard.exists():
+        raise ValueError(f"{main_shard.parent} is not on a file system every process sees (process "
+                         f"{state.process_index} does not see the main process's {main_shard.name}): put --output on "
+                         "one (docs/training.md, 'Several processes')")
+    if state.is_main_process:
+        shards = shard_files(output_path)
+        if any(shard.stat().st_size for shard in shards):
+            stored = bytearray()  # a flag per index stored already
+
+            def new(row: dict, shard: Path) -> bool:  # the first row of each index is kept
+                index = row["index"]
+                if index >= len(stored):
+                    stored.extend(bytes(index + 1 - len(stored)))
+                if stored[index]:
+                    return False
+                stored[index] = 1
+                return True
+
+            with open(output_path, "rb") if output_path.exists() else open(os.devnull, "rb") as handle:
+                for line in handle:
+                    index = row_index(line)
+                    if index is not None:
+                        new({"index": index}, output_path)
+            merge_shards(output_path, shards, new)
+        ready.touch()
+    else:
+        wait_for_files(ready.exists, [output_path, *shard_files(output_path)], poll_seconds, SHARD_STALL_MINUTES,
+                       lambda: "the main process to merge a killed run's shards")
+
+
+def ready_marker(output_path: Path) -> Path:
+    """The empty file the main process writes once `output_path` holds a killed run's rows (`prepare_output`)."""
+    return output_path.with_name(output_path.name + ".ready")
+
+
 SHARD_POLL_SECONDS = 1.0  # how often a process that finished its share looks whether the others have
 SHARD_STALL_MINUTES = 60.0  # a wait that sees no shard (nor the merged file) grow for this long stops: a process died
 
@@ -368,6 +684,7 @@ def finish_shards(output_path: Path, state: Any, poll_seconds: float = SHARD_POL
         merge_shards(output_path, shards)
         for marker in markers:
             marker.unlink()
+        ready_marker(output_path).unlink(missing_ok=True)
     else:
         wait_for_files(lambda: not markers[state.process_index].exists(), [*shards, output_path], poll_seconds,
                        stall_minutes, lambda: "the main process to merge the shards")
