@@ -110,11 +110,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="generate: each batch in lock-step (batched generate, run to its longest answer); "
                              "continuous: Transformers' continuous batching (generate_batch, paged attention; "
                              "Transformers 5.25 on the CPU); vllm: vLLM's offline LLM.generate, where vLLM is "
-                             "installed (CUDA; one process, with --generate-only). Greedy rows are the same "
+                             "installed (CUDA; with --generate-only; an engine per process). Greedy rows are the same "
                              "(docs/training.md, 'Regeneration engines')")
     parser.add_argument("--gen-tensor-parallel-size", type=int, default=1, metavar="N",
-                        help="--gen-engine vllm: split the target over N GPUs of this machine (vLLM's "
-                             "tensor_parallel_size; the other engines run one copy per process)")
+                        help="--gen-engine vllm: split the target over N GPUs (vLLM's tensor_parallel_size; on "
+                             "several processes each process's engine takes its own N; the other engines run one "
+                             "copy per process)")
     parser.add_argument("--gen-temperature", type=float, default=0.0,
                         help='temperature of the regenerated responses (0: greedy)')
     parser.add_argument("--gen-dtype", choices=["auto", *DTYPES], default="auto",

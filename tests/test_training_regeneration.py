@@ -4,10 +4,11 @@ blocks the rows need, never from the rows times their caps alone."""
 from __future__ import annotations
 
 import functools
+import sys
 
 import pytest
 import torch
-from helpers import make_target, make_tokenizer
+from helpers import make_target, make_tokenizer, save_tiny_target_and_prompts
 from transformers import Qwen3Config
 
 from dflash_hf.prompts import user_prompt_ids
@@ -115,3 +116,113 @@ def test_the_engine_passes_the_planned_cache_sized_by_the_free_memory(tmp_path, 
     expected = paged_cache_plan(target.config, target.dtype, rows, 8 * GIB)
     assert [(config.num_blocks, config.max_batch_tokens, config.max_memory_percent) for config in seen] == [
         (expected.num_blocks, expected.max_batch_tokens, CONTINUOUS_CACHE_MEMORY)]
+
+
+def test_each_process_engine_takes_its_own_gpus():
+    from dflash_hf.training.vllm_engine import engine_gpus
+
+    assert engine_gpus(0, 1, None, 8) == ["0"] and engine_gpus(7, 1, None, 8) == ["7"]
+    assert engine_gpus(3, 2, None, 8) == ["6", "7"]  # 4 processes, tensor-parallel over 2 GPUs each
+    assert engine_gpus(1, 2, "4,5,6,7", 4) == ["6", "7"]  # of the GPUs the launch made visible
+    with pytest.raises(ValueError, match=r"process 4 of this machine needs GPUs 8\.\.9 \(--gen-tensor-parallel-size 2 "
+                                         r"each\), but 8 are visible"):
+        engine_gpus(4, 2, None, 8)
+
+
+def test_an_engine_starts_on_its_gpus_without_the_launch_variables(tmp_path, monkeypatch):
+    import os
+
+    from test_training_job_flags import stand_in_vllm
+
+    from dflash_hf.training.vllm_engine import load_vllm_target
+
+    save_tiny_target_and_prompts(tmp_path, 1)
+    given = stand_in_vllm(monkeypatch)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    seen = []
+    llm_class = sys.modules["vllm"].LLM
+    monkeypatch.setattr(sys.modules["vllm"], "LLM", lambda **settings: seen.append(
+        (os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("RANK"))) or llm_class(**settings))
+    load_vllm_target(str(tmp_path / "target"), torch.float32, 0, 1, ["3"])
+    assert seen == [("3", None)]  # the engine process vLLM spawns sees its GPU and no process group of the launch
+    assert (os.environ["CUDA_VISIBLE_DEVICES"], os.environ["RANK"]) == ("0,1,2,3", "3")  # restored after
+    load_vllm_target(str(tmp_path / "target"), torch.float32, 0, 1, None)  # one process: as it is
+    assert seen[1] == ("0,1,2,3", "3") and len(given["llm"]) == 2
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    with pytest.raises(ValueError, match="unset VLLM_ENABLE_V1_MULTIPROCESSING=0"):
+        load_vllm_target(str(tmp_path / "target"), torch.float32, 0, 1, ["3"])
+
+
+# A `vllm` package for the two processes of `test_two_processes_answer_their_own_shares_through_vllm`: its `LLM` loads
+# the target folder with Transformers and answers each prompt with greedy `generate` alone; each engine records the
+# prompts it answered in VLLM_STAND_IN_RECORDS/<pid>.json.
+STAND_IN_VLLM = '''
+import json, os
+import torch
+from transformers import AutoModelForCausalLM
+
+
+class SamplingParams:
+    def __init__(self, **settings):
+        self.settings = settings
+
+
+class LLM:
+    def __init__(self, **settings):
+        self.model = AutoModelForCausalLM.from_pretrained(settings["model"], dtype=torch.float32).eval()
+        self.record = os.path.join(os.environ["VLLM_STAND_IN_RECORDS"], f"{os.getpid()}.json")
+        self.prompts = []
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        class Output:
+            pass
+        outputs = []
+        for prompt, params in zip(prompts, sampling_params, strict=True):
+            ids = torch.tensor([prompt["prompt_token_ids"]])
+            generated = self.model.generate(ids, max_new_tokens=params.settings["max_tokens"], do_sample=False,
+                                            eos_token_id=params.settings["stop_token_ids"], pad_token_id=0)
+            answer, output = Output(), Output()
+            answer.token_ids, output.outputs = generated[0, ids.shape[1]:].tolist(), [answer]
+            outputs.append(output)
+            self.prompts.append(prompt["prompt_token_ids"])
+        with open(self.record, "w") as handle:
+            json.dump(self.prompts, handle)
+        return outputs
+'''
+
+
+def test_two_processes_answer_their_own_shares_through_vllm(tmp_path, monkeypatch):
+    """`--gen-engine vllm` under torchrun on two (CPU) processes: each process starts one engine and answers its own
+    share of the prompts into its own shard; the merged rows are one process's `generate` rows."""
+    import json
+
+    from test_training_distributed import run_two_processes
+
+    from dflash_hf.loading import load_target
+    from dflash_hf.training.data import read_prompts, rows_by_index
+
+    prompts = save_tiny_target_and_prompts(tmp_path, 5)
+    target, tokenizer = load_target(str(tmp_path / "target"), torch.float32)
+    generate_responses(target, tokenizer, read_prompts([prompts]), tmp_path / "alone.jsonl", batch_size=2,
+                       max_new_tokens=8, progress=False)
+    package, records = tmp_path / "stand_in" / "vllm", tmp_path / "engines"
+    package.mkdir(parents=True)
+    records.mkdir()
+    (package / "__init__.py").write_text(STAND_IN_VLLM)
+    (package / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n"
+                                       "    return {'prompt_token_ids': prompt_token_ids}\n")
+    monkeypatch.setenv("PYTHONPATH", str(package.parent))
+    monkeypatch.setenv("VLLM_STAND_IN_RECORDS", str(records))
+    output, _ = run_two_processes(
+        ["cli"], tmp_path, "train", "--target", str(tmp_path / "target"), "--output", str(tmp_path / "cli" / "run"),
+        "--prompts", str(prompts), "--gen-batch-size", "2", "--gen-max-new-tokens", "8", "--generate-only",
+        "--gen-engine", "vllm")["cli"]
+    assert list(rows_by_index(output / "responses.jsonl", range(5))) == list(
+        rows_by_index(tmp_path / "alone.jsonl", range(5)))
+    answered = [json.loads(path.read_text()) for path in sorted(records.iterdir())]
+    assert len(answered) == 2 and all(answered)  # one engine per process, each answered some
+    every = sorted(ids for engine in answered for ids in engine)
+    alone = sorted(row["prompt_ids"] for row in rows_by_index(tmp_path / "alone.jsonl", range(5)))
+    assert every == alone  # the shares are disjoint and cover every prompt: each answered once
+    assert not list(output.glob("responses.rank-*"))  # the shards were merged and removed

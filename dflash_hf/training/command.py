@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import shlex
 import shutil
 import time
@@ -54,7 +55,7 @@ from .store import (
     write_store_facts,
 )
 from .trainer import TrainingLog, TrainingSettings, check_trackers, train_draft
-from .vllm_engine import VllmTarget, load_vllm_target, vllm_refusal
+from .vllm_engine import VllmTarget, engine_gpus, load_vllm_target, vllm_refusal
 
 # --gen-dtype, --target-dtype and --eval-dtype auto: bfloat16 on CUDA (the frozen target only gives features and
 # teacher logits while training); on CPU, float32 (few-row bfloat16 matmuls are slow without native bf16).
@@ -154,12 +155,15 @@ def generation_target(args: argparse.Namespace, state: Any) -> tuple[torch.nn.Mo
         raise SystemExit(f"dflash-hf train: {refusal}")
     if args.gen_engine != "vllm":
         return load_target(args.target, dtype, device=state.device)
-    refusal = vllm_refusal(args.target, state.num_processes, args.generate_only)
+    refusal = vllm_refusal(args.target, args.generate_only)
     if refusal is not None:
         raise SystemExit(f"dflash-hf train: {refusal}")
-    try:
-        return load_vllm_target(args.target, dtype, args.seed, args.gen_tensor_parallel_size)
-    except ValueError as error:  # a generation config vLLM would not follow
+    try:  # several processes: each its own engine on its own GPUs (one process: where vLLM puts it)
+        gpus = (engine_gpus(state.local_process_index, args.gen_tensor_parallel_size,
+                            os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
+                if state.num_processes > 1 and state.device.type == "cuda" else None)
+        return load_vllm_target(args.target, dtype, args.seed, args.gen_tensor_parallel_size, gpus)
+    except ValueError as error:  # a generation config vLLM would not follow, more GPUs than the machine shows
         raise SystemExit(f"dflash-hf train: {error}") from error
 
 

@@ -1,11 +1,17 @@
 """`--gen-engine vllm`: the target's responses through vLLM's offline engine (`LLM.generate`), where the user installed
 vLLM. It is never a dependency of the package: where `import vllm` fails the engine is refused by name
-(`vllm_refusal`) before any model loads."""
+(`vllm_refusal`) before any model loads.
+
+Data-parallel: under `accelerate launch` / `torchrun` every process runs an engine of its own on its own GPUs
+(`engine_gpus`: `--gen-tensor-parallel-size` of them each, 1 by default) and answers its own share of the prompts into
+its own shard file, as the other engines do (`data.generate_responses`)."""
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -15,28 +21,72 @@ from ..settings_dflash import non_neutral_settings
 from ..tokens_dflash import GenerationTokens
 
 
-def vllm_refusal(target: str, num_processes: int, generate_only: bool) -> str | None:
-    """Why `--gen-engine vllm` cannot run this `train` (None: it can): vLLM not importable here, several processes
-    (vLLM runs its own tensor / data parallelism in one), training in the same process (vLLM keeps the GPU memory it
-    took), or the converted `smollm2` (vLLM loads a Hub id or a folder itself)."""
+def vllm_refusal(target: str, generate_only: bool) -> str | None:
+    """Why `--gen-engine vllm` cannot run this `train` (None: it can): vLLM not importable here, training in the same
+    process (vLLM keeps the GPU memory it took), or the converted `smollm2` (vLLM loads a Hub id or a folder
+    itself). Any number of processes may run it: each runs its own engine (`engine_gpus`)."""
     try:
         import vllm  # noqa: F401
     except ImportError:
         return ("--gen-engine vllm: vLLM is not installed here (import vllm fails). Install it on a CUDA machine "
                 "(pip install vllm; it is no dependency of dflash-hf), or pick --gen-engine generate or continuous")
-    two_steps = ("run `dflash-hf train --generate-only --gen-engine vllm --output OUTPUT ...` as one process (no "
-                 "accelerate launch / torchrun), then train on its rows: `dflash-hf train --output OUTPUT ...` "
-                 "(the same prompts and output: nothing is generated again) or `--responses OUTPUT/responses.jsonl` "
-                 "(docs/training.md, 'Regeneration engines')")
-    if num_processes > 1:
-        return (f"--gen-engine vllm on {num_processes} processes: vLLM runs its own tensor and data parallelism "
-                f"inside one process; {two_steps}")
     if not generate_only:
-        return f"--gen-engine vllm needs --generate-only (vLLM keeps the GPU memory it took until exit): {two_steps}"
+        return ("--gen-engine vllm needs --generate-only (vLLM keeps the GPU memory it took until exit): run "
+                "`dflash-hf train --generate-only --gen-engine vllm --output OUTPUT ...` (on one process or under "
+                "accelerate launch / torchrun, an engine per process), then train on its rows: `dflash-hf train "
+                "--output OUTPUT ...` (the same prompts and output: nothing is generated again) or `--responses "
+                "OUTPUT/responses.jsonl` (docs/training.md, 'Regeneration engines')")
     if target == SMOLLM2:
         return (f"--gen-engine vllm loads the target itself from a Hub id or a folder, not the converted --target "
                 f"{SMOLLM2}: pass its Hub id or folder (e.g. --target HuggingFaceTB/SmolLM2-135M-Instruct)")
     return None
+
+
+def engine_gpus(local_index: int, tensor_parallel_size: int, visible: str | None, device_count: int) -> list[str]:
+    """The GPUs (as CUDA_VISIBLE_DEVICES names them) of the engine of the process `local_index` of this machine:
+    the `tensor_parallel_size` GPUs from local_index x tensor_parallel_size on, of those `visible` (the
+    CUDA_VISIBLE_DEVICES the launch set; None: all `device_count`). A launch that asks for more GPUs than the machine
+    shows is refused, naming both counts."""
+    names = [name for name in visible.split(",") if name.strip()] if visible is not None else [
+        str(index) for index in range(device_count)]
+    first, last = local_index * tensor_parallel_size, (local_index + 1) * tensor_parallel_size
+    if last > len(names):
+        raise ValueError(f"--gen-engine vllm: process {local_index} of this machine needs GPUs {first}..{last - 1} "
+                         f"(--gen-tensor-parallel-size {tensor_parallel_size} each), but {len(names)} are visible; "
+                         "launch at most GPUs / --gen-tensor-parallel-size processes per machine")
+    return names[first:last]
+
+
+# What torchrun / accelerate launch set for the launching process group: an engine of its own must not read them
+# (vLLM's own data-parallel example clears them for each engine)
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                    "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextmanager
+def engine_environment(gpus: list[str] | None) -> Iterator[None]:
+    """While an engine starts: its own GPUs as CUDA_VISIBLE_DEVICES (`gpus`; None: the environment as it is) and no
+    launch variables, so that the engine process vLLM spawns sees one machine of its own; restored after. This
+    process has set up CUDA already, so the variables reach only that engine process: vLLM's default
+    (VLLM_ENABLE_V1_MULTIPROCESSING=1), which a pinned engine needs (refused otherwise)."""
+    if gpus is None:
+        yield
+        return
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
+        raise ValueError("--gen-engine vllm on several processes runs each engine in a process of its own on its "
+                         "own GPUs; unset VLLM_ENABLE_V1_MULTIPROCESSING=0")
+    saved = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", *LAUNCH_VARIABLES)}
+    for name in LAUNCH_VARIABLES:
+        os.environ.pop(name, None)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @dataclass(frozen=True)
@@ -66,10 +116,11 @@ def check_generation_config(name: str, config: GenerationConfig) -> None:
                          "target's own: use --gen-engine generate or continuous")
 
 
-def load_vllm_target(name: str, dtype: torch.dtype, seed: int, tensor_parallel_size: int = 1
-                     ) -> tuple[VllmTarget, Any]:
+def load_vllm_target(name: str, dtype: torch.dtype, seed: int, tensor_parallel_size: int = 1,
+                     gpus: list[str] | None = None) -> tuple[VllmTarget, Any]:
     """vLLM's `LLM` of the target `name` (a Hub id or a folder) in `dtype`, seeded, split over
-    `tensor_parallel_size` GPUs (`--gen-tensor-parallel-size`), and the target's tokenizer."""
+    `tensor_parallel_size` GPUs (`--gen-tensor-parallel-size`), started on `gpus` (`engine_gpus`; None: where vLLM
+    puts it), and the target's tokenizer."""
     from vllm import LLM
 
     try:
@@ -77,8 +128,9 @@ def load_vllm_target(name: str, dtype: torch.dtype, seed: int, tensor_parallel_s
     except OSError:  # no generation_config.json: the one Transformers derives from the model's config
         generation_config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(name))
     check_generation_config(name, generation_config)
-    llm = LLM(model=name, dtype=str(dtype).removeprefix("torch."), seed=seed,
-              tensor_parallel_size=tensor_parallel_size)
+    with engine_environment(gpus):
+        llm = LLM(model=name, dtype=str(dtype).removeprefix("torch."), seed=seed,
+                  tensor_parallel_size=tensor_parallel_size)
     return VllmTarget(llm, generation_config), AutoTokenizer.from_pretrained(name)
 
 
