@@ -210,6 +210,11 @@ def add_train_scale_arguments(parser: argparse.ArgumentParser) -> None:
                         default=TrainingSettings.gradient_accumulation_steps,
                         help="micro-batches per optimiser step: each step trains on batch size x this x processes "
                              "sequences")
+    parser.add_argument("--tokens-per-step", type=int, default=None, metavar="N",
+                        help="a global batch of N tokens per optimiser step (all processes together) instead of a "
+                             "number of sequences: each epoch's shuffled sequences grouped by length into steps that "
+                             "fill N, each step's spread over the processes' micro-batches with similar tokens "
+                             "(needs N >= processes x accumulation steps x the longest sequence)")
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="recompute each draft layer's activations in the backward instead of keeping them: "
                              "less memory per sequence (longer or more sequences per step) for one more forward of "

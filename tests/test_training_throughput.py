@@ -4,6 +4,7 @@ the token-budget sampler (docs/training.md, "Batches" and "FSDP")."""
 from __future__ import annotations
 
 import copy
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -11,8 +12,15 @@ import torch
 from helpers import VOCAB_SIZE, make_draft, make_target
 
 from dflash_hf.training.objective import dflash_loss, target_signals, teacher_rows
-from dflash_hf.training.processes import fsdp_precision
-from dflash_hf.training.trainer import TrainingSettings, activation_checkpointing, train_draft
+from dflash_hf.training.processes import check_token_budget, fsdp_precision, token_budget_steps
+from dflash_hf.training.trainer import (
+    TokenBudgetPlan,
+    TrainingSettings,
+    activation_checkpointing,
+    train_draft,
+    training_plan,
+    training_sequences,
+)
 
 
 def sequence_and_mask(length: int, prompt: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,3 +100,90 @@ def test_fsdp_precision_keeps_float32_shards_and_gathers_in_the_autocast_dtype()
         assert (policy.param_dtype, policy.reduce_dtype) == (dtype, reduce_dtype)
     with pytest.raises(ValueError, match=r"mixed_precision 'bf16'.*--mixed-precision.*mixed_precision: 'no'"):
         fsdp_precision(SimpleNamespace(mixed_precision="bf16"), torch.bfloat16)
+
+
+def varied_lengths(count: int, seed: int = 0) -> list[int]:
+    return torch.randint(8, 200, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("processes, accumulation", [(1, 1), (2, 1), (2, 3), (4, 2)])
+def test_token_budget_steps_fill_the_budget_balance_the_bins_and_cover_the_epoch(processes, accumulation):
+    lengths = varied_lengths(300)
+    bins, budget = processes * accumulation, 2000 * processes
+    check_token_budget(budget, max(lengths), processes, accumulation)
+    steps = token_budget_steps(lengths, epoch=0, seed=7, bins=bins, budget=budget)
+    for step in steps:
+        tokens = [sum(lengths[i] for i in batch) for batch in step]
+        assert len(step) == bins and all(step)  # every process's every micro-batch has a sequence
+        assert sum(tokens) <= budget  # the budget holds
+        assert max(tokens) - min(tokens) <= max(lengths[i] for batch in step for i in batch)  # ranks finish together
+    items = [i for step in steps for batch in step for i in batch]
+    # every sequence once an epoch, plus the last step's wrap; within a step, no sequence is on two processes
+    assert set(items) == set(range(len(lengths))) and len(items) - len(lengths) < bins
+    for step in steps:
+        step_items = [i for batch in step for i in batch]
+        assert len(step_items) == len(set(step_items))
+    # most steps are full: no more than one step beyond the tokens over the budget, rounded up, plus slack for the
+    # sequences that did not fit (each step leaves less than its next sequence)
+    assert len(steps) <= math.ceil(sum(lengths) / (budget - max(lengths))) + 1
+
+
+def test_token_budget_steps_group_lengths_and_are_a_pure_function_of_seed_and_epoch():
+    lengths = varied_lengths(120)
+    steps = token_budget_steps(lengths, epoch=0, seed=3, bins=2, budget=1200)
+    assert steps == token_budget_steps(list(lengths), epoch=0, seed=3, bins=2, budget=1200)  # every process's
+    assert steps != token_budget_steps(lengths, epoch=1, seed=3, bins=2, budget=1200)  # a fresh one each epoch
+    assert steps != token_budget_steps(lengths, epoch=0, seed=4, bins=2, budget=1200)
+    # one window (120 <= LENGTH_GROUP_WINDOW): the steps cut the epoch sorted by length, so their lengths do not
+    # interleave (but for the last step's wrap), and they come shuffled, not longest first
+    spans = [(min(lengths[i] for b in step for i in b), max(lengths[i] for b in step for i in b)) for step in steps]
+    items = [i for step in steps for b in step for i in b]
+    repeated = {i for i in items if items.count(i) > 1}  # the wrap of the step cut last
+    full = sorted((span for span, step in zip(spans, steps) if not repeated & {i for b in step for i in b}),
+                  key=lambda span: -span[1])
+    assert len(full) >= len(spans) - 1
+    assert all(longer[0] >= shorter[1] for longer, shorter in zip(full, full[1:]))
+    assert [span[1] for span in spans] != sorted((span[1] for span in spans), reverse=True)
+    # against no grouping: the sequences of a step differ in length far less
+    spread = sum(high - low for low, high in spans) / len(spans)
+    assert spread < 0.25 * (max(lengths) - min(lengths))
+
+
+def test_a_token_budget_too_small_for_a_sequence_per_micro_batch_is_refused():
+    with pytest.raises(ValueError, match=r"--tokens-per-step 500: .*2 process\(es\) 2 micro-batch.*300 tokens: pass "
+                                         r"at least 1200"):
+        check_token_budget(500, 300, 2, 2)
+    with pytest.raises(ValueError, match="leave --train-batch-size at 1"):
+        TrainingSettings(tokens_per_step=4096, batch_size=2)
+
+
+def budget_rows(count: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(11)
+    return [{"prompt_ids": torch.randint(0, VOCAB_SIZE - 1, (4,), generator=generator).tolist(),
+             "response_ids": torch.randint(0, VOCAB_SIZE - 1, (int(length),), generator=generator).tolist()}
+            for length in torch.randint(6, 30, (count,), generator=generator)]
+
+
+def test_token_budget_training_resumes_exactly_mid_epoch(tmp_path):
+    target, rows = make_target("qwen3", seed=4), budget_rows(12)
+    settings = TrainingSettings(epochs=2, learning_rate=2e-3, num_anchors=8, tokens_per_step=80,
+                                gradient_accumulation_steps=2, checkpoint_every=1, mixed_precision="no")
+    plan = training_plan(training_sequences(rows, settings.max_length), 1, settings)
+    total = plan.total_steps(2)
+    assert isinstance(plan, TokenBudgetPlan) and total > 4
+    assert plan.epoch_of(total - 1) == 1 and plan.epoch_of(0) == 0
+    draft = make_draft(5, block_size=4)
+    log = train_draft(draft, target, rows, settings, tmp_path / "whole", progress=False)
+    assert log.steps == total
+    lengths = [len(row["prompt_ids"]) + len(row["response_ids"]) for row in rows]
+    assert log.tokens == sum(lengths[i] for step in range(total) for i in plan.step_items(step))
+    assert all(sum(lengths[i] for i in plan.step_items(step)) <= 80 for step in range(total))
+    # stopped in the middle of the first epoch, then resumed: the same losses, bit for bit, and the same weights
+    stop = plan.total_steps(1) // 2
+    train_draft(make_draft(5, block_size=4), target, rows, settings, tmp_path / "resumed", progress=False,
+                max_steps=stop)
+    resumed_draft = make_draft(6, block_size=4)  # other initial weights: the checkpoint's replace them
+    resumed = train_draft(resumed_draft, target, rows, settings, tmp_path / "resumed", progress=False)
+    assert resumed.losses == log.losses and resumed.tokens == log.tokens
+    for (name, weight), resumed_weight in zip(draft.state_dict().items(), resumed_draft.state_dict().values()):
+        assert torch.equal(weight, resumed_weight), name

@@ -139,7 +139,8 @@ def training_settings(args: argparse.Namespace) -> TrainingSettings:
         epochs=args.epochs, learning_rate=args.learning_rate, num_anchors=args.num_anchors, distill=args.distill,
         seed=args.seed, mixed_precision=args.mixed_precision, max_length=args.max_length,
         batch_size=args.train_batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        gradient_checkpointing=args.gradient_checkpointing, cache_target=args.cache_target_features,
+        tokens_per_step=args.tokens_per_step, gradient_checkpointing=args.gradient_checkpointing,
+        cache_target=args.cache_target_features,
         cache_limit_gib=args.cache_limit_gib,
         checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
         process_group_timeout_minutes=args.process_group_timeout, report_to=args.report_to)

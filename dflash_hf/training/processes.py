@@ -6,9 +6,12 @@ what the single-process code did before. Results travel between processes as JSO
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import math
 import os
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +68,73 @@ def epoch_order(num_items: int, epoch: int, seed: int, num_processes: int, per_p
     order = torch.randperm(num_items, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
     length = per_process * num_processes
     return (order * math.ceil(length / num_items))[:length]
+
+
+# Sequences sorted by length together before a token-budget epoch is cut into steps (`token_budget_steps`): a window
+# of the shuffled order, so that a step's sequences are of similar length yet still drawn from all over the data.
+LENGTH_GROUP_WINDOW = 4096
+
+
+def token_budget_steps(lengths: Sequence[int], epoch: int, seed: int, bins: int, budget: int,
+                       window: int = LENGTH_GROUP_WINDOW) -> list[list[list[int]]]:
+    """One epoch's optimiser steps under a token budget: each step a list of `bins` lists of items (process p's
+    micro-batch m is bin p x accumulation + m), every bin non-empty, the step's tokens (`lengths` of its items) at
+    most `budget` (given that `budget` >= `bins` x the longest item, `check_token_budget`).
+
+    The items are `epoch_order`'s permutation (seed + epoch), sorted longest first within windows of `window` entries
+    (length grouping), then cut in that order into steps that fill the budget with at least `bins` items; the last
+    step wraps round to the permutation's first entries it does not hold yet, up to `bins` items. Each step's items
+    go to its bins longest first, each to the bin with the fewest tokens so far (ties: the lower bin), so the bins'
+    tokens differ by at most the step's longest item: the processes' micro-batches finish together. The steps are
+    then shuffled (the same generator), so that an epoch does not run from long sequences to short ones. A pure
+    function of its arguments: every process, and a resumed run, finds the same steps."""
+    if not lengths:
+        return []
+    generator = torch.Generator().manual_seed(seed + epoch)
+    permutation = torch.randperm(len(lengths), generator=generator)  # [n]
+    permuted_lengths = torch.as_tensor(lengths, dtype=torch.int64)[permutation]  # [n]
+    longest = int(permuted_lengths.max())
+    # within each window of the permutation, longest first (a stable sort: ties keep the permutation's order)
+    key = torch.arange(len(lengths)) // window * (longest + 1) + (longest - permuted_lengths)  # [n]
+    grouped = permutation[torch.sort(key, stable=True).indices].tolist()
+    order = permutation.tolist()
+    steps, current, tokens = [], [], 0
+    for item in grouped:
+        if len(current) >= bins and tokens + lengths[item] > budget:
+            steps.append(current)
+            current, tokens = [], 0
+        current.append(item)
+        tokens += lengths[item]
+    if len(current) < bins:  # the last step: sequences it does not hold yet, from the permutation's start
+        held = set(current)
+        fill = itertools.chain((item for item in order if item not in held), itertools.cycle(order))
+        current += list(itertools.islice(fill, bins - len(current)))
+    steps.append(current)
+    shuffled = torch.randperm(len(steps), generator=generator).tolist()
+    return [balanced_bins(steps[index], lengths, bins) for index in shuffled]
+
+
+def balanced_bins(items: list[int], lengths: Sequence[int], bins: int) -> list[list[int]]:
+    """`items` in `bins` lists of similar tokens: longest first, each to the bin with the fewest tokens so far (ties:
+    the lower bin); each bin keeps its items in the order they came."""
+    heap = [(0, index) for index in range(bins)]
+    chosen: list[list[int]] = [[] for _ in range(bins)]
+    for item in sorted(items, key=lambda item: -lengths[item]):
+        tokens, index = heapq.heappop(heap)
+        chosen[index].append(item)
+        heapq.heappush(heap, (tokens + lengths[item], index))
+    return chosen
+
+
+def check_token_budget(budget: int, longest: int, num_processes: int, accumulation: int) -> None:
+    """Refuse a token budget per optimiser step that cannot give every process's every micro-batch one sequence
+    within it: it needs `num_processes` x `accumulation` x the longest sequence."""
+    needed = num_processes * accumulation * longest
+    if budget < needed:
+        raise ValueError(f"--tokens-per-step {budget}: a step gives each of the {num_processes} process(es) "
+                         f"{accumulation} micro-batch(es) of at least one sequence, and the longest has {longest} "
+                         f"tokens: pass at least {needed}, or fewer --gradient-accumulation-steps, or a smaller "
+                         "--max-length")
 
 
 def gather_json(items: list[Any], state: PartialState) -> list[Any]:

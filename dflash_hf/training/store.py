@@ -101,6 +101,12 @@ class SequenceStore(Sequence[tuple[torch.Tensor, torch.Tensor]]):
     def __len__(self) -> int:
         return len(self.dataset)
 
+    def lengths(self) -> list[int]:
+        """Tokens of every sequence, from the Arrow column's list offsets (no sequence is read)."""
+        import pyarrow.compute as pc
+
+        return pc.list_value_length(self.dataset.data.column("input_ids")).to_numpy().tolist()
+
     def label_counts(self, rows: range, vocab_size: int) -> torch.Tensor:
         """How often each token id is a label (loss mask 1) in the sequences `rows` [V], read WRITE_BATCH_ROWS
         sequences at a time."""

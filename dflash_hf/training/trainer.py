@@ -35,10 +35,12 @@ from .objective import LossWeights, StepResult, TargetSignals, packed_dflash_los
 from .processes import (
     check_fsdp_applies,
     check_fsdp_torch,
+    check_token_budget,
     epoch_order,
     fsdp_precision,
     gather_json,
     process_group_kwargs,
+    token_budget_steps,
 )
 from .store import SequenceStore, row_tokens
 
@@ -84,6 +86,9 @@ class TrainingSettings:
     # "bf16": forward and loss under bf16 autocast, weights and optimiser float32; "auto": `autocast_dtype` decides
     mixed_precision: str = "auto"
     batch_size: int = 1  # sequences per process per micro-batch, packed into one row
+    # tokens per optimiser step, every process's (None: batch_size x accumulation sequences per process): sequences of
+    # similar length fill it, balanced over the processes' micro-batches (`TokenBudgetPlan`)
+    tokens_per_step: int | None = None
     gradient_accumulation_steps: int = 1  # micro-batches per optimiser step (Accelerate's accumulation)
     # True: each draft layer is checkpointed, its activations recomputed in the backward (`activation_checkpointing`)
     gradient_checkpointing: bool = False
@@ -106,6 +111,10 @@ class TrainingSettings:
         below = [f"{name} {value}" for name, value in counts.items() if value < 1]
         if below:
             raise ValueError(f"{', '.join(below)}: expected >= 1")
+        if self.tokens_per_step is not None and (self.tokens_per_step < 1 or self.batch_size != 1):
+            raise ValueError(f"tokens_per_step {self.tokens_per_step} (--tokens-per-step) with batch_size "
+                             f"{self.batch_size} (--train-batch-size): a token budget >= 1 decides how many sequences "
+                             "a micro-batch packs; leave --train-batch-size at 1")
         if self.logit_weight > 0 and not self.distill:
             raise ValueError("logit_weight (--logit-weight) matches the target's top-k logits, which only "
                              "distillation keeps: drop --no-distill")
@@ -285,16 +294,44 @@ def on_host(signals: TargetSignals) -> TargetSignals:
     return signals.apply(lambda tensor: host_copy(tensor, pin))
 
 
+class StepPlan:
+    """What a plan of optimiser steps gives the trainer (`EpochPlan`, `TokenBudgetPlan`): pure functions of the
+    plan's fields, so a resumed run (or any process) finds the same sequences for a step."""
+
+    def total_steps(self, epochs: int) -> int:
+        """Optimiser steps of `epochs` epochs."""
+        raise NotImplementedError
+
+    def epoch_of(self, step: int) -> int:
+        """The epoch optimiser step `step` (counted from the run's start) belongs to."""
+        raise NotImplementedError
+
+    def step_items(self, step: int) -> list[int]:
+        """The sequences of optimiser step `step`, every process's."""
+        raise NotImplementedError
+
+    def micro_batches(self, step: int, process_index: int) -> list[list[int]]:
+        """Process `process_index`'s micro-batches of step `step`: the sequences each packs into one row."""
+        raise NotImplementedError
+
+    def process_items(self, first_step: int, last_step: int, process_index: int) -> list[int]:
+        """The sequences process `process_index` trains on in steps `first_step` .. `last_step` - 1, each once."""
+        return sorted({i for step in range(first_step, last_step)
+                       for batch in self.micro_batches(step, process_index) for i in batch})
+
+
 @dataclass
-class EpochPlan:
+class EpochPlan(StepPlan):
     """Which sequences each optimiser step trains on, every process's: each epoch one `epoch_order` of all of them
-    (`DistributedSampler`'s: seed + epoch, strided over the processes), wrapped round to whole steps. A pure function
-    of its fields, so a resumed run (or any process) finds the same sequences for a step."""
+    (`DistributedSampler`'s: seed + epoch, strided over the processes), wrapped round to whole steps, `batch_size`
+    of them per micro-batch. A pure function of its fields, so a resumed run (or any process) finds the same
+    sequences for a step."""
 
     num_sequences: int
     num_processes: int
     per_step: int  # sequences per process per optimiser step
     seed: int
+    batch_size: int = 1  # sequences per micro-batch (per_step / batch_size micro-batches a step)
     _epoch: tuple[int, list[int]] = field(default=(-1, []), init=False, repr=False)  # the last epoch's order
 
     @property
@@ -317,10 +354,89 @@ class EpochPlan:
         width = self.per_step * self.num_processes
         return self.epoch_items(epoch)[index * width:(index + 1) * width]
 
-    def process_items(self, first_step: int, last_step: int, process_index: int) -> list[int]:
-        """The sequences process `process_index` trains on in steps `first_step` .. `last_step` - 1, each once."""
-        return sorted({i for step in range(first_step, last_step)
-                       for i in self.step_items(step)[process_index::self.num_processes]})
+    def total_steps(self, epochs: int) -> int:
+        """Optimiser steps of `epochs` epochs: as many in each."""
+        return self.steps_per_epoch * epochs
+
+    def epoch_of(self, step: int) -> int:
+        """The epoch of optimiser step `step`."""
+        return step // self.steps_per_epoch
+
+    def micro_batches(self, step: int, process_index: int) -> list[list[int]]:
+        """Process `process_index`'s entries p, p + N, ... of the step, `batch_size` per micro-batch."""
+        items = self.step_items(step)[process_index::self.num_processes]
+        return [items[start:start + self.batch_size] for start in range(0, len(items), self.batch_size)]
+
+
+@dataclass
+class TokenBudgetPlan(StepPlan):
+    """Optimiser steps that fill a token budget (`--tokens-per-step`, all processes together), sequences of similar
+    length grouped into a step and balanced over the processes' micro-batches (`processes.token_budget_steps`): each
+    epoch one permutation of all sequences (seed + epoch), so the number of steps may differ between epochs. A pure
+    function of its fields, so a resumed run (or any process) finds the same sequences for a step."""
+
+    lengths: list[int]  # tokens of each sequence
+    num_processes: int
+    accumulation: int  # micro-batches per process per step
+    budget: int  # tokens per optimiser step, every process's
+    seed: int
+    _epoch: tuple[int, list[list[list[int]]]] = field(default=(-1, []), init=False, repr=False)  # the last epoch's
+    _counts: list[int] = field(default_factory=list, init=False, repr=False)  # steps of each epoch so far
+
+    def epoch_steps(self, epoch: int) -> list[list[list[int]]]:
+        """The steps of `epoch`, each as its N x accumulation micro-batches (drawn once per epoch)."""
+        if self._epoch[0] != epoch:
+            self._epoch = (epoch, token_budget_steps(self.lengths, epoch, self.seed,
+                                                     self.num_processes * self.accumulation, self.budget))
+        return self._epoch[1]
+
+    def _epoch_starts(self, epochs: int) -> list[int]:
+        """The first step of each of `epochs` epochs and, last, the step after them (one plan per epoch not yet
+        counted)."""
+        while len(self._counts) < epochs:
+            self._counts.append(len(self.epoch_steps(len(self._counts))))
+        return [sum(self._counts[:epoch]) for epoch in range(epochs + 1)]
+
+    def total_steps(self, epochs: int) -> int:
+        """Optimiser steps of `epochs` epochs (each epoch's plan is drawn once to count them)."""
+        return self._epoch_starts(epochs)[-1]
+
+    def epoch_of(self, step: int) -> int:
+        """The epoch of optimiser step `step`."""
+        epoch = 0
+        while self._epoch_starts(epoch + 1)[-1] <= step:
+            epoch += 1
+        return epoch
+
+    def _step(self, step: int) -> list[list[int]]:
+        """Step `step`'s micro-batches, every process's."""
+        epoch = self.epoch_of(step)
+        return self.epoch_steps(epoch)[step - self._epoch_starts(epoch)[-1]]
+
+    def step_items(self, step: int) -> list[int]:
+        """The sequences of step `step`, every process's, micro-batch by micro-batch."""
+        return [item for batch in self._step(step) for item in batch]
+
+    def micro_batches(self, step: int, process_index: int) -> list[list[int]]:
+        """Process `process_index`'s micro-batches of step `step` (bins p x accumulation ...)."""
+        first = process_index * self.accumulation
+        return self._step(step)[first:first + self.accumulation]
+
+
+def training_plan(sequences: Sequence[tuple[torch.Tensor, torch.Tensor]], num_processes: int,
+                  settings: TrainingSettings) -> StepPlan:
+    """The run's plan of optimiser steps: a token budget per step (`settings.tokens_per_step`: `TokenBudgetPlan`,
+    refused when it cannot hold a sequence per micro-batch, `check_token_budget`), or `batch_size` x accumulation
+    sequences per process (`EpochPlan`)."""
+    if settings.tokens_per_step is None:
+        return EpochPlan(len(sequences), num_processes, settings.sequences_per_step, settings.seed,
+                         settings.batch_size)
+    lengths = (sequences.lengths() if isinstance(sequences, SequenceStore)
+               else [len(input_ids) for input_ids, _ in sequences])
+    check_token_budget(settings.tokens_per_step, max(lengths, default=0), num_processes,
+                       settings.gradient_accumulation_steps)
+    return TokenBudgetPlan(lengths, num_processes, settings.gradient_accumulation_steps, settings.tokens_per_step,
+                           settings.seed)
 
 
 def anchor_seed(seed: int, process_index: int, micro_step: int) -> int:
@@ -803,15 +919,15 @@ def _micro_batch_step(accelerator: Any, draft: torch.nn.Module, target: torch.nn
     return result, StepUpdate(learning_rate, float(grad_norm))
 
 
-def _micro_batches(sequences: Sequence[tuple[torch.Tensor, torch.Tensor]], indices: list[int], batch_size: int,
+def _micro_batches(sequences: Sequence[tuple[torch.Tensor, torch.Tensor]], batches: list[list[int]],
                    device: torch.device, cached: dict[int, TargetSignals] | None,
                    signals_of: Callable[[torch.Tensor, torch.Tensor], TargetSignals]
                    ) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, TargetSignals]]]:
-    """The micro-batches of one optimiser step, one at a time: `batch_size` of the `sequences` at `indices` each, on
+    """The micro-batches of one optimiser step, one at a time: the `sequences` at each of `batches`' indices, on
     `device`, with their target signals (from the host cache, or `signals_of` computes them now)."""
-    for start in range(0, len(indices), batch_size):
+    for indices in batches:
         batch = []
-        for index in indices[start:start + batch_size]:
+        for index in indices:
             input_ids, loss_mask = (t.to(device) for t in sequences[index])
             signals = cached[index] if cached is not None else signals_of(input_ids, loss_mask)
             batch.append((input_ids, loss_mask, signals.to(device, non_blocking=True)))
@@ -880,8 +996,8 @@ def train_draft(
     sequences = training_sequences(rows, settings.max_length)
     held_out_sequences = training_sequences(held_out_rows or [], settings.max_length)
     rank, processes = accelerator.process_index, accelerator.num_processes
-    plan = EpochPlan(len(sequences), processes, settings.sequences_per_step, settings.seed)
-    total_steps = plan.steps_per_epoch * settings.epochs
+    plan = training_plan(sequences, processes, settings)
+    total_steps = plan.total_steps(settings.epochs)
     draft.train()
     sharded = accelerator.distributed_type == DistributedType.FSDP
     model = training_module(accelerator, draft, settings, sharded)
@@ -918,12 +1034,12 @@ def train_draft(
     own_vocabulary = draft.lm_head is not None  # its own LM head: log the labels outside its vocabulary
     accuracy_epoch, accuracy = -1, _EpochAccuracy(draft.block_size, own_vocabulary)
     while log.steps < last:
-        if log.steps // plan.steps_per_epoch != accuracy_epoch:  # a new (or resumed) epoch: fresh accuracy counts
-            accuracy_epoch = log.steps // plan.steps_per_epoch
+        if plan.epoch_of(log.steps) != accuracy_epoch:  # a new (or resumed) epoch: fresh accuracy counts
+            accuracy_epoch = plan.epoch_of(log.steps)
             accuracy = _EpochAccuracy(draft.block_size, own_vocabulary)
         step_items = plan.step_items(log.steps)  # every process's sequences of the step
-        micro_batches = _micro_batches(sequences, step_items[rank::processes], settings.batch_size,
-                                       accelerator.device, cached, signals_of)
+        micro_batches = _micro_batches(sequences, plan.micro_batches(log.steps, rank), accelerator.device, cached,
+                                       signals_of)
         totals, update = _accumulated_step(accelerator, model, target, micro_batches,
                                            (prepared_optimizer, scheduler), settings, log.steps)
         text = accuracy.record(totals, update, log)
