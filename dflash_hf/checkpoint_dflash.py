@@ -20,8 +20,11 @@ from .configuration_dflash import (
     DFLASH_HF_VERSION,
     NATIVE_MODEL_TYPE,
     REMOTE_CODE_FILES,
+    SPECULATORS_TYPE_KEY,
     DFlashConfig,
     config_from_native,
+    config_from_speculators,
+    speculators_verifier_copies,
 )
 from .custom_generate_dflash import generate as custom_generate
 
@@ -87,17 +90,21 @@ class DFlashCheckpointMixin:
     def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
         """`PreTrainedModel.from_pretrained` of the class the checkpoint's config names (`checkpoint_class`: DFlash or
         DFlash2), refusing a checkpoint whose weights do not match the draft one for one. A folder of Transformers'
-        native DFlash draft (`muse_glimmer_assistant`) loads as the same draft in our layout."""
+        native DFlash draft (`muse_glimmer_assistant`) or of vLLM speculators' (`speculators_model_type: "dflash"`)
+        loads as the same draft in our layout."""
         wants_loading_info = kwargs.pop("output_loading_info", False)
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         check_draft_source(source, kwargs.get("subfolder") or "")
-        config = kwargs.get("config")
+        config, unread = kwargs.get("config"), ()
         if not isinstance(config, DFlashConfig):
             config, _ = DFlashConfig.get_config_dict(
                 source, **{key: kwargs[key] for key in CONFIG_ARGUMENTS if key in kwargs})
             if config.get("model_type") == NATIVE_MODEL_TYPE:
                 kwargs["config"] = config = DFlashConfig(**config_from_native(config))
                 kwargs.setdefault("key_mapping", NATIVE_KEY_MAPPING)
+            elif config.get(SPECULATORS_TYPE_KEY) is not None:
+                kwargs["config"] = config = DFlashConfig(**config_from_speculators(config))
+                unread = speculators_verifier_copies(config)
         model_class = cls.checkpoint_class(config)
         try:
             model, loading_info = super(DFlashCheckpointMixin, model_class).from_pretrained(
@@ -112,6 +119,9 @@ class DFlashCheckpointMixin:
                 raise
             raise ValueError(f"{source}: the weights file is damaged and cannot be read ({error}); download or "
                              "export the draft again.") from error
+        if unread:  # a speculators checkpoint's copies of the verifier's weights: the target's own are used
+            loading_info = {**loading_info, "unexpected_keys": [
+                key for key in loading_info.get("unexpected_keys") or () if key not in unread]}
         problems = loading_problems(loading_info)
         if problems is not None:
             raise ValueError(f"The checkpoint's weights do not match a DFlash draft of this config "

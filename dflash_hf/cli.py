@@ -458,16 +458,20 @@ def run_push(args: argparse.Namespace) -> None:
 
 
 def run_convert(args: argparse.Namespace) -> None:
-    """Convert a draft folder to Transformers' native DFlash class (`--to transformers`) or back (`--to dflash`)."""
+    """Convert a draft folder to Transformers' native DFlash class (`--to transformers`), to vLLM speculators' format
+    (`--to speculators`), or to the published DFlash layout (`--to dflash`)."""
     from .conversion import convert
 
     try:
-        destination = convert(args.source, args.destination, args.to, vocab_size=args.vocab_size)
+        destination = convert(args.source, args.destination, args.to, vocab_size=args.vocab_size, target=args.target)
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(f"dflash-hf convert: {error}") from error
     if args.to == "transformers":
         print(f"wrote {destination}: AutoModel.from_pretrained({str(destination)!r}) gives MuseGlimmerAssistantModel; "
               "use it as target.generate(..., assistant_model=draft, speculation_type='dflash')")
+    elif args.to == "speculators":
+        print(f"wrote {destination} in vLLM speculators' DFlash format (docs/formats.md); "
+              "DFlashDraftModel.from_pretrained reads it too")
     else:
         print(f"wrote {destination}: DFlashDraftModel.from_pretrained or AutoModel.from_pretrained(..., "
               "trust_remote_code=True), then draft.spec_generate(target=..., input_ids=...)")
@@ -525,14 +529,20 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--dry-run", action="store_true", help="check and list the files, upload nothing")
     push.add_argument("--keep-remote-code", action="store_true",
                       help="upload the folder's remote code even where it differs from the installed dflash-hf's")
-    convert = subcommand("convert", "convert a draft to Transformers' native DFlash class, or back",
+    convert = subcommand("convert", "convert a draft to Transformers' native DFlash class or vLLM speculators' "
+                         "format, or back",
                          "  dflash-hf convert z-lab/Qwen3-8B-DFlash-b16 qwen3-8b-native --to transformers\n"
-                         "  dflash-hf convert qwen3-8b-native qwen3-8b-dflash --to dflash --vocab-size 151936")
-    convert.add_argument("source", help="draft folder or Hub id (DFlash layout, or native with --to dflash)")
+                         "  dflash-hf convert qwen3-8b-native qwen3-8b-dflash --to dflash --vocab-size 151936\n"
+                         "  dflash-hf convert z-lab/Qwen3-8B-DFlash-b16 qwen3-8b-speculators --to speculators "
+                         "--target Qwen/Qwen3-8B")
+    convert.add_argument("source", help="draft folder or Hub id (DFlash layout, native, or speculators)")
     convert.add_argument("destination", help="folder to write")
-    convert.add_argument("--to", choices=["transformers", "dflash"], required=True,
+    convert.add_argument("--to", choices=["transformers", "dflash", "speculators"], required=True,
                          help="transformers: MuseGlimmerAssistantModel (Transformers >= 5.24); "
-                              "dflash: the published layout")
+                              "dflash: the published layout; speculators: vLLM speculators' DFlash format")
+    convert.add_argument("--target", default=None,
+                         help="the target model's Hub id or folder, for --to speculators (its embedding and LM head "
+                              "are copied in, its id recorded as the verifier)")
     convert.add_argument("--vocab-size", type=int, default=None,
                          help="the target's vocabulary size, for a native draft whose config does not record it")
     return parser

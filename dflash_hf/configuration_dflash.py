@@ -103,6 +103,85 @@ def _native_rope(native: dict[str, Any]) -> dict[str, Any]:
     return read_rope_parameters({**native, "rope_theta": native.get("rope_theta") or default_theta})
 
 
+# vLLM speculators' DFlash format (docs/formats.md, "The speculators format"): the key that marks its config.json, the
+# defaults of its config class (`DFlashSpeculatorConfig`) for the fields this package reads, and the fields read from
+# its `transformer_layer_config` once that config's own class has filled its defaults.
+SPECULATORS_TYPE_KEY = "speculators_model_type"
+SPECULATORS_DEFAULTS = {"block_size": 8, "draft_vocab_size": 32000, "sliding_window_non_causal": False,
+                        "sample_from_anchor": False}
+SPECULATORS_LAYER_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                            "num_attention_heads", "num_key_value_heads", "hidden_act", "max_position_embeddings",
+                            "rms_norm_eps", "attention_bias", "attention_dropout")
+# Top-level keys vLLM lets override the `transformer_layer_config` ones when it serves the draft.
+SPECULATORS_ATTENTION_OVERRIDES = ("layer_types", "use_sliding_window", "sliding_window", "max_window_layers")
+# Its checkpoint's copies of the verifier's weights (speculators fills them from the verifier and never trains them):
+# the draft uses the target's own. With a full vocabulary the LM head is one of them too.
+SPECULATORS_VERIFIER_COPIES = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+SPECULATORS_FULL_VOCAB_COPIES = ("lm_head.weight", "d2t", "t2d")
+
+
+def speculators_verifier_copies(config: Any) -> tuple[str, ...]:
+    """The weights of a speculators checkpoint that a draft of `config` leaves unread (the target's own are used)."""
+    own_head = getattr(config, "draft_vocab_size", None) is not None
+    return SPECULATORS_VERIFIER_COPIES + (() if own_head else SPECULATORS_FULL_VOCAB_COPIES)
+
+
+def config_from_speculators(speculators: dict[str, Any]) -> dict[str, Any]:
+    """DFlashConfig arguments for a vLLM speculators DFlash config dict (`speculators_model_type: "dflash"`): the same
+    draft, as speculators builds it; settings this package cannot run exactly are refused by name."""
+    from transformers import AutoConfig
+
+    kind = speculators.get(SPECULATORS_TYPE_KEY)
+    if kind != "dflash":
+        raise ValueError(f"A speculators config of type {kind!r} is not a DFlash draft; dflash-hf loads "
+                         "`speculators_model_type: \"dflash\"` (see docs/formats.md).")
+    values = {**SPECULATORS_DEFAULTS, **{key: value for key, value in speculators.items() if value is not None}}
+    if values["sample_from_anchor"]:
+        raise ValueError("This speculators draft has `sample_from_anchor: true` (the anchor position drafts too); "
+                         "dflash-hf runs speculators DFlash drafts whose anchor is the bonus token (see "
+                         "docs/formats.md).")
+    layer = values.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ValueError("A speculators DFlash config needs `transformer_layer_config` (a dict: the draft layers' "
+                         f"config), got {type(layer).__name__}.")
+    layer = {**layer, **{key: values[key] for key in SPECULATORS_ATTENTION_OVERRIDES if key in values}}
+    layer_config = AutoConfig.for_model(layer.pop("model_type", "qwen3"), **layer)  # its class fills the defaults
+    arguments = {name: getattr(layer_config, name) for name in SPECULATORS_LAYER_FIELDS}
+    hidden = arguments["hidden_size"]
+    arguments["head_dim"] = getattr(layer_config, "head_dim", None) or hidden // arguments["num_attention_heads"]
+    if values.get("target_hidden_size") not in (None, hidden):
+        raise ValueError(f"This speculators draft reads a target of hidden size {values['target_hidden_size']} into "
+                         f"layers of hidden size {hidden}; dflash-hf drafts share the target's hidden size.")
+    aux = values.get("aux_hidden_state_layer_ids")
+    if not aux or min(int(i) for i in aux) < 1:
+        raise ValueError("A speculators DFlash config needs `aux_hidden_state_layer_ids` of 1 or more (layer id + 1 "
+                         f"of each target layer it reads), got {aux}.")
+    # A layer typed sliding without a window has no window in speculators' mask: bidirectional, as a full layer.
+    window = getattr(layer_config, "sliding_window", None)
+    layer_types = [layer_type if window is not None else "full_attention" for layer_type in
+                   getattr(layer_config, "layer_types", None) or ["full_attention"] * arguments["num_hidden_layers"]]
+    sliding = "sliding_attention" in layer_types
+    rope = read_rope_parameters(layer_config)
+    if isinstance(rope.get("sliding_attention"), dict):  # a rope per layer type: speculators uses the sliding one
+        rope = read_rope_parameters({"rope_parameters": rope["sliding_attention"]})
+    draft_vocab_size = int(values["draft_vocab_size"])
+    mask_token_id = values.get("mask_token_id")
+    arguments.update(
+        architectures=["DFlashDraftModel"], tie_word_embeddings=False, layer_types=layer_types,
+        sliding_window=window if sliding else None,
+        is_causal=False if sliding and values["sliding_window_non_causal"] else None,
+        rope_theta=rope.pop("rope_theta"), rope_scaling=None if rope["rope_type"] == "default" else rope,
+        block_size=int(values["block_size"]), num_target_layers=None,
+        draft_vocab_size=None if draft_vocab_size == arguments["vocab_size"] else draft_vocab_size,
+        dflash_config={"target_layer_ids": [int(i) - 1 for i in aux],
+                       **({} if mask_token_id is None else {"mask_token_id": int(mask_token_id)})},
+    )
+    for name in ("torch_dtype", "dtype"):
+        if values.get(name) is not None:
+            arguments[name] = values[name]
+    return arguments
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Target layers feeding the draft when the config names none: evenly spaced from 1 to N-3."""
     if num_draft_layers == 1:

@@ -284,7 +284,7 @@ def test_a_row_whose_teacher_ids_are_all_outside_the_own_vocabulary_is_left_out_
 
 
 def _row_loss_inputs(seed: int = 5, rows: int = 6, k: int = 4):
-    """A draft, a head, rows [n, H], labels [n] and a top-k teacher (probabilities, ids, raw logits) for the loss terms."""
+    """A draft, a head, rows [n, H], labels [n] and a top-k teacher (probabilities, ids, raw logits)."""
     draft = make_draft(seed, block_size=4)
     head = torch.nn.Linear(draft.config.hidden_size, VOCAB_SIZE, bias=False)
     generator = torch.Generator().manual_seed(seed)
@@ -296,7 +296,7 @@ def _row_loss_inputs(seed: int = 5, rows: int = 6, k: int = 4):
 
 def test_the_l1_term_is_the_distance_between_the_draft_and_the_teachers_distributions():
     """With l1 = 1 a row's loss is sum |q - p| over the whole vocabulary, p the teacher's top-k distribution (0
-    elsewhere), or the label's one-hot without a teacher; a share W mixes it with cross-entropy as (1 - W) CE + W L1."""
+    elsewhere), or the label's one-hot without a teacher; a share W mixes it with cross-entropy: (1 - W) CE + W L1."""
     from dflash_hf.training.objective import LossWeights, chunked_row_losses
 
     draft, head, hidden, labels, probs, ids, _ = _row_loss_inputs()
@@ -304,16 +304,19 @@ def test_the_l1_term_is_the_distance_between_the_draft_and_the_teachers_distribu
         q = draft.scale_logits(head(hidden)).float().softmax(-1)  # [n, V]
         p = torch.zeros_like(q).scatter(-1, ids, probs)
         one_hot = torch.nn.functional.one_hot(labels, VOCAB_SIZE).float()
-        soft_ce, _ = chunked_row_losses(draft, head, hidden, labels, probs, ids)
-        hard_ce, _ = chunked_row_losses(draft, head, hidden, labels)
-        soft_l1, _ = chunked_row_losses(draft, head, hidden, labels, probs, ids, weights=LossWeights(l1=1.0))
-        hard_l1, _ = chunked_row_losses(draft, head, hidden, labels, weights=LossWeights(l1=1.0))
-        mixed, _ = chunked_row_losses(draft, head, hidden, labels, probs, ids, weights=LossWeights(l1=0.9))
+        soft_ce, _, acceptance = chunked_row_losses(draft, head, hidden, labels, probs, ids)
+        hard_ce, _, _ = chunked_row_losses(draft, head, hidden, labels)
+        soft_l1, _, _ = chunked_row_losses(draft, head, hidden, labels, probs, ids, weights=LossWeights(l1=1.0))
+        hard_l1, _, _ = chunked_row_losses(draft, head, hidden, labels, weights=LossWeights(l1=1.0))
+        mixed, _, _ = chunked_row_losses(draft, head, hidden, labels, probs, ids, weights=LossWeights(l1=0.9))
     torch.testing.assert_close(soft_l1, (q - p).abs().sum(-1))
     torch.testing.assert_close(hard_l1, (q - one_hot).abs().sum(-1))
     torch.testing.assert_close(mixed, 0.1 * soft_ce + 0.9 * soft_l1)
     assert not torch.allclose(soft_ce, hard_ce)  # the teacher is not the label's one-hot here
     assert bool(((soft_l1 >= 0) & (soft_l1 <= 2)).all())
+    # a token sampled from q is accepted against p with probability 1 - L1 / 2 (whatever the weights)
+    torch.testing.assert_close(acceptance, 1 - soft_l1 / 2)
+    torch.testing.assert_close(acceptance, torch.minimum(q, p).sum(-1))
 
 
 def test_the_raw_logit_term_is_the_squared_error_on_the_teachers_ids_and_pulls_the_draft_to_the_targets_level():
@@ -322,18 +325,18 @@ def test_the_raw_logit_term_is_the_squared_error_on_the_teachers_ids_and_pulls_t
     draft, head, hidden, labels, probs, ids, values = _row_loss_inputs()
     with torch.no_grad():
         logits = draft.scale_logits(head(hidden)).float()
-        plain, _ = chunked_row_losses(draft, head, hidden, labels, probs, ids)
-        with_term, _ = chunked_row_losses(draft, head, hidden, labels, probs, ids, teacher_logits=values,
-                                          weights=LossWeights(logits=0.5))
+        plain = chunked_row_losses(draft, head, hidden, labels, probs, ids)[0]
+        with_term = chunked_row_losses(draft, head, hidden, labels, probs, ids, teacher_logits=values,
+                                       weights=LossWeights(logits=0.5))[0]
     expected = (logits.gather(-1, ids) - values).square().mean(-1)
     torch.testing.assert_close(with_term, plain + 0.5 * expected)
     # minimising the term alone moves the draft's logits on the teacher's ids to the target's values
     head.weight.requires_grad_(True)
     optimizer = torch.optim.Adam(head.parameters(), lr=0.05)
     for _ in range(200):
-        with_term, _ = chunked_row_losses(draft, head, hidden, labels, probs, ids, teacher_logits=values,
-                                          weights=LossWeights(logits=1.0))
-        without, _ = chunked_row_losses(draft, head, hidden, labels, probs, ids)
+        with_term = chunked_row_losses(draft, head, hidden, labels, probs, ids, teacher_logits=values,
+                                       weights=LossWeights(logits=1.0))[0]
+        without = chunked_row_losses(draft, head, hidden, labels, probs, ids)[0]
         optimizer.zero_grad()
         (with_term - without).mean().backward()  # the term alone
         optimizer.step()
@@ -356,6 +359,8 @@ def test_the_loss_terms_reach_training_and_are_refused_out_of_range():
                                 loss_weights=weights).loss.detach())
               for weights in (LossWeights(), LossWeights(l1=0.9), LossWeights(logits=0.1))]
     assert len(set(losses)) == 3
+    result = dflash_loss(draft, target, input_ids, loss_mask, 6, torch.Generator().manual_seed(0), signals)
+    assert bool(((result.expected_accepted >= 0) & (result.expected_accepted <= 3)).all())  # B - 1 drafts at most
     with pytest.raises(ValueError, match="teacher's logits"):
         dflash_loss(draft, target, input_ids, loss_mask, 6, signals=target_signals(
             target, input_ids, draft.target_layer_ids, 8), loss_weights=LossWeights(logits=0.1))

@@ -194,6 +194,9 @@ class StepResult:
     correct: torch.Tensor  # [B-1]: correct argmax predictions per block position
     counted: torch.Tensor  # [B-1]: labels per block position
     leading_correct: torch.Tensor  # [K]: correct predictions before the first miss, per block (its tau - 1)
+    # [K]: drafts a temperature-1 chain is expected to accept per block, sum_k prod_{j<=k} (1 - L1_j / 2) with the
+    # teacher's distribution (DeepSpec's "tau_probabilistic" - 1)
+    expected_accepted: torch.Tensor
     outside: torch.Tensor  # scalar: labels the draft's own vocabulary leaves out of the loss (0 without one)
     sequences: int = 1  # sequences the loss averages over
 
@@ -335,9 +338,10 @@ def _supervised_row_losses(
     model: DFlashDraftModel, lm_head: torch.nn.Module, rows: torch.Tensor, labels: torch.Tensor,
     teacher_probs: torch.Tensor | None, teacher_ids: torch.Tensor | None, teacher_logits: torch.Tensor | None,
     weights: LossWeights,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss [n], argmax prediction [n]) of supervised rows [n, H] (`LossWeights`' terms): to labels [n] (0 where a
-    label is IGNORED_LABEL), or to the teacher; logits, labels and predictions index `lm_head`'s rows."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss [n], argmax prediction [n], acceptance [n]) of supervised rows [n, H] (`LossWeights`' terms): to labels
+    [n] (0 where a label is IGNORED_LABEL), or to the teacher; logits, labels and predictions index `lm_head`'s rows.
+    The acceptance is 1 - L1 / 2: the probability that a token sampled from the draft is accepted at temperature 1."""
     logits = model.scale_logits(lm_head(rows.to(lm_head.weight.dtype))).float()  # [n, V]
     log_q = logits.log_softmax(-1)  # [n, V]
     if teacher_probs is None:
@@ -347,17 +351,17 @@ def _supervised_row_losses(
     else:
         ids, probs = teacher_ids, teacher_probs  # [n, k]
         loss = -(probs * log_q.gather(-1, ids)).sum(-1)
+    # [n, k]: the draft's probability of the teacher's ids; an id where p is 0 (outside the draft's own vocabulary)
+    # counts with the draft's mass outside the teacher's ids, which is the same L1
+    q = log_q.gather(-1, ids).exp() * (probs > 0)
+    l1 = ((q - probs).abs().sum(-1) + (1.0 - q.sum(-1)).clamp(min=0.0)) * (probs.sum(-1) > 0)  # [n]
     if weights.l1 > 0:
-        # [n, k]: the draft's probability of the teacher's ids; an id where p is 0 (outside the draft's own
-        # vocabulary) counts with the draft's mass outside the teacher's ids, which is the same L1
-        q = log_q.gather(-1, ids).exp() * (probs > 0)
-        l1 = (q - probs).abs().sum(-1) + (1.0 - q.sum(-1)).clamp(min=0.0)
-        loss = (1.0 - weights.l1) * loss + weights.l1 * l1 * (probs.sum(-1) > 0)
+        loss = (1.0 - weights.l1) * loss + weights.l1 * l1
     if weights.logits > 0 and teacher_logits is not None:
         counted = (probs > 0).float()  # [n, k]: ids inside the draft's vocabulary
         error = (logits.gather(-1, ids) - teacher_logits).square() * counted
         loss = loss + weights.logits * error.sum(-1) / counted.sum(-1).clamp(min=1.0)
-    return loss, logits.argmax(-1)
+    return loss, logits.argmax(-1), (1.0 - l1 / 2).detach()
 
 
 def chunked_row_losses(
@@ -365,24 +369,26 @@ def chunked_row_losses(
     teacher_probs: torch.Tensor | None = None, teacher_ids: torch.Tensor | None = None,
     chunk_rows: int = LOSS_CHUNK_ROWS, teacher_logits: torch.Tensor | None = None,
     weights: LossWeights = LossWeights(),
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`_supervised_row_losses` of rows [N, H], `chunk_rows` at a time; with gradients each chunk is checkpointed,
     so the backward recomputes one chunk's logits at a time instead of keeping all of them."""
-    if rows.shape[0] == 0:  # nothing supervised: empty losses and predictions
-        return rows.new_zeros(0, dtype=torch.float32), labels.new_zeros(0)
+    if rows.shape[0] == 0:  # nothing supervised: empty losses, predictions and acceptances
+        return rows.new_zeros(0, dtype=torch.float32), labels.new_zeros(0), rows.new_zeros(0, dtype=torch.float32)
     recompute = torch.is_grad_enabled() and rows.requires_grad
-    losses, predictions = [], []
+    losses, predictions, acceptances = [], [], []
     for start in range(0, rows.shape[0], chunk_rows):
         piece = slice(start, start + chunk_rows)
         args = [rows[piece], labels[piece]] + [None if tensor is None else tensor[piece]
                                                for tensor in (teacher_probs, teacher_ids, teacher_logits)]
         if recompute:
-            loss, prediction = checkpoint(_supervised_row_losses, model, lm_head, *args, weights, use_reentrant=False)
+            loss, prediction, acceptance = checkpoint(_supervised_row_losses, model, lm_head, *args, weights,
+                                                      use_reentrant=False)
         else:
-            loss, prediction = _supervised_row_losses(model, lm_head, *args, weights)
+            loss, prediction, acceptance = _supervised_row_losses(model, lm_head, *args, weights)
         losses.append(loss)
         predictions.append(prediction)
-    return torch.cat(losses), torch.cat(predictions)
+        acceptances.append(acceptance)
+    return torch.cat(losses), torch.cat(predictions), torch.cat(acceptances)
 
 
 def dflash_loss(
@@ -475,8 +481,9 @@ def packed_dflash_loss(
         head_labels, teacher_probs, teacher_ids = draft_vocabulary_targets(model, labels, teacher_probs, teacher_ids)
     else:
         head_labels = labels
-    token_loss, predictions = chunked_row_losses(model, lm_head, hidden[supervised], head_labels, teacher_probs,
-                                                 teacher_ids, chunk_rows, teacher_logits, loss_weights)  # [N], [N]
+    token_loss, predictions, acceptance = chunked_row_losses(model, lm_head, hidden[supervised], head_labels,
+                                                             teacher_probs, teacher_ids, chunk_rows, teacher_logits,
+                                                             loss_weights)  # [N], [N], [N]
     inside = head_labels != IGNORED_LABEL  # [N]
     if model.lm_head is not None:
         predictions = predictions + model.d2t[predictions]  # the head's rows -> target ids
@@ -488,5 +495,8 @@ def packed_dflash_loss(
     hits = torch.zeros_like(supervised)  # [K, B-1]
     hits[supervised] = predictions == labels
     leading_correct = hits.long().cumprod(dim=1).sum(dim=1)  # what greedy verification would accept
+    accepted = torch.zeros(supervised.shape, device=device)  # [K, B-1]
+    accepted[supervised] = acceptance.float()
     return StepResult(loss=loss, correct=hits.sum(0).detach(), counted=supervised.sum(0),
-                      leading_correct=leading_correct.detach(), outside=(~inside).sum(), sequences=len(sequences))
+                      leading_correct=leading_correct.detach(), expected_accepted=accepted.cumprod(dim=1).sum(dim=1),
+                      outside=(~inside).sum(), sequences=len(sequences))

@@ -185,7 +185,8 @@ def held_out_loss(accelerator: Accelerator, model: torch.nn.Module, target: torc
                                         [signals_of(input_ids, loss_mask)], loss_weights=settings.loss_weights)
             counts = torch.stack([result.loss.detach().float(), torch.ones((), device=device),
                                   result.leading_correct.float().sum(),
-                                  torch.tensor(float(len(result.leading_correct)), device=device)])
+                                  torch.tensor(float(len(result.leading_correct)), device=device),
+                                  result.expected_accepted.float().sum()])
             weight = float(position < len(sequences))  # a wrapped repeat counts for nothing
             parts.append(weight * torch.cat([counts, result.correct.float(), result.counted.float()]))
     # FSDP keeps units gathered after a forward with no backward: the root, and the unit Accelerate gives the output
@@ -193,8 +194,9 @@ def held_out_loss(accelerator: Accelerator, model: torch.nn.Module, target: torc
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-    total = accelerator.reduce(torch.stack(parts).sum(0), reduction="sum").cpu()  # [4 + 2 (B-1)]
-    correct, counted = total[4:].chunk(2)
+    total = accelerator.reduce(torch.stack(parts).sum(0), reduction="sum").cpu()  # [5 + 2 (B-1)]
+    correct, counted = total[5:].chunk(2)
+            "sampled_block_tau": float(1 + total[4] / total[3].clamp(min=1)),
     return {"loss": float(total[0] / total[1]), "block_tau": float(1 + total[2] / total[3].clamp(min=1)),
             "position_accuracy": (correct / counted.clamp(min=1)).tolist()}
 
@@ -261,7 +263,8 @@ class TrainingLog:
     processes: int = 1  # data-parallel processes of the run (a checkpoint resumes on as many)
     tokens: int = 0  # tokens of the trained sequences, every process's
     evaluations: list[dict] = field(default_factory=list)  # held-out results: {"step", "tau", "lossless", ...}
-    held_out_losses: list[dict] = field(default_factory=list)  # {"step", "loss", "block_tau", "position_accuracy"}
+    # {"step", "loss", "block_tau", "sampled_block_tau", "position_accuracy"}
+    held_out_losses: list[dict] = field(default_factory=list)
     # last epoch, a draft with its own LM head: the fraction of response labels outside its vocabulary (not in its
     # loss; None: a draft that borrows the target's head)
     outside_vocabulary: float | None = None
