@@ -1,4 +1,5 @@
-"""`dflash-hf` command line: `train` a draft, `bench` it against plain decoding, `demo` the shipped SmolLM2 draft."""
+"""`dflash-hf` command line: `train` a draft, `bench` it against plain decoding, `demo` and `chat` with the shipped
+SmolLM2 draft."""
 
 from __future__ import annotations
 
@@ -69,14 +70,16 @@ SHARED_OPTIONS: dict[str, dict] = {
     "--cpu-kernels": dict(choices=["auto", *CPU_KERNEL_NAMES.values()], default="auto",
                           help="few-row products of the verify and draft passes by the fastest kernel timed on "
                                "this machine: on, off, or lm-head (the LM heads' products only); auto: bench runs "
-                               "them on for a CPU target, demo (without --compile) times the three and keeps the "
-                               "cheapest step; the output is the same either way"),
+                               "them on for a CPU target, demo (without --compile) and chat time the three and keep "
+                               "the cheapest step; the output is the same either way"),
     "--compile": dict(action="store_true",
                       help="verify with the compiled static-shape path (spec_generate(compile=True); README "
                            "\"Compiled decoding\"): chains and trees; the untimed warm-up compiles, and compiled "
                            "`generate` (static cache) is timed beside plain `generate`"),
     "--seed": dict(type=int, default=0, help="seed of the run's random draws (train: anchors, shuffling and the "
-                                             "draft's initialisation; bench: the sampling generators)"),
+                                             "draft's initialisation; bench and chat: the sampling generators)"),
+    "--temperature": dict(type=float, default=0.0, help="0: greedy (bench checks each output against generate's); "
+                                                        "> 0: sampling"),
 }
 
 
@@ -260,8 +263,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add_shared_argument(parser, "--compile")
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1],
                         help="prompts per call (left-padded); several values run one after the other, e.g. 1 2 4 8")
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="0: greedy, outputs checked against generate's; > 0: sampling")
+    add_shared_argument(parser, "--temperature")
     parser.add_argument("--acceptance", choices=["rejection", "equality"], default="rejection",
                         help="at temperature > 0: speculative (rejection) sampling of the draft's q, "
                              "or the equality rule")
@@ -511,6 +513,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_shared_argument(demo, "--tree-size", default="auto")
     add_shared_argument(demo, "--cpu-kernels")
     add_shared_argument(demo, "--compile")
+    demo.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                      help="answer TEXT instead of the demo's three prompts, with the same timing and check against "
+                           "generate (repeat for several)")
+    chat = subcommand("chat", "chat with SmolLM2-135M-Instruct in the terminal, the answer streamed with the tokens "
+                              "the draft got right marked",
+                      "  dflash-hf chat\n  dflash-hf chat --block-size 3 --tree-size 0 --cpu-kernels on\n"
+                      "  NO_COLOR=1 dflash-hf chat --max-new-tokens 128")
+    add_shared_argument(chat, "--max-new-tokens")
+    add_shared_argument(chat, "--dtype")
+    add_shared_argument(chat, "--draft")
+    add_shared_argument(chat, "--block-size", default="auto")
+    add_shared_argument(chat, "--tree-size", default=0)
+    add_shared_argument(chat, "--cpu-kernels")
+    add_shared_argument(chat, "--temperature")
+    add_shared_argument(chat, "--seed")
+    chat.add_argument("--color", choices=["auto", "always", "never"], default="auto",
+                      help="show the accepted draft tokens in green: auto (where the output is a terminal with "
+                           "colour: TERM set and not dumb, NO_COLOR unset), always, or never ([in brackets])")
     add_bench_arguments(subcommand("bench", "tau, tokens/s and speedup against plain decoding, and lossless checks",
                                    BENCH_EXAMPLES))
     card = subcommand("card", "render a draft's Hub model card (README.md) from its dflash_card.json",
@@ -564,12 +584,24 @@ def main(argv: list[str] | None = None) -> None:
         finally:  # torchrun / accelerate processes: no communication thread left running at exit
             end_processes()
     elif args.command == "demo":
-        from .demo import run_demo
+        from .demo import demo_questions, run_demo
 
+        try:
+            demo_questions(args.prompt)  # before any model is loaded
+        except ValueError as error:
+            raise SystemExit(f"dflash-hf demo: {error}") from None
         run_demo(args.max_new_tokens, bench_dtype(args.dtype, torch.device("cpu")), args.draft, args.block_size,
                  cpu_kernels_choice(args.cpu_kernels),
                  None if args.compile and args.tree_size == "auto" else args.tree_size or None,  # auto times eager
-                 compile=args.compile)
+                 compile=args.compile, prompts=args.prompt)
+    elif args.command == "chat":
+        from .chat import run_chat
+
+        if args.temperature < 0:
+            raise SystemExit(f"dflash-hf chat --temperature {args.temperature}: expected >= 0 (0: greedy)")
+        run_chat(args.max_new_tokens, bench_dtype(args.dtype, torch.device("cpu")), args.draft, args.block_size,
+                 args.tree_size or None, cpu_kernels_choice(args.cpu_kernels), args.temperature, args.seed,
+                 args.color)
     elif args.command == "bench":
         from .benchmark import process_context
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 
 import pytest
 import torch
@@ -238,7 +239,7 @@ def test_a_flag_that_several_subcommands_take_means_the_same_in_each():
     for flag, actions in shared.items():
         described = {(action.help, action.type, tuple(action.choices or ())) for _, action in actions}
         assert len(described) == 1, f"{flag} differs between {[name for name, _ in actions]}"
-    assert [name for name, _ in seen["--block-size"]] == ["demo", "bench"]  # train's is --draft-block-size
+    assert [name for name, _ in seen["--block-size"]] == ["demo", "chat", "bench"]  # train's is --draft-block-size
 
 
 def test_bench_reads_several_prompt_files_with_a_count_each(tmp_path):
@@ -261,3 +262,62 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"dflash-hf {DFLASH_HF_VERSION}"
+
+
+def test_demo_prompt_and_chat_flags_reach_their_functions(monkeypatch):
+    import dflash_hf.chat as chat
+    import dflash_hf.demo as demo
+
+    seen: dict[str, tuple] = {}
+    monkeypatch.setattr(demo, "run_demo", lambda *args, **kwargs: seen.update(demo=(args, kwargs)))
+    monkeypatch.setattr(chat, "run_chat", lambda *args, **kwargs: seen.update(chat=(args, kwargs)))
+    main(["demo", "--prompt", "Why is the sky blue?", "--prompt", "Write a haiku."])
+    assert seen["demo"][1]["prompts"] == ["Why is the sky blue?", "Write a haiku."]
+    main(["demo", "--prompt", "One text."])
+    assert seen["demo"][1]["prompts"] == ["One text."]
+    main(["demo"])
+    assert seen["demo"][1]["prompts"] is None  # the demo's own three
+    with pytest.raises(SystemExit, match="--prompt number 2 is empty: give each --prompt some text"):
+        main(["demo", "--prompt", "fine", "--prompt", "  "])
+
+    main(["chat"])  # greedy, chosen on this machine, colour where the terminal has it
+    assert seen["chat"][0] == (256, torch.float32, None, "auto", None, None, 0.0, 0, "auto")
+    main(["chat", "--block-size", "3", "--tree-size", "8", "--cpu-kernels", "on", "--temperature", "0.7",
+          "--seed", "5", "--color", "never", "--max-new-tokens", "64", "--draft", "my_draft"])
+    assert seen["chat"][0] == (64, torch.float32, "my_draft", 3, 8, True, 0.7, 5, "never")
+    main(["chat", "--tree-size", "auto"])
+    assert seen["chat"][0][4] == "auto"
+    with pytest.raises(SystemExit, match="chat --temperature -1.0: expected >= 0"):
+        main(["chat", "--temperature", "-1"])
+    with pytest.raises(SystemExit):
+        main(["chat", "--color", "sometimes"])
+
+
+def test_demo_answers_the_users_prompts_and_checks_them_against_generate(monkeypatch, capsys):
+    from helpers import make_draft, make_target, make_tokenizer
+
+    import dflash_hf.demo as demo
+
+    models = make_target("llama", seed=5), make_tokenizer(), make_draft(5, block_size=4, mask_token_id=127)
+    monkeypatch.setattr(demo, "load_demo", lambda dtype, draft_path: models)
+    main(["demo", "--prompt", "w35 w36 w37", "--prompt", "w38", "--max-new-tokens", "6", "--block-size", "4",
+          "--tree-size", "0", "--cpu-kernels", "off"])
+    printed = capsys.readouterr().out
+    assert "### w35 w36 w37\n" in printed and "### w38\n" in printed and "Janet" not in printed
+    assert "identical to generate: True" in printed and "block size 4 of 4, chain" in printed
+
+
+def test_chat_command_streams_answers_until_quit(monkeypatch, capsys):
+    from helpers import make_draft, make_target, make_tokenizer
+
+    import dflash_hf.chat as chat
+
+    models = make_target("llama", seed=6), make_tokenizer(), make_draft(6, block_size=4, mask_token_id=127)
+    monkeypatch.setattr(chat, "load_demo", lambda dtype, draft_path: models)
+    lines = iter(["w35 w36", "/quit"])
+    monkeypatch.setattr("builtins.input", lambda prompt: print(prompt, end="") or next(lines))
+    main(["chat", "--block-size", "4", "--cpu-kernels", "off", "--max-new-tokens", "5", "--color", "always"])
+    printed = capsys.readouterr().out
+    assert "block size 4, a chain, greedy" in printed and "are \033[32mgreen\033[0m" in printed
+    assert "you> w35 w36\n" in printed  # input that is not a terminal is echoed
+    assert len(re.findall(r"\[5 tokens \| [\d.]+ tokens/s \| tau [\d.]+ \| \d+ draft tokens accepted", printed)) == 1

@@ -128,7 +128,7 @@ LAYERS = (
     {"training.vllm_engine"},
     {"evaluation", "synthetic", "training.trainer", "training.data"},
     {"model_card", "demo", "benchmark"},
-    {"training.command"},
+    {"training.command", "chat"},
     {"cli"},
 )
 LAYER_OF = {f"dflash_hf.{name}": depth for depth, names in enumerate(LAYERS) for name in names}
