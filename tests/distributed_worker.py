@@ -4,7 +4,8 @@
 same two processes and process group (one launch, one import of the package), each in FOLDER/<mode>/run. MODE `train`
 runs `train_draft` on tiny seeded models built here (two checkpoints kept); MODE `fsdp` the same under Accelerate's
 FSDP (started by `accelerate launch --config_file examples/accelerate_fsdp.yaml`), MODE `fsdp-bf16` its first run in
-bf16 mixed precision (`run_precision`); MODEs `train-batched` and
+bf16 mixed precision (`run_precision`), MODE `train-budget` a token budget per step (`run_budget`); MODEs
+`train-batched` and
 `fsdp-batched` train two sequences per process per optimiser step (`run_batched`); MODE `cli` runs `dflash-hf train`
 with the CLI ARGS (their --output: FOLDER/cli/run). Every process records what it did in each mode in
 FOLDER/<mode>/records/rank<i>.json (outside the run folder): the files it wrote under the run folder (seen by an audit
@@ -178,7 +179,22 @@ def train_rows(count: int) -> list[dict]:
             for _ in range(count)]
 
 
+def budget_rows(count: int) -> list[dict]:
+    """`count` seeded rows of a 4-token prompt and a 6- to 29-token response (`run_budget`'s lengths vary)."""
+    from helpers import VOCAB_SIZE
+
+    generator = torch.Generator().manual_seed(11)
+    return [{"prompt_ids": torch.randint(0, VOCAB_SIZE - 1, (4,), generator=generator).tolist(),
+             "response_ids": torch.randint(0, VOCAB_SIZE - 1, (int(length),), generator=generator).tolist()}
+            for length in torch.randint(6, 30, (count,), generator=generator)]
+
+
+BUDGET_ROWS = 12  # `run_budget`'s rows, recorded as BUDGET_ROW_OFFSET + their index
+BUDGET_ROW_OFFSET = 100
 ROW_INDEX = {tuple(row["prompt_ids"] + row["response_ids"]): index for index, row in enumerate(train_rows(8))}
+ROW_INDEX.update({tuple(row["prompt_ids"] + row["response_ids"]): BUDGET_ROW_OFFSET + index
+                  for index, row in enumerate(budget_rows(BUDGET_ROWS))})
+BUDGET_SETTINGS = dict(epochs=2, learning_rate=2e-3, num_anchors=8, tokens_per_step=160, checkpoint_every=1)
 
 
 def own_head_draft(seed: int) -> torch.nn.Module:
@@ -263,6 +279,25 @@ def run_batched(output: Path, sharded: bool) -> None:
                          "held_out_losses": log.held_out_losses}
 
 
+def run_budget(output: Path) -> None:
+    """`train_draft` on `budget_rows` with a token budget per step (BUDGET_SETTINGS), then the same run interrupted
+    in the middle of its first epoch and resumed (in OUTPUT's sibling `resumed`)."""
+    from helpers import make_draft, make_target
+
+    settings = trainer.TrainingSettings(**BUDGET_SETTINGS)
+    target, rows = make_target("qwen3", seed=4), budget_rows(BUDGET_ROWS)
+    draft = make_draft(5, block_size=4)
+    log = trainer.train_draft(draft, target, rows, settings, output, progress=False)
+    RECORD["log_steps"], RECORD["weights_sum"] = log.steps, weights_sum(draft)
+    RECORD["recording"], RECORD["phase"] = False, "interrupted"
+    resumed = output.parent / "resumed"
+    trainer.train_draft(make_draft(5, block_size=4), target, rows, settings, resumed, progress=False, max_steps=1)
+    RECORD["phase"] = "resumed"
+    draft = make_draft(6, block_size=4)  # other initial weights: the checkpoint's replace them
+    log = trainer.train_draft(draft, target, rows, settings, resumed, progress=False)
+    RECORD["resumed"] = {"losses": log.losses, "tokens": log.tokens, "weights_sum": weights_sum(draft)}
+
+
 def run_precision(output: Path) -> None:
     """`run_train`'s first run (same rows, seed and schedule) under bf16 mixed precision (`--mixed-precision bf16`:
     FSDP gathers bf16 weights from float32 shards; bf16 autocast) with the draft's layers checkpointed."""
@@ -303,6 +338,8 @@ def run_mode(mode: str, output: Path, cli_args: list[str]) -> None:
         run_train(output)
     elif mode == "fsdp-bf16":
         run_precision(output)
+    elif mode == "train-budget":
+        run_budget(output)
     elif mode in ("train-batched", "fsdp-batched"):
         run_batched(output, sharded=mode.startswith("fsdp"))
     else:

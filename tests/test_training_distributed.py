@@ -43,6 +43,7 @@ from dflash_hf.training.trainer import (
     TrainingSettings,
     anchor_seed,
     train_draft,
+    training_plan,
     training_sequences,
 )
 
@@ -93,8 +94,9 @@ def run_two_processes(modes: list[str], folder: Path, *cli_args: str) -> dict[st
 
 @pytest.fixture(scope="module")
 def torchrun_runs(tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
-    """`train_run` and the packed data-parallel run of `batched_runs`, in one torchrun launch."""
-    return run_two_processes(["train", "train-batched"], tmp_path_factory.mktemp("torchrun"))
+    """`train_run`, the packed data-parallel run of `batched_runs` and the token-budget run (`train-budget`), in one
+    torchrun launch."""
+    return run_two_processes(["train", "train-batched", "train-budget"], tmp_path_factory.mktemp("torchrun"))
 
 
 @pytest.fixture(scope="module")
@@ -280,6 +282,31 @@ def test_fsdp_trains_the_sharded_draft_as_ddp_does_and_resumes_exactly(fsdp_run,
     for name, tensor in whole.items():
         torch.testing.assert_close(sharded[name], tensor, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(exported[name], sharded[name], rtol=0, atol=0)
+
+
+def test_a_token_budget_spreads_each_step_over_both_processes_and_resumes_exactly(torchrun_runs):
+    from distributed_worker import BUDGET_ROW_OFFSET, BUDGET_ROWS, BUDGET_SETTINGS, budget_rows
+
+    output, records = torchrun_runs["train-budget"]
+    settings = TrainingSettings(**BUDGET_SETTINGS)
+    sequences = training_sequences(budget_rows(BUDGET_ROWS), settings.max_length)
+    plan = training_plan(sequences, 2, settings)
+    total, lengths = plan.total_steps(settings.epochs), [len(ids) for ids, _ in sequences]
+    log = training_log(output)
+    assert log["steps"] == total and log["processes"] == 2
+    for step in range(total):  # each step fills at most the budget, over both processes, no sequence on both
+        assert sum(lengths[i] for i in plan.step_items(step)) <= settings.tokens_per_step
+        shares = [set(plan.micro_batches(step, rank)[0]) for rank in range(2)]
+        assert shares[0] and shares[1] and not shares[0] & shares[1]
+    for rank, record in enumerate(records):  # each process trained its micro-batches of the plan, in order
+        expected = [[BUDGET_ROW_OFFSET + i for i in batch] for step in range(total)
+                    for batch in plan.micro_batches(step, rank)]
+        assert record["rows"]["run"] == expected
+        assert record["rows"]["interrupted"] + record["rows"]["resumed"] == expected
+        assert record["resumed"]["losses"] == log["losses"]  # stopped after 1 step and resumed: bit for bit
+        assert record["resumed"]["tokens"] == log["tokens"] == sum(
+            lengths[i] for step in range(total) for i in plan.step_items(step))
+        assert record["resumed"]["weights_sum"] == records[0]["weights_sum"]
 
 
 BF16_LOSS_TOLERANCE = 2e-3  # relative, per step (measured: at most 2.8e-4 over the 6 steps, torch 2.15 on the CPU)

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from distributed_worker import budget_rows
 from helpers import VOCAB_SIZE, make_draft, make_target
 
 from dflash_hf.training.objective import dflash_loss, target_signals, teacher_rows
@@ -155,13 +156,6 @@ def test_a_token_budget_too_small_for_a_sequence_per_micro_batch_is_refused():
         check_token_budget(500, 300, 2, 2)
     with pytest.raises(ValueError, match="leave --train-batch-size at 1"):
         TrainingSettings(tokens_per_step=4096, batch_size=2)
-
-
-def budget_rows(count: int) -> list[dict]:
-    generator = torch.Generator().manual_seed(11)
-    return [{"prompt_ids": torch.randint(0, VOCAB_SIZE - 1, (4,), generator=generator).tolist(),
-             "response_ids": torch.randint(0, VOCAB_SIZE - 1, (int(length),), generator=generator).tolist()}
-            for length in torch.randint(6, 30, (count,), generator=generator)]
 
 
 def test_token_budget_training_resumes_exactly_mid_epoch(tmp_path):
