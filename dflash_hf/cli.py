@@ -16,6 +16,7 @@ from .configuration_dflash import DFLASH_HF_VERSION
 from .kernels_dflash import CPU_KERNEL_NAMES
 from .loading import DTYPES, PUBLISHED_CONFIGS, SMOLLM2, device_description, load_target
 from .training.data import GEN_ENGINES, REGENERATE_TURNS
+from .training.plan import DEFAULT_CHECKPOINT_EVERY
 from .training.trainer import TrainingSettings
 from .versions_dflash import torch_refusal
 
@@ -178,17 +179,19 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add_shared_argument(parser, "--seed")
     parser.add_argument("--eval-prompts", default=None, help="default: gsm8k_test.jsonl in the data folder")
     parser.add_argument("--num-eval", type=int, default=10, help='held-out prompts measured after training (0: none)')
-    parser.add_argument("--eval-every", type=int, default=0, metavar="N",
+    parser.add_argument("--eval-every", default="0", metavar="INTERVAL",
                         help="also measure tau and losslessness on the held-out prompts before the first optimiser "
-                             "step, every N steps and after the last, on the main process, logged in "
-                             "training_log.json next to the loss (0: only after training)")
+                             "step, every INTERVAL and after the last, each process its share of the prompts, logged "
+                             "in training_log.json next to the loss: N optimiser steps, a share of the run (10%%) or "
+                             "a time (2h; by the cost model's step time); 0: only after training")
     parser.add_argument("--eval-max-new-tokens", type=int, default=256, help='new tokens per held-out prompt')
     parser.add_argument("--held-out-rows", type=int, default=0, metavar="K",
                         help="keep the last K training rows out of training, and measure the draft's training loss, "
                              "block tau and accuracy per position on them (every process its share) before the first "
                              "step, every --held-out-every steps and after the last")
-    parser.add_argument("--held-out-every", type=int, default=0, metavar="N",
-                        help="optimiser steps between two measurements on the --held-out-rows")
+    parser.add_argument("--held-out-every", default="0", metavar="INTERVAL",
+                        help="how often the --held-out-rows are measured: N optimiser steps, a share of the run "
+                             "(2%%) or a time (30m)")
     parser.add_argument("--eval-dtype", choices=["auto", *DTYPES], default="auto",
                         help="dtype of the held-out measurement (the saved draft stays float32); auto: bfloat16 on "
                              "CUDA, float32 on CPU")
@@ -234,8 +237,15 @@ def add_train_job_arguments(parser: argparse.ArgumentParser) -> None:
     and "Several processes")."""
     parser.add_argument("--max-length", type=int, default=TrainingSettings.max_length,
                         help="tokens of a training sequence at most (prompt and response; longer ones are cut)")
-    parser.add_argument("--checkpoint-every", type=int, default=TrainingSettings.checkpoint_every, metavar="STEPS",
-                        help="optimiser steps between resumable checkpoints (OUTPUT/checkpoint)")
+    parser.add_argument("--checkpoint-every", default=DEFAULT_CHECKPOINT_EVERY, metavar="INTERVAL",
+                        help="how often a resumable checkpoint is written (OUTPUT/checkpoint): N optimiser steps, a "
+                             "share of the run (the default, 2%%: 50 checkpoints) or a time (30m, 2h; by the cost "
+                             "model's step time on this GPU)")
+    parser.add_argument("--plan", nargs="?", const="", default=None, metavar="GPUS",
+                        help="print what the run will cost before any model loads (steps, tokens, checkpoint bytes, "
+                             "the checkpoints' and held-out measurements' share of the time, memory per GPU) and "
+                             "exit; GPUS e.g. 8xh100 (default: this launch's processes and GPU; docs/training.md, "
+                             "'The cost of a run')")
     parser.add_argument("--keep-checkpoints", type=int, default=TrainingSettings.keep_checkpoints, metavar="K",
                         help="checkpoints kept on disk: the latest in OUTPUT/checkpoint, the K - 1 before it in "
                              "OUTPUT/checkpoint-<step>")

@@ -3,10 +3,11 @@
 A draft of the published Qwen3-8B shape (hidden 4096, MLP 12288, 32 query / 8 key-value heads, vocabulary 151,936;
 `--layers` of its 5 layers, random float32 weights) takes real training steps (`dflash_loss`, backward, AdamW) on
 random target features with a top-32 teacher, at small sizes that fit a CPU. torch's FlopCounterMode counts each
-step's floating-point operations and the clock times it. `step_flops` (below) is checked against every count; it then
-gives the FLOPs of a step at the paper's settings (5 layers, 512 anchors, blocks of 16, 3,072 tokens) and of the
-target's forward that computes the features online (2 x 8.2e9 x tokens). docs/training.md, "A Qwen3-8B run on 8
-GPUs", turns them into GPU hours at a stated utilisation.
+step's floating-point operations and the clock times it. The cost model's `step_flops` (`training/plan.py`) is
+checked against every count; it then gives the FLOPs of a step at the paper's settings (5 layers, 512 anchors, blocks
+of 16, 3,072 tokens) and of the target's forward that computes the features online (2 x 8.2e9 x tokens).
+`dflash-hf train --plan` turns them into GPU hours at a stated utilisation (docs/training.md, "The cost of a
+run").
 
     python scripts/training_step_cost.py                 # 1 layer, anchors 8 and 16, 512 tokens
     python scripts/training_step_cost.py --layers 2 --anchors 8 --tokens 256
@@ -25,6 +26,7 @@ from dflash_hf.configuration_dflash import DFlashConfig
 from dflash_hf.loading import PUBLISHED_CONFIGS
 from dflash_hf.modeling_dflash import DFlashDraftModel
 from dflash_hf.training.objective import TargetSignals, dflash_loss
+from dflash_hf.training.plan import step_flops
 
 TARGET_PARAMETERS = 8.2e9  # Qwen3-8B
 TOP_K = 32
@@ -45,23 +47,6 @@ class FrozenHead(torch.nn.Module):
 
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.lm_head
-
-
-def step_flops(config: DFlashConfig, layers: int, anchors: int, tokens: int) -> float:
-    """FLOPs of one training step (forward, backward) on a sequence of `tokens` whose every position may anchor:
-    R = anchors x B block rows attend to T context rows and their own block under a dense mask; the LM head runs on
-    the anchors x (B - 1) supervised rows three times (forward, checkpoint recompute, input gradient: it is frozen);
-    trained layers and `fc` three times their forward (forward, input and weight gradients; `fc` has no input
-    gradient: two)."""
-    hidden, block = config.hidden_size, config.block_size
-    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    rows, supervised = anchors * block, anchors * (block - 1)
-    fc = 2 * tokens * len(config.dflash_config["target_layer_ids"]) * hidden * hidden
-    projections = 2 * rows * hidden * heads * head_dim * 2 + 2 * (rows + tokens) * hidden * kv_heads * head_dim * 2
-    attention = 2 * 2 * rows * (tokens + rows) * heads * head_dim
-    mlp = 2 * rows * 3 * hidden * config.intermediate_size
-    head = 2 * supervised * hidden * config.vocab_size
-    return 2 * fc + 3 * layers * (projections + attention + mlp) + 3 * head
 
 
 def measure(config: DFlashConfig, head: FrozenHead, layers: int, anchors: int, tokens: int) -> dict[str, float]:

@@ -127,7 +127,7 @@ LAYERS = (
      "training.store"},
     {"training.vllm_engine"},
     {"evaluation", "synthetic", "training.trainer", "training.data"},
-    {"model_card", "demo", "benchmark"},
+    {"model_card", "demo", "benchmark", "training.plan"},
     {"training.command", "chat"},
     {"cli"},
 )

@@ -229,9 +229,11 @@ def test_a_resumed_run_equals_the_uninterrupted_one(train_run):
         assert resumed["held_out"] == record["held_out"]  # the held-out curve continues across the resume
 
 
-def test_the_main_process_alone_evaluates_held_out_prompts_during_training(train_run):
+def test_every_process_evaluates_held_out_prompts_during_training(train_run):
+    """`evaluate` runs on every process at each evaluation (`dflash-hf train`'s measures each process's share of the
+    prompts: tests/test_training_plan.py), none waiting while another evaluates."""
     output, records = train_run
-    assert [record.get("held_out_calls", 0) for record in records] == [3 + 2 + 1, 0]  # 3 runs: 6, 0-3, 3-6 steps
+    assert [record.get("held_out_calls", 0) for record in records] == [3 + 2 + 1] * 2  # 3 runs: 6, 0-3, 3-6 steps
     held_out = records[0]["held_out"]
     assert [evaluation["step"] for evaluation in held_out] == [0, 3, 6] and records[1]["held_out"] == held_out
     assert held_out[-1]["weights_sum"] == records[0]["weights_sum"]  # it evaluated the trained draft

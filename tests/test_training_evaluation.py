@@ -83,7 +83,8 @@ def test_eval_every_without_held_out_prompts_is_refused_before_anything_loads(tm
     from dflash_hf.cli import main
 
     for flags, message in [(["--eval-every", "5", "--num-eval", "0"], "--num-eval >= 1, got 0"),
-                           (["--eval-every", "-1"], "--eval-every -1: expected 0")]:
+                           (["--eval-every", "-1"], "--eval-every -1: expected optimiser steps (500), a share of "
+                                                             "the run (5%) or a time of training (30m, 2h, 90s)")]:
         with pytest.raises(SystemExit, match=re.escape(message)):
             main(["train", "--target", str(tmp_path / "no-such-target"), "--output", str(tmp_path / "run"), *flags])
     assert not (tmp_path / "run").exists()

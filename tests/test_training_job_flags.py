@@ -18,6 +18,7 @@ from dflash_hf.devices_dflash import GROUPED_QUERY_SDPA
 from dflash_hf.prompts import chat_prompt_ids
 from dflash_hf.training.command import training_settings, training_target_dtype
 from dflash_hf.training.data import answer_cap, generate_responses, rows_by_index
+from dflash_hf.training.plan import resolve_schedule
 from dflash_hf.training.processes import process_group_kwargs
 from dflash_hf.training.trainer import (
     CHECKPOINT_DIR,
@@ -107,13 +108,14 @@ def test_train_defaults_are_the_real_job_and_every_flag_reaches_the_settings():
     for flag in ("gen_dtype", "eval_dtype"):  # bf16 on a GPU, float32 on the CPU
         assert training_target_dtype(getattr(args, flag), torch.device("cuda", 0)) == torch.bfloat16
         assert training_target_dtype(getattr(args, flag), torch.device("cpu")) == torch.float32
-    settings = training_settings(args)
+    assert args.checkpoint_every == "2%"  # 50 checkpoints, whatever the run's length
+    settings = training_settings(resolve_schedule(args, 1000, None))  # the steps of a 1,000-step run
     assert (settings.max_length, settings.checkpoint_every, settings.keep_checkpoints,
-            settings.process_group_timeout_minutes) == (3072, 200, 1, None)
+            settings.process_group_timeout_minutes) == (3072, 20, 1, None)
     assert process_group_kwargs(None) == []
     args = build_parser().parse_args(["train", "--output", "run", "--max-length", "4096", "--checkpoint-every",
                                       "500", "--keep-checkpoints", "3", "--process-group-timeout", "90"])
-    settings = training_settings(args)
+    settings = training_settings(resolve_schedule(args, 1000, None))
     assert (settings.max_length, settings.checkpoint_every, settings.keep_checkpoints,
             settings.process_group_timeout_minutes) == (4096, 500, 3, 90.0)
     assert process_group_kwargs(90.0)[0].timeout.total_seconds() == 90 * 60

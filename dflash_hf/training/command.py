@@ -34,7 +34,8 @@ from .data import (
     regenerate_conversations,
     training_rows,
 )
-from .processes import check_fsdp_applies, process_state, sum_over_processes
+from .plan import overhead_warning, plan_text, planned, resolve_schedule, run_steps, this_machine
+from .processes import check_fsdp_applies, gather_json, process_state, sum_over_processes
 from .recipe import (
     DEFAULT_DRAFT_BLOCK_SIZE,
     DEFAULT_DRAFT_LAYERS,
@@ -70,6 +71,7 @@ def training_target_dtype(choice: str, device: torch.device) -> torch.dtype:
 
 def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> None:
     """Exit naming the first `train` argument that cannot be run (before anything is read, loaded or trained)."""
+    args = checked_schedule(args)
     if args.renamed_block_size is not None:
         raise SystemExit(f"train --block-size is now --draft-block-size {args.renamed_block_size} (the block the "
                          "draft is trained for); --block-size in bench and demo is the block verified per step")
@@ -103,6 +105,34 @@ def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> 
         check_trackers(training_settings(args).report_to)
     except ValueError as error:
         raise SystemExit(f"dflash-hf train: {error}") from error
+
+
+def checked_schedule(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with --checkpoint-every, --eval-every and --held-out-every as steps of a one-step run, for the checks
+    before anything loads (`plan.resolve_schedule`); exits naming a value it refuses, or a time where no GPU of the
+    cost model runs the job (its steps' time is then unknown)."""
+    try:
+        return resolve_schedule(args, 1, 1.0 if this_machine()[1] else None)
+    except ValueError as error:
+        raise SystemExit(f"dflash-hf train: {error}") from error
+
+
+def run_schedule(args: argparse.Namespace, rows: SequenceStore, state: Any) -> argparse.Namespace:
+    """`args` with --checkpoint-every, --eval-every and --held-out-every as optimiser steps of this run (the steps
+    its plan of steps counts; a time by the cost model's step time on this machine's GPU); where the cost model knows
+    the GPU, the main process prints what the checkpoints and held-out measurements cost when that is more than
+    OVERHEAD_LIMIT of the training time (docs/training.md, "The cost of a run")."""
+    steps = run_steps(rows, state.num_processes, training_settings(checked_schedule(args)))
+    gpu = this_machine()[1]
+    plan = planned(args, len(rows), state.num_processes, gpu)[1] if gpu else None
+    try:
+        resolved = resolve_schedule(args, steps, plan.step_seconds if plan else None)
+    except ValueError as error:
+        raise SystemExit(f"dflash-hf train: {error}") from error
+    warning = overhead_warning(plan) if plan else None
+    if warning and state.is_main_process:
+        print(warning)
+    return resolved
 
 
 def check_generation_arguments(args: argparse.Namespace) -> None:
@@ -208,6 +238,10 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     output = Path(args.output)
     prompt_files, prompts, eval_file, eval_texts = train_and_eval_prompts(args)
     conversations = training_conversations(args)
+    if args.plan is not None:  # what the run will cost, before any model loads (once, under a launch of several)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(plan_text(args, max(1, len(prompts) - args.first_prompt + conversations - args.held_out_rows)))
+        return {}
     if not args.generate_only:
         check_datasets_installed()
     state = process_state(args.process_group_timeout)  # the first call: it starts the process group
@@ -234,12 +268,13 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         training_rows, size, target.get_output_embeddings().weight.shape[0], state))
     if args.init_from_target:
         initialize_from_target(draft, target, training_rows[0][0])
+    args = run_schedule(args, training_rows, state)  # the intervals as steps of this run
     settings = training_settings(args)
     tokens = generation_tokens(target, tokenizer)
     eval_prompts = [user_prompt_ids(tokenizer, prompt) for prompt in eval_texts]
 
     def evaluate(trained: DFlashDraftModel) -> dict[str, Any]:
-        return held_out_evaluation(trained, target, eval_prompts, args.eval_max_new_tokens, tokens)
+        return held_out_evaluation(trained, target, eval_prompts, args.eval_max_new_tokens, tokens, state)
 
     log = train_draft(draft, target, training_rows, settings, output, max_steps=args.max_steps,
                       evaluate=evaluate if args.eval_every else None, eval_every=args.eval_every,
@@ -316,15 +351,34 @@ def training_vocabulary(store: SequenceStore, size: int, vocab_size: int, state:
 
 
 def held_out_evaluation(draft: DFlashDraftModel, target: torch.nn.Module, prompts: list[list[int]],
-                        max_new_tokens: int, tokens: GenerationTokens) -> dict[str, Any]:
+                        max_new_tokens: int, tokens: GenerationTokens, state: Any = None) -> dict[str, Any]:
     """Tau, losslessness and speedup of the draft on held-out prompts, greedy, as `bench` measures them (a copy in the
-    target's dtype and on its device, where the draft's differ): one point of the curve `--eval-every` logs."""
+    target's dtype and on its device, where the draft's differ): one point of the curve `--eval-every` logs. Every
+    process of `state` (None: this one alone) measures its share (prompts p, p + N, ...) and the shares are combined
+    (a collective: every process calls this), into what one process measuring them all gives: tau over every step,
+    lossless if every output was, the speedup of the summed tokens and seconds."""
     dtype, device = next(target.parameters()).dtype, target_device(target)
     weight = next(draft.parameters())
     if (weight.dtype, weight.device) != (dtype, device):
         draft = copy.deepcopy(draft).to(device=device, dtype=dtype)
-    evaluation = evaluate_draft(draft, target, prompts, max_new_tokens, tokens=tokens)
-    return {name: evaluation[name] for name in ("tau", "lossless", "speedup")}
+    index, count = (state.process_index, state.num_processes) if state is not None else (0, 1)
+    share, records = prompts[index::count], []
+    lossless = True
+    if share:
+        lossless = evaluate_draft(draft, target, share, max_new_tokens, tokens=tokens,
+                                  on_result=lambda index, record: records.append(record))["lossless"]
+    part = {"accepted": sum(sum(record.acceptance_lengths) for record in records),
+            "steps": sum(len(record.acceptance_lengths) for record in records), "lossless": lossless,
+            **{f"{method}_{what}": sum(len(record.new_tokens[method]) if what == "tokens" else record.seconds[method]
+                                       for record in records)
+               for method in ("plain", "dflash") for what in ("tokens", "seconds")}}
+    parts = gather_json([part], state) if count > 1 else [part]
+    total = {name: sum(part[name] for part in parts) for name in part if name != "lossless"}
+    rates = {method: total[f"{method}_tokens"] / total[f"{method}_seconds"] if total[f"{method}_seconds"] else 0.0
+             for method in ("plain", "dflash")}
+    return {"tau": total["accepted"] / total["steps"] if total["steps"] else 0.0,
+            "lossless": all(part["lossless"] for part in parts),
+            "speedup": rates["dflash"] / rates["plain"] if rates["plain"] else 0.0}
 
 
 def train_and_eval_prompts(args: argparse.Namespace) -> tuple[list[str], PromptTexts, str, list[str]]:

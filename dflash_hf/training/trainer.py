@@ -38,7 +38,6 @@ from .processes import (
     check_token_budget,
     epoch_order,
     fsdp_precision,
-    gather_json,
     process_group_kwargs,
     token_budget_steps,
 )
@@ -975,9 +974,10 @@ def train_draft(
     `output_dir` (under FSDP each process writes its own checkpoint shards); all return the same log once it is
     written. Under Accelerate's FSDP a copy of the draft is sharded over the processes and the trained weights are
     gathered back into `draft` at the end. `evaluate(draft)` (held-out tau and losslessness; JSON-ready values) runs on
-    the main process before the first step, every `eval_every` optimiser steps and after the last; its results go to
-    every process's `log.evaluations`. `held_out_rows` (never trained on): every process computes its share of their
-    training loss (`held_out_loss`) at the same steps, every `held_out_every` steps, into `log.held_out_losses`."""
+    every process (each its share of the prompts, `record_evaluation`) before the first step, every `eval_every`
+    optimiser steps and after the last; its results go to every process's `log.evaluations`. `held_out_rows` (never
+    trained on): every process computes its share of their training loss (`held_out_loss`) at the same steps, every
+    `held_out_every` steps, into `log.held_out_losses`."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 
@@ -1113,16 +1113,14 @@ def whole_weights(model: torch.nn.Module, every_process: bool) -> dict[str, torc
 
 def record_evaluation(accelerator: Accelerator, sharded_model: torch.nn.Module | None, draft: DFlashDraftModel,
                       evaluate: Callable[[DFlashDraftModel], dict[str, Any]], log: TrainingLog) -> None:
-    """Evaluate the whole draft on the main process and append `{"step", **results}` to every process's log (the
-    others wait for the results). Under FSDP (`sharded_model`) every process first gathers the shards into `draft`."""
+    """Evaluate the whole draft on every process and append `{"step", **results}` to its log: `evaluate` measures
+    this process's share of the prompts and combines the shares (a collective: `dflash-hf train`'s
+    `command.held_out_evaluation`), so no process waits while another evaluates them all. Under FSDP
+    (`sharded_model`) every process first gathers the shards into its `draft`."""
     if sharded_model is not None:
-        weights = whole_weights(sharded_model, every_process=False)
-        if accelerator.is_main_process:
-            draft.load_state_dict(weights)
-    results = []
-    if accelerator.is_main_process:
-        draft.eval()
-        with torch.no_grad():
-            results.append(evaluate(draft))
-        draft.train()
-    log.evaluations.append({"step": log.steps, **gather_json(results, accelerator.state)[0]})
+        draft.load_state_dict(whole_weights(sharded_model, every_process=True))
+    draft.eval()
+    with torch.no_grad():
+        results = evaluate(draft)
+    draft.train()
+    log.evaluations.append({"step": log.steps, **results})
