@@ -195,8 +195,8 @@ def held_out_loss(accelerator: Accelerator, model: torch.nn.Module, target: torc
             module.reshard()
     total = accelerator.reduce(torch.stack(parts).sum(0), reduction="sum").cpu()  # [5 + 2 (B-1)]
     correct, counted = total[5:].chunk(2)
-            "sampled_block_tau": float(1 + total[4] / total[3].clamp(min=1)),
     return {"loss": float(total[0] / total[1]), "block_tau": float(1 + total[2] / total[3].clamp(min=1)),
+            "sampled_block_tau": float(1 + total[4] / total[3].clamp(min=1)),
             "position_accuracy": (correct / counted.clamp(min=1)).tolist()}
 
 
