@@ -70,6 +70,7 @@ class MarkingStreamer:
         self.shown = 0  # tokens whose text is written
         self.text = ""  # the text of tokens[:shown]
         self.inside = False  # a marked run is open
+        self.held = ""  # whitespace after the open run's text, not yet written
 
     @property
     def accepted(self) -> int:
@@ -101,19 +102,26 @@ class MarkingStreamer:
             self.text, self.shown = text, index + 1
 
     def emit(self, span: str, marked: bool) -> None:
-        """Write `span`, opening or closing a mark where `marked` changes; whitespace before a marked run stays out
-        of it."""
-        if marked and not self.inside:
-            body = span.lstrip()
-            self.write(span[: len(span) - len(body)])
+        """Write `span`, opening or closing a mark where `marked` changes; whitespace around a marked run (a space
+        before it, a line break after it) stays out of it."""
+        if not marked:
+            if self.inside:
+                self.write(self.marks.end)
+                self.inside = False
+            self.write(self.held + span)
+            self.held = ""
+            return
+        text, self.held = self.held + span, ""
+        if not self.inside:
+            body = text.lstrip()
+            self.write(text[: len(text) - len(body)])
             if not body:
                 return
             self.write(self.marks.start)
-            self.inside, span = True, body
-        elif not marked and self.inside:
-            self.write(self.marks.end)
-            self.inside = False
-        self.write(span)
+            self.inside, text = True, body
+        core = text.rstrip()
+        self.held = text[len(core):]  # inside the run if it goes on, after it if it ends here
+        self.write(core)
 
 
 @dataclass

@@ -95,6 +95,9 @@ def test_an_answer_that_ends_inside_a_character_writes_it_and_closes_its_colour(
     # an interrupted call: the step's half character is held back until end() writes what there is
     assert stream([[1], [2, 8]], COLOR_MARKS)[0] == f"Hello {GREEN}wor{RESET}\ufffd"
     assert stream([[1], [2, 3, 4, 11]], COLOR_MARKS)[0] == f"Hello {GREEN}world!{RESET}\n"
+    # a drafted line break after a run is written after the mark, one inside a run stays in it
+    assert stream([[1], [2, 3, 11, 4]], COLOR_MARKS)[0] == f"Hello {GREEN}world{RESET}\n!"
+    assert stream([[1], [2, 3, 11, 5, 4]])[0] == "Hello [world\n How]!"
 
 
 @pytest.mark.parametrize("tree_size", [None, 4])
@@ -252,6 +255,16 @@ def words(text: str) -> str:
     return " ".join(text.split())
 
 
+def answer_on_screen(screen: str, question: str, marks) -> tuple[str, int]:
+    """The answer written after `question` was typed (up to its summary line), and the accepted draft tokens that
+    line counts."""
+    after = screen.split(f"{USER_PROMPT}{question}\n", 1)[1]
+    summary = re.search(r"\n\[\d+ tokens \| [\d.]+ tokens/s \| tau [\d.]+ \| (\d+) draft tokens accepted, "
+                        + re.escape(re.sub(r"\033\[\d+m", "", marks.legend)) + r"\]\n", after)
+    assert summary, after
+    return after[: summary.start()], int(summary.group(1))
+
+
 @needs_smollm2
 def test_chat_through_pipes_answers_as_generate_does(smollm2):
     """The command with its input and output piped (no terminal): plain-text marks, and each answer, its marks taken
@@ -263,42 +276,41 @@ def test_chat_through_pipes_answers_as_generate_does(smollm2):
                           text=True, timeout=600, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "\033[" not in done.stdout  # not a terminal: no colour
-    answers = re.findall(r"\n(.*?)\n\[\d+ tokens \| [\d.]+ tokens/s \| tau [\d.]+ \| (\d+) draft tokens accepted",
-                         done.stdout, flags=re.S)
+    answers = [answer_on_screen(done.stdout, question, PLAIN_MARKS) for question in QUESTIONS]
     assert [words(text.replace("[", "").replace("]", "")) for text, _ in answers] == [words(a) for a in expected]
-    for text, accepted in answers:
-        assert sum(len(run) > 0 for run in re.findall(r"\[([^\]]*)\]", text)) >= (int(accepted) > 0)
-    assert sum(int(accepted) for _, accepted in answers) > 0  # the shipped draft gets some tokens right
+    assert sum(accepted for _, accepted in answers) > 0  # the shipped draft gets some tokens right ...
+    assert any("[" in text for text, accepted in answers if accepted)  # ... and they are marked
     assert f"{USER_PROMPT}{QUESTIONS[1]}" in done.stdout  # piped input is echoed after the prompt
 
 
 class Tmux:
-    """A tmux server of its own (-L), one window running a command; the pane stays after the command exits."""
+    """A tmux server of its own (-L, no user config), one window running a command, then saying how it exited."""
 
     def __init__(self, command: list[str], width: int = 220, height: int = 50) -> None:
         self.socket = f"dflash-chat-test-{uuid.uuid4().hex[:8]}"
-        shell = " ".join(["cd", str(ROOT), "&&", "env", "-u", "NO_COLOR", *command])
-        self.run("new-session", "-d", "-s", "chat", "-x", str(width), "-y", str(height), shell)
-        self.run("set-option", "-t", "chat", "remain-on-exit", "on")
+        shell = f"cd {ROOT} && env -u NO_COLOR {' '.join(command)}; echo chat exited with $?; sleep 600"
+        self.run("-f", "/dev/null", "new-session", "-d", "-s", "chat", "-x", str(width), "-y", str(height), shell)
 
     def run(self, *arguments: str) -> str:
         return subprocess.run(["tmux", "-L", self.socket, *arguments], check=True, capture_output=True,
                               text=True).stdout
 
     def capture(self, escapes: bool = False) -> str:
+        """The whole pane, wrapped lines joined (-J); with `escapes`, its colours as escape sequences (-e)."""
         return self.run("capture-pane", "-p", "-J", "-S", "-", "-t", "chat", *(["-e"] if escapes else []))
 
     def type(self, text: str) -> None:
         self.run("send-keys", "-t", "chat", "-l", text)
         self.run("send-keys", "-t", "chat", "Enter")
 
-    def wait_for(self, pattern: str, count: int = 1, timeout: float = 600.0) -> str:
+    def wait_for(self, pattern: str, count: int = 1, timeout: float = 900.0) -> str:
+        """The screen once `pattern` is on it `count` times."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             screen = self.capture()
             if len(re.findall(pattern, screen)) >= count:
                 return screen
-            if self.run("display-message", "-p", "-t", "chat", "#{pane_dead}").strip() == "1":
+            if "chat exited with" in screen:
                 raise AssertionError(f"the chat ended before {pattern!r}:\n{screen}")
             time.sleep(0.5)
         raise AssertionError(f"no {pattern!r} within {timeout} s:\n{self.capture()}")
@@ -320,18 +332,16 @@ def test_chat_in_a_terminal_as_a_person_uses_it(smollm2):
         tmux.wait_for(re.escape(USER_PROMPT))
         tmux.type(QUESTIONS[0])
         screen = tmux.wait_for(r"tokens/s \| tau ")
-        answer = screen.split(QUESTIONS[0], 1)[1].split("\n[", 1)[0]
-        assert words(answer) == words(expected)
-        assert re.search(r"\[\d+ tokens \| [\d.]+ tokens/s \| tau [\d.]+ \| \d+ draft tokens accepted, green\]",
-                         screen)
-        colored = tmux.capture(escapes=True)
+        answer, accepted = answer_on_screen(screen, QUESTIONS[0], COLOR_MARKS)
+        assert words(answer) == words(expected) and accepted > 0
+        colored = tmux.capture(escapes=True).split(QUESTIONS[0], 1)[1]
         assert "\033[32m" in colored  # a terminal with colour: the accepted draft tokens are green
         tmux.wait_for(re.escape(USER_PROMPT), count=2)
         tmux.type("/quit")
         deadline = time.monotonic() + 60
-        while tmux.run("display-message", "-p", "-t", "chat", "#{pane_dead}").strip() != "1":
+        while "chat exited with" not in tmux.capture():
             assert time.monotonic() < deadline, tmux.capture()
             time.sleep(0.5)
-        assert tmux.run("display-message", "-p", "-t", "chat", "#{pane_dead_status}").strip() == "0"
+        assert "chat exited with 0" in tmux.capture()
     finally:
         tmux.close()
