@@ -1,11 +1,13 @@
-"""Peak resident memory of each process of `dflash-hf train` on two CPU processes, by the size of the corpus.
+"""Peak resident memory and wall time of each process of `dflash-hf train` on CPU processes, by the corpus's size.
 
 Writes a tiny Llama target (word-level tokenizer with a chat template) and `--rows` synthetic rows into `--folder`,
-then runs `dflash-hf train` on two gloo processes (torchrun) for `--max-steps` optimiser steps, nothing generated and
-nothing evaluated. `--source conversations`: `--conversations` rows of a 20-word user turn and a 40-word assistant
-turn. `--source responses`: `--prompts` of 20 words whose answers (40 tokens each) are already in the run's
-`responses.jsonl`, as when a finished generation is resumed. Each process
-records its peak RSS (`resource.getrusage(RUSAGE_SELF).ru_maxrss`) once `train` returns; one JSON line is printed.
+then runs `dflash-hf train` on `--processes` gloo processes (torchrun; 2 by default) for `--max-steps` optimiser
+steps, nothing generated and nothing evaluated. `--source conversations`: `--conversations` rows of a 20-word user
+turn and a 40-word assistant turn. `--source responses`: `--prompts` of 20 words whose answers (40 tokens each) are
+already in the run's `responses.jsonl`, as when a finished generation is resumed. `--source seeded`: the same
+answers in a `--responses` file (rows generated elsewhere), copied into the run's `responses.jsonl`. Each process
+records its peak RSS (`resource.getrusage(RUSAGE_SELF).ru_maxrss`) and the seconds `train` took once it returns; one
+JSON line is printed.
 Run it from the checkout whose code is measured (`PYTHONPATH=. python scripts/training_memory.py --rows 20000`):
 only `dflash_hf.cli` is used, so the same script measures an earlier checkout too (docs/training.md, "Data that
 streams").
@@ -59,9 +61,10 @@ def write_conversations(path: Path, rows: int) -> None:
                                                   {"role": "assistant", "content": words(40)}]}) + "\n")
 
 
-def write_prompts_and_responses(folder: Path, rows: int) -> None:
+def write_prompts_and_responses(folder: Path, rows: int, seeded: bool = False) -> None:
     """`rows` seeded 20-word prompts in folder/prompts.jsonl, and their answers (40 tokens each) in the run's
-    responses.jsonl, each row's prompt ids rendered with the target's chat template as `train` renders them."""
+    responses.jsonl (`seeded`: in folder/seed.jsonl, for --responses), each row's prompt ids rendered with the
+    target's chat template as `train` renders them."""
     from transformers import AutoTokenizer
 
     from dflash_hf.prompts import user_prompt_ids
@@ -69,7 +72,7 @@ def write_prompts_and_responses(folder: Path, rows: int) -> None:
     tokenizer, generator = AutoTokenizer.from_pretrained(folder / "target"), random.Random(0)
     (folder / "run").mkdir()
     with open(folder / "prompts.jsonl", "w", encoding="utf-8") as prompts, \
-            open(folder / "run" / "responses.jsonl", "w", encoding="utf-8") as responses:
+            open(folder / ("seed.jsonl" if seeded else "run/responses.jsonl"), "w", encoding="utf-8") as responses:
         for index in range(rows):
             prompt = " ".join(f"w{generator.randrange(10, VOCAB_SIZE)}" for _ in range(20))
             prompts.write(json.dumps({"question": prompt}) + "\n")
@@ -84,18 +87,24 @@ def worker(folder: Path, source: str, max_steps: int) -> None:
 
     rows = (["--conversations", str(folder / "conversations.jsonl")] if source == "conversations" else
             ["--prompts", str(folder / "prompts.jsonl")])
+    if source == "seeded":
+        rows += ["--responses", str(folder / "seed.jsonl")]
+    started = time.perf_counter()
     main(["train", "--target", str(folder / "target"), *rows, "--output", str(folder / "run"),
           "--max-steps", str(max_steps), "--num-eval", "0", "--epochs", "1", "--draft-layers", "1",
           "--draft-block-size", "4", "--num-anchors", "4", "--mask-token", "w127"])
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-    (folder / f"rss-{os.environ['RANK']}.json").write_text(json.dumps(peak_mib))
+    seconds = time.perf_counter() - started
+    (folder / f"rss-{os.environ['RANK']}.json").write_text(json.dumps([peak_mib, seconds]))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, default=20000, help="synthetic conversations in the corpus")
-    parser.add_argument("--source", choices=["conversations", "responses"], default="conversations",
-                        help="the corpus: conversations, or prompts with their responses already generated")
+    parser.add_argument("--source", choices=["conversations", "responses", "seeded"], default="conversations",
+                        help="the corpus: conversations, or prompts with their responses already generated (in the "
+                             "run's responses.jsonl, or seeded: in a --responses file)")
+    parser.add_argument("--processes", type=int, default=2, help="processes torchrun starts")
     parser.add_argument("--max-steps", type=int, default=2, help="optimiser steps trained")
     parser.add_argument("--folder", default=None, help="where the target, corpus and run go (default: a new "
                         "temporary folder)")
@@ -110,17 +119,19 @@ def main() -> None:
     if args.source == "conversations":
         write_conversations(folder / "conversations.jsonl", args.rows)
     else:
-        write_prompts_and_responses(folder, args.rows)
+        write_prompts_and_responses(folder, args.rows, seeded=args.source == "seeded")
     with socket.socket() as probe:  # a port no other process listens on now
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-                    "--master_addr", "127.0.0.1", "--master_port", str(port), __file__, "--worker", "--folder",
-                    str(folder), "--source", args.source, "--max-steps", str(args.max_steps)],
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
+                    str(args.processes), "--master_addr", "127.0.0.1", "--master_port", str(port), __file__,
+                    "--worker", "--folder", str(folder), "--source", args.source, "--max-steps", str(args.max_steps)],
                    check=True, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
-    peaks = [json.loads((folder / f"rss-{rank}.json").read_text()) for rank in range(2)]
-    print(json.dumps({"rows": args.rows, "source": args.source, "peak_rss_mib": [round(peak) for peak in peaks],
+    measured = [json.loads((folder / f"rss-{rank}.json").read_text()) for rank in range(args.processes)]
+    print(json.dumps({"rows": args.rows, "source": args.source, "processes": args.processes,
+                      "peak_rss_mib": [round(peak) for peak, _ in measured],
+                      "train_seconds": [round(seconds) for _, seconds in measured],
                       "seconds": round(time.perf_counter() - started)}))
 
 

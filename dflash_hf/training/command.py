@@ -26,13 +26,17 @@ from ..smollm2 import SMOLLM2_MASK_TOKEN
 from ..tokens_dflash import GenerationTokens, generation_tokens
 from ..validation_dflash import check_draft_target
 from .data import (
+    SHARD_POLL_SECONDS,
+    SHARD_STALL_MINUTES,
     PromptTexts,
     engine_refusal,
     generate_responses,
     read_chat_rows,
     read_prompts,
     regenerate_conversations,
+    stored_row_offsets,
     training_rows,
+    wait_for_files,
 )
 from .plan import overhead_warning, plan_text, planned, resolve_schedule, run_steps, this_machine
 from .processes import check_fsdp_applies, gather_json, process_state, sum_over_processes
@@ -323,14 +327,21 @@ def training_store(args: argparse.Namespace, output: Path, prompts: range, num_c
         state.wait_for_everyone()
         rank, split = state.process_index, total - args.held_out_rows
         mine = range(total * rank // state.num_processes, total * (rank + 1) // state.num_processes)
+        # where each row starts: one pass over each rows file, shared by the processes (collectives)
+        offsets = (stored_row_offsets(responses, prompts.stop, state) if prompts else None,
+                   stored_row_offsets(regenerated, num_conversations, state) if regenerated else None)
         try:
             for part, rows in zip(PARTS, (range(mine.start, min(mine.stop, split)),
                                           range(max(mine.start, split), mine.stop))):
                 write_sequences(part_file(folder, part, rank), training_rows(
-                    responses, prompts, args.conversations, tokenizer, stop_token_ids, rows, regenerated),
+                    responses, prompts, args.conversations, tokenizer, stop_token_ids, rows, regenerated, offsets),
                     args.max_length)
         except ValueError as error:
             raise SystemExit(f"dflash-hf train: {error}") from error
+        parts = [part_file(folder, part, shard) for part in PARTS for shard in range(state.num_processes)]
+        wait_for_files(lambda: all(path.exists() for path in parts),  # outside any collective: its timeout
+                       [path.with_name(path.name + ".tmp") for path in parts], SHARD_POLL_SECONDS,
+                       SHARD_STALL_MINUTES, lambda: "the other processes' store files")
         state.wait_for_everyone()  # every part file is written
         if state.is_main_process:
             write_store_facts(folder, facts)

@@ -7,6 +7,7 @@ JSONL file (each prompt once whatever the number of processes), so an interrupte
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -26,7 +27,7 @@ from ..prompts import check_prompt_file, line_turns, read_conversations, user_pr
 from ..sampling_dflash import cut_after_stop
 from ..tokens_dflash import generation_tokens
 from ..versions_dflash import continuous_batching_refusal, generate_batch_arguments
-from .processes import process_state
+from .processes import process_state, sum_over_processes
 from .store import row_tokens
 from .vllm_engine import VllmTarget, vllm_responses
 
@@ -76,6 +77,22 @@ class PromptTexts(Sequence[str]):
         with open(path, "rb") as handle:
             handle.seek(self.starts[index])
             return line_turns(handle.readline(), None, str(path))[0]
+
+    def items(self, indices: Sequence[int]) -> Iterator[tuple[int, str]]:
+        """(index, text) of the prompts at `indices` (ascending), in order, each file opened once."""
+        handle, current = None, -1
+        try:
+            for index in indices:
+                number = bisect_right(self.ends, index)
+                if number != current:
+                    if handle is not None:
+                        handle.close()
+                    handle, current = open(self.paths[number], "rb"), number
+                handle.seek(self.starts[index])
+                yield index, line_turns(handle.readline(), None, str(self.paths[number]))[0]
+        finally:
+            if handle is not None:
+                handle.close()
 
     def __iter__(self) -> Iterator[str]:
         first = 0
@@ -259,7 +276,7 @@ def repair_rows(path: str | Path) -> None:
             start -= step
         handle.seek(start)
         last = handle.read()
-        if last.endswith(b"\n") and _whole(last):
+        if last.endswith(b"\n"):  # a row's newline is the last byte written for it
             return
         if _whole(last):
             handle.write(b"\n")
@@ -288,21 +305,22 @@ def iter_rows(path: str | Path) -> Iterator[dict]:
                 continue
 
 
-def rows_by_index(path: str | Path, indices: range) -> Iterator[dict]:
-    """The rows of a `.jsonl` response file whose "index" is in `indices`, in index order, one at a time: a first
-    pass notes where each one's line starts (8 bytes a row), then each is read where it is. A missing one raises a
-    ValueError naming the fix."""
-    starts = array("q", [-1]) * len(indices)
+def rows_by_index(path: str | Path, indices: range, offsets: torch.Tensor | None = None) -> Iterator[dict]:
+    """The rows of a `.jsonl` rows file whose "index" is in `indices`, in index order, one at a time, each read where
+    it starts: `offsets[index]` (`stored_row_offsets`), or, without, from one pass over the file that reads only each
+    line's index (`row_index`; 8 bytes a row kept). A missing one raises a ValueError naming the fix."""
+    if offsets is None:
+        starts = array("q", [-1]) * len(indices)
+        with open(path, "rb") as handle:
+            position = 0
+            for line in handle:
+                index = row_index(line)
+                if index in indices and starts[index - indices.start] < 0:
+                    starts[index - indices.start] = position
+                position += len(line)
+    else:
+        starts = array("q", offsets[indices.start:indices.stop].tolist())
     with open(path, "rb") as handle:
-        position = 0
-        for line in handle:
-            try:
-                index = json.loads(line)["index"]
-            except json.JSONDecodeError:  # a line cut by an interruption
-                index = -1
-            if index in indices:
-                starts[index - indices.start] = position
-            position += len(line)
         for offset, start in enumerate(starts):
             if start < 0:
                 raise ValueError(f"{path} has no row for prompt {indices.start + offset}: generate it again (the same "
@@ -312,18 +330,20 @@ def rows_by_index(path: str | Path, indices: range) -> Iterator[dict]:
 
 
 def training_rows(responses: Path, prompts: range, conversations: list[str], tokenizer: PreTrainedTokenizerBase,
-                  stop_token_ids: Iterable[int], rows: range, regenerated: Path | None = None
+                  stop_token_ids: Iterable[int], rows: range, regenerated: Path | None = None,
+                  offsets: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
                   ) -> Iterator[tuple[list[int], list[int]]]:
     """(token ids, loss mask) of the training rows at positions `rows`, one at a time: first the response rows of
     the prompts at `prompts` (in prompt order), then the conversations (`conversation_row`, in file order): as
     given, or with `regenerated` the rows of that file (`regenerate_conversations`: every assistant turn the
-    target's, its generated ids kept)."""
+    target's, its generated ids kept). `offsets`: where each row of `responses` and of `regenerated` starts
+    (`stored_row_offsets`; None: found by `rows_by_index`)."""
     answered = range(max(rows.start, 0), min(rows.stop, len(prompts)))
-    for row in rows_by_index(responses, prompts[answered.start:answered.stop]) if answered else ():
+    for row in rows_by_index(responses, prompts[answered.start:answered.stop], offsets[0]) if answered else ():
         yield row_tokens(row)
     chats = range(max(rows.start - len(prompts), 0), max(rows.stop - len(prompts), 0))
     if regenerated is not None:
-        for row in rows_by_index(regenerated, chats) if chats else ():
+        for row in rows_by_index(regenerated, chats, offsets[1]) if chats else ():
             yield row_tokens(conversation_row(tokenizer, row["messages"], stop_token_ids,
                                               f"{regenerated} row {row['index']}", row["answer_ids"]))
         return
@@ -376,36 +396,48 @@ def generate_responses(
     to the next prompt at once), the same rows greedy; "vllm", vLLM's offline engine (`target` a
     `vllm_engine.VllmTarget`: `vllm_engine.vllm_responses`).
 
-    Under `accelerate launch` / `torchrun` every process calls this with the same prompts and takes its own share of
-    the prompts still to answer (`process_share`), then generates it batch after batch with no collective, appending
-    each batch's rows to its own shard file beside `output_path` (`shard_path`). Once every process is done (marker
-    files, `finish_shards`: the wait is outside any collective), the main process appends the shards to `output_path`
-    and removes them (`merge_shards`); a rerun first merges the shards a killed run left.
+    Under `accelerate launch` / `torchrun` every process calls this with the same prompts and works on its own share
+    of them: every `num_processes`-th of the prompts answered already (whose stored rows it checks) and of those still
+    to answer (from `process_index` on, so each process gets as many to answer, of every length). It renders only
+    those, matches the ones to answer to the seed rows, then generates the rest batch after batch with no collective,
+    appending each batch's rows (and the seeded ones) to its own shard file beside `output_path` (`shard_path`). Once
+    every process is done (marker files, `finish_shards`: the wait is outside any collective), the main process
+    appends the shards to `output_path` and removes them (`merge_shards`); a rerun first merges the shards a killed
+    run left (`prepare_output`). No process reads every row: where each stored row starts comes from one shared pass
+    over the file (`stored_row_offsets`), and each row is checked by the process whose share holds it, from the start
+    of its line (`_check_stored_row`). Held in memory: 8 bytes a prompt (where its row starts), the seed rows' keys
+    (`_seed_offsets`: 24 bytes a seed row), and the index and length of each prompt of the share still to answer.
     """
     check_engine(target, engine, draft)
     output_path, state = Path(output_path), process_state()
-    main_shard = shard_path(output_path, 0, state.num_processes)
-    if state.is_main_process:  # merges a killed run's shards and appends the seeded rows before any process reads
-        answered = _answered_prompts(output_path, tokenizer, prompts, seed_paths, writer=True)
-        main_shard.touch()  # every process must see it: the shards are merged through the file system
-    state.wait_for_everyone()
-    if not main_shard.exists():
-        raise ValueError(f"{main_shard.parent} is not on a file system every process sees (process "
-                         f"{state.process_index} does not see the main process's {main_shard.name}): put --output on "
-                         "one (docs/training.md, 'Several processes')")
-    if not state.is_main_process:
-        answered = _answered_prompts(output_path, tokenizer, prompts, seed_paths, writer=False)
-    todo = array("i", (index for index in range(len(prompts)) if not answered[index]))  # the same on every process
-    lengths = array("i", (len(user_prompt_ids(tokenizer, text)) for index, text in enumerate(prompts)
-                          if not answered[index]) if by_length else ())  # [len(todo)]
-    mine = process_share(todo, lengths, state.process_index, state.num_processes)  # [n] prompt indices
+    prepare_output(output_path, state)
+    offsets = stored_row_offsets(output_path, len(prompts), state)  # [prompts] where each stored row starts
+    rank, processes = state.process_index, state.num_processes
+    share = torch.cat([(offsets >= 0).nonzero().flatten()[rank::processes],  # [share] prompt indices: to check,
+                       (offsets < 0).nonzero().flatten()[rank::processes]]).sort().values  # and to answer
+    keys, lengths, todo = array("q"), array("i"), array("i")  # [share] rendered prompts' keys; [todo] to answer
+    for index, text in prompt_share(prompts, share.tolist()):
+        ids = user_prompt_ids(tokenizer, text)
+        keys.append(ids_key(ids))
+        if offsets[index] >= 0:
+            _check_stored_row(output_path, int(offsets[index]), index, ids)
+        else:
+            todo.append(index)
+            lengths.append(len(ids))
+    seeded = _seed_offsets(seed_paths, keys, share, state)  # {prompt index: (seed file, offset, key)} of the share's
     device = None if engine == "vllm" else target_device(target)
     tokens = generation_tokens(target, tokenizer)  # stop on every EOS id, as bench and the evaluation do
     if temperature > 0:
         torch.manual_seed(seed + state.process_index)  # each process samples its own prompts
-    bar = _progress(len(mine), 0, progress and state.is_main_process,
-                    f"generating responses (process {state.process_index}: {len(mine)} of {len(todo)} prompts)")
     with open(shard_path(output_path, state.process_index, state.num_processes), "a", encoding="utf-8") as handle:
+        for row in _seed_rows(seed_paths, seeded, todo):
+            handle.write(json.dumps(row) + "\n")
+        handle.flush()
+        answering = array("i", (index for index in todo if index not in seeded))
+        mine = process_share(answering, array("i", (length for index, length in zip(todo, lengths)
+                                                    if index not in seeded)) if by_length else array("i"), 0, 1)
+        bar = _progress(len(mine), 0, progress and state.is_main_process,
+                        f"generating responses (process {state.process_index}: {len(mine)} of {len(prompts)} prompts)")
         for start in range(0, len(mine), batch_size):
             indices = mine[start:start + batch_size].tolist()
             prompt_ids = [user_prompt_ids(tokenizer, prompts[index]) for index in indices]
@@ -418,6 +450,156 @@ def generate_responses(
     bar.close()
     finish_shards(output_path, state)
     return len(prompts)
+
+
+def prompt_share(prompts: Sequence[str], share: Sequence[int]) -> Iterator[tuple[int, str]]:
+    """(index, text) of the prompts at `share` (ascending indices), in order: a `PromptTexts` reads them in one pass
+    over its files."""
+    if isinstance(prompts, PromptTexts):
+        yield from prompts.items(share)
+    else:
+        for index in share:
+            yield index, prompts[index]
+
+
+def ids_key(ids: Sequence[int]) -> int:
+    """A 64-bit key of a token id list (BLAKE2b of its int32 bytes), to match rendered prompts to seed rows."""
+    return int.from_bytes(hashlib.blake2b(array("i", ids).tobytes(), digest_size=8).digest(), "little", signed=True)
+
+
+def _check_stored_row(output_path: Path, offset: int, index: int, prompt_ids: list[int]) -> None:
+    """Raise a ValueError where the row stored at `offset` of `output_path` answers another prompt than `prompt_ids`:
+    its line's start is compared with the one this package writes for that prompt (the row decoded only where it
+    was written otherwise)."""
+    with open(output_path, "rb") as handle:
+        handle.seek(offset)
+        line = handle.readline()
+    expected = f'{{"index": {index}, "prompt_ids": {json.dumps(prompt_ids)}, '.encode()
+    if line.startswith(expected) or json.loads(line).get("prompt_ids") == prompt_ids:
+        return
+    raise ValueError(f"row {index} of {output_path} answers another prompt than prompt {index} of these prompt "
+                     "files (other --prompts, or another tokenizer); pass the matching prompts, or use a new --output")
+
+
+SEED_ROW_IDS = re.compile(rb'"prompt_ids": \[([0-9, ]*)\]')  # a seed row's prompt ids, read without decoding it
+
+
+def _seed_offsets(seed_paths: Sequence[str | Path], keys: array, share: torch.Tensor, state: Any
+                  ) -> dict[int, tuple[int, int, int]]:
+    """{prompt index: (seed file number, where its row starts, key)} of the prompts of this process's `share` (their
+    rendered ids' `keys`) that a seed row answers: the first seed row of a prompt, in file order. Each process reads
+    the prompt ids of its own slice of the seed files' rows (`.jsonl`: bytes; `.jsonl.gz`: every num_processes-th
+    line), their keys are gathered on every process (a collective), and a seed file none of whose rows answers any
+    prompt is refused (other prompts, or another tokenizer)."""
+    missing = [Path(path) for path in seed_paths if not Path(path).is_file()]
+    if missing:
+        raise FileNotFoundError(f"--responses {missing[0]}: no such file")
+    if not seed_paths:
+        return {}
+    found = array("q")  # [3 x seed rows] key, file number, where the row starts
+    sizes = torch.zeros(len(seed_paths), dtype=torch.int64)  # [files] rows of each
+    for number, path in enumerate(map(Path, seed_paths)):
+        for position, line in _slice_lines(path, state):
+            match = SEED_ROW_IDS.search(line)
+            if match is not None:
+                ids = [int(token) for token in match.group(1).split(b",") if token.strip()]
+            else:
+                try:
+                    ids = json.loads(line)["prompt_ids"]
+                except ValueError:  # a line an interruption cut
+                    continue
+            found.extend((ids_key(ids), number, position))
+            sizes[number] += 1
+    records = _gather_rows(int64_tensor(found).view(-1, 3), state)  # [all seed rows, 3]
+    records = records[torch.argsort(records[:, 1] * (1 << 40) + records[:, 2], stable=True)]  # file order
+    records = records[torch.argsort(records[:, 0], stable=True)]  # by key, file order within a key
+    mine = int64_tensor(keys)  # [share]
+    places = torch.searchsorted(records[:, 0].contiguous(), mine)  # [share] the first seed row of each key
+    hits = places < len(records)
+    hits[hits.clone()] = records[places[hits], 0] == mine[hits]
+    used = torch.zeros(len(seed_paths), dtype=torch.int64)  # [files] whether it answers a prompt of the share
+    sorted_keys = records[:, 0].contiguous()  # [all seed rows]
+    for low, high in zip(places[hits].tolist(), torch.searchsorted(sorted_keys, mine[hits], right=True).tolist()):
+        used[records[low:high, 1]] = 1  # every file that holds a row of the prompt
+    used, sizes = sum_over_processes(used, state), sum_over_processes(sizes, state)
+    unused = [number for number in range(len(seed_paths)) if sizes[number] and not used[number]]
+    if unused:
+        raise ValueError(f"--responses {seed_paths[unused[0]]}: none of its {int(sizes[unused[0]])} rows answers one "
+                         "of these prompts (other --prompts, or another tokenizer); pass the prompt files it was "
+                         "generated for")
+    return {int(share[position]): (int(records[place, 1]), int(records[place, 2]), keys[position])
+            for position, place in zip(hits.nonzero().flatten().tolist(), places[hits].tolist())}
+
+
+def _seed_rows(seed_paths: Sequence[str | Path], seeded: dict[int, tuple[int, int, int]], todo: array
+               ) -> Iterator[dict]:
+    """The seed rows of the prompts of `todo` that `seeded` answers, re-indexed, one at a time: each file read once,
+    in order (a `.jsonl` seeks to each row, a `.jsonl.gz` is decompressed up to it); a row is checked against its
+    prompt's key."""
+    wanted: dict[int, list[tuple[int, int, int]]] = {}  # file number -> [(where, prompt index, key)]
+    for index in todo:
+        if index in seeded:
+            number, position, key = seeded[index]
+            wanted.setdefault(number, []).append((position, index, key))
+    for number, places in sorted(wanted.items()):
+        path = Path(seed_paths[number])
+        with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as handle:
+            for position, index, key in sorted(places):
+                handle.seek(position)
+                row = json.loads(handle.readline())
+                if ids_key(row["prompt_ids"]) != key:
+                    raise ValueError(f"{path}: the row at byte {position} changed while it was read; rerun")
+                yield {**row, "index": index}
+
+
+def _slice_lines(path: Path, state: Any) -> Iterator[tuple[int, bytes]]:
+    """(where it starts, line) of this process's lines of a rows file: those starting in its slice of the bytes of a
+    `.jsonl`, every num_processes-th line of a `.jsonl.gz` (decompressed; positions in the decompressed stream)."""
+    rank, processes = state.process_index, state.num_processes
+    if path.suffix == ".gz":
+        try:
+            with gzip.open(path, "rb") as handle:
+                position = 0
+                for number, line in enumerate(handle):
+                    if number % processes == rank and line.strip():
+                        yield position, line
+                    position += len(line)
+        except (EOFError, gzip.BadGzipFile) as error:
+            raise ValueError(f"{path} is not a complete gzip archive ({error}); restore it from git") from error
+        return
+    size = path.stat().st_size
+    low, high = size * rank // processes, size * (rank + 1) // processes
+    if high <= low:
+        return
+    with open(path, "rb") as handle:
+        position = low
+        if low:
+            handle.seek(low - 1)
+            position += len(handle.readline()) - 1  # the line that started before the slice is the previous one's
+        while position < high:
+            line = handle.readline()
+            if not line:
+                return
+            if line.strip():
+                yield position, line
+            position += len(line)
+
+
+def int64_tensor(values: array) -> torch.Tensor:
+    """An int64 tensor of an array("q") (copied; empty too). [len(values)]"""
+    return torch.frombuffer(values, dtype=torch.int64).clone() if values else torch.zeros(0, dtype=torch.int64)
+
+
+def _gather_rows(rows: torch.Tensor, state: Any) -> torch.Tensor:
+    """Every process's `rows` [n_p, k] int64, concatenated in process order, on every process (a collective)."""
+    if state.num_processes == 1:
+        return rows
+    from accelerate.utils import gather, pad_across_processes
+
+    counts = gather(torch.tensor([len(rows)], device=state.device)).tolist()  # [P]
+    padded = pad_across_processes(rows.to(state.device), dim=0)  # [max n, k]
+    everyone = gather(padded).view(state.num_processes, -1, rows.shape[1]).cpu()  # [P, max n, k]
+    return torch.cat([everyone[process, :count] for process, count in enumerate(counts)])
 
 
 def check_engine(target: torch.nn.Module | VllmTarget, engine: str, draft: torch.nn.Module | None) -> None:
@@ -585,26 +767,13 @@ def stored_row_offsets(path: Path, count: int, state: Any) -> torch.Tensor:
     after about 1 / num_processes of the file each: every process calls this). [count] int64"""
     missing = torch.iinfo(torch.int64).max
     offsets = torch.full((count,), missing, dtype=torch.int64)  # [count]
-    size = path.stat().st_size if path.exists() else 0
-    rank, processes = state.process_index, state.num_processes
-    low, high = size * rank // processes, size * (rank + 1) // processes
-    if high > low:
-        with open(path, "rb") as handle:
-            position = low
-            if low:
-                handle.seek(low - 1)
-                position += len(handle.readline()) - 1  # the line that started before the slice is the previous one's
-            found = array("q")  # [2 x rows] index, offset
-            while position < high:
-                line = handle.readline()
-                if not line:
-                    break
-                index = row_index(line)
-                if index is not None and 0 <= index < count:
-                    found.extend((index, position))
-                position += len(line)
-        pairs = torch.asarray(found, dtype=torch.int64).view(-1, 2)  # [rows, 2]
-        offsets.scatter_reduce_(0, pairs[:, 0], pairs[:, 1], reduce="amin")
+    found = array("q")  # [2 x rows] index, where the row starts
+    for position, line in _slice_lines(path, state) if path.exists() else ():
+        index = row_index(line)
+        if index is not None and 0 <= index < count:
+            found.extend((index, position))
+    pairs = int64_tensor(found).view(-1, 2)  # [rows, 2]
+    offsets.scatter_reduce_(0, pairs[:, 0], pairs[:, 1], reduce="amin")
     if state.num_processes > 1:
         offsets = offsets.to(state.device)
         torch.distributed.all_reduce(offsets, op=torch.distributed.ReduceOp.MIN)
@@ -636,8 +805,7 @@ def prepare_output(output_path: Path, state: Any, poll_seconds: float = 1.0) -> 
         if any(shard.stat().st_size for shard in shards):
             stored = bytearray()  # a flag per index stored already
 
-            def new(row: dict, shard: Path) -> bool:  # the first row of each index is kept
-                index = row["index"]
+            def new(index: int) -> bool:  # the first row of each index is kept
                 if index >= len(stored):
                     stored.extend(bytes(index + 1 - len(stored)))
                 if stored[index]:
@@ -649,7 +817,7 @@ def prepare_output(output_path: Path, state: Any, poll_seconds: float = 1.0) -> 
                 for line in handle:
                     index = row_index(line)
                     if index is not None:
-                        new({"index": index}, output_path)
+                        new(index)
             merge_shards(output_path, shards, new)
         ready.touch()
     else:
@@ -734,56 +902,24 @@ def shard_files(output_path: Path) -> list[Path]:
     return sorted(output_path.parent.glob(f"{output_path.stem}.rank-*-of-*{output_path.suffix}"))
 
 
-def merge_shards(output_path: Path, shards: Sequence[Path], keep: Callable[[dict, Path], bool] | None = None) -> None:
-    """Append the whole rows of each shard (a line an interruption cut is dropped) that `keep(row, shard)` accepts
-    (all without `keep`) to `output_path`, then remove the shard. A merge that is itself interrupted leaves its
-    shard, whose rows already appended the next merge's `keep` drops (`_answered_prompts`)."""
+def merge_shards(output_path: Path, shards: Sequence[Path], keep: Callable[[int], bool] | None = None) -> None:
+    """Append the whole rows of each shard that `keep(index)` accepts (all without `keep`) to `output_path` as they
+    are, line by line (not decoded: a row's index is read from its line's start, `row_index`), then remove the shard.
+    A shard's rows are appended whole, so only its last line can be cut (by a kill): a line without its newline is
+    dropped. A merge that is itself interrupted leaves its shard, whose rows already appended the next merge's `keep`
+    drops (`prepare_output`)."""
     if not shards:
         return
-    with open(output_path, "a", encoding="utf-8") as handle:
+    with open(output_path, "ab") as handle:
         for shard in shards:
-            handle.writelines(json.dumps(row) + "\n" for row in iter_rows(shard) if keep is None or keep(row, shard))
+            with open(shard, "rb") as rows:
+                for line in rows:
+                    index = row_index(line) if line.endswith(b"\n") else None
+                    if index is not None and (keep is None or keep(index)):
+                        handle.write(line)
             handle.flush()
             os.fsync(handle.fileno())  # on disk before its shard goes
             shard.unlink()
-
-
-def _answered_prompts(output_path: Path, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str],
-                      seed_paths: Sequence[str | Path], writer: bool) -> bytearray:
-    """A flag per prompt: answered already, by a row of `output_path` (each checked against its prompt, read one at
-    a time) or of the seed files. The `writer` (the main process) repairs a cut line, merges the shards a killed run
-    left (`merge_shards`: each row checked, a row of a prompt answered already dropped) and appends the seeded rows
-    to `output_path`."""
-    answered = bytearray(len(prompts))
-
-    def new(row: dict, where: Path) -> bool:  # whether a row answers a prompt not answered yet; it is now
-        index = row["index"]
-        if index >= len(prompts):
-            return True
-        if answered[index]:
-            return False
-        if row["prompt_ids"] != user_prompt_ids(tokenizer, prompts[index]):
-            raise ValueError(f"row {index} of {where} answers another prompt than prompt {index} of these prompt "
-                             "files (other --prompts, or another tokenizer); pass the matching prompts, or use a new "
-                             "--output")
-        answered[index] = 1
-        return True
-
-    if writer:
-        repair_rows(output_path)
-        for marker in output_path.parent.glob(done_marker(output_path, "*", "*").name):  # a killed run's
-            marker.unlink()
-    for row in iter_rows(output_path) if output_path.exists() else ():
-        new(row, output_path)
-    if writer:
-        merge_shards(output_path, shard_files(output_path), new)
-    seeded = _seed_rows(tokenizer, prompts, answered, seed_paths)
-    for row in seeded:
-        answered[row["index"]] = 1
-    if writer and seeded:
-        with open(output_path, "a", encoding="utf-8") as handle:  # checked: now they are this run's rows
-            handle.writelines(json.dumps(row) + "\n" for row in seeded)
-    return answered
 
 
 def answer_cap(prompt_length: int, max_new_tokens: int | None, max_length: int | None) -> int:
@@ -813,41 +949,6 @@ def _generate_rows(target: torch.nn.Module | VllmTarget, draft: torch.nn.Module 
     return [{"index": index, "prompt_ids": ids,
              "response_ids": cut_after_stop(generated[:cap], frozenset(tokens.stop_token_ids))}
             for (index, ids), generated, cap in zip(prompts, responses, caps)]
-
-
-def _seed_rows(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], answered: bytearray,
-               seed_paths: Sequence[str | Path]) -> list[dict]:
-    """Rows of the seed files for the prompts not `answered`, matched by rendered prompt ids and re-indexed (the first
-    seed row of a prompt, in file order, answers it); a seed file that answers none of the prompts is refused (other
-    prompts or another tokenizer). The prompts are rendered one at a time; the seed rows are held."""
-    missing = [Path(path) for path in seed_paths if not Path(path).is_file()]
-    if missing:
-        raise FileNotFoundError(f"--responses {missing[0]}: no such file")
-    if not seed_paths:
-        return []
-    rows: dict[tuple[int, ...], dict] = {}  # the first seed row of each prompt
-    holders: dict[tuple[int, ...], set[int]] = {}  # the seed files that hold a row of each prompt
-    sizes = []
-    for number, path in enumerate(seed_paths):
-        seed = read_rows(path)
-        sizes.append(len(seed))
-        for row in seed:
-            key = tuple(row["prompt_ids"])
-            rows.setdefault(key, row)
-            holders.setdefault(key, set()).add(number)
-    seeded, used = [], set()
-    for index, prompt in enumerate(prompts):
-        key = tuple(user_prompt_ids(tokenizer, prompt))
-        if key in rows:
-            used |= holders[key]
-            if not answered[index]:
-                seeded.append({**rows[key], "index": index})
-    unused = [number for number, size in enumerate(sizes) if size and number not in used]
-    if unused:
-        path = seed_paths[unused[0]]
-        raise ValueError(f"--responses {path}: none of its {sizes[unused[0]]} rows answers one of these prompts "
-                         "(other --prompts, or another tokenizer); pass the prompt files it was generated for")
-    return seeded
 
 
 def _respond(target: torch.nn.Module, draft: torch.nn.Module | None, input_ids: torch.Tensor,
