@@ -1,15 +1,16 @@
 """Data preparation shared out over two processes (torchrun, gloo on the CPU), compared with one process.
 
 One launch of `dflash-hf train` on 10 prompts whose rows come from everywhere a run finds them: rows already in
-responses.jsonl, a killed run's shard, a --responses seed file, and the target (the rest). tests/data_processes_worker.py
-is each process's program: it records the prompt texts its process rendered with the chat template and the response
-rows it decoded from JSON.
+responses.jsonl, a killed run's shard, a --responses seed file, and the target (the rest).
+tests/data_processes_worker.py is each process's program: it records the prompt texts its process rendered with the
+chat template and the response rows it decoded from JSON.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +22,17 @@ from helpers import save_tiny_target_and_prompts
 from dflash_hf.cli import main
 from dflash_hf.training.data import read_prompts, rows_by_index
 from dflash_hf.training.store import STORE_DIR, SequenceStore
-from test_training_distributed import free_port
 
 TESTS = Path(__file__).resolve().parent
 NUM_PROMPTS = 10
 STORED, KILLED, SEEDED = (0, 5), (7,), (2, 8)  # the prompts whose rows the run finds
+
+
+def free_port() -> int:
+    """A TCP port no other process listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def start_run(folder: Path, rows: dict[int, dict]) -> Path:
