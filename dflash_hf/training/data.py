@@ -416,11 +416,12 @@ def generate_responses(
     share = torch.cat([(offsets >= 0).nonzero().flatten()[rank::processes],  # [share] prompt indices: to check,
                        (offsets < 0).nonzero().flatten()[rank::processes]]).sort().values  # and to answer
     keys, lengths, todo = array("q"), array("i"), array("i")  # [share] rendered prompts' keys; [todo] to answer
+    starts = offsets.numpy()  # [prompts] a view, read one entry at a time
     for index, text in prompt_share(prompts, share.tolist()):
         ids = user_prompt_ids(tokenizer, text)
         keys.append(ids_key(ids))
-        if offsets[index] >= 0:
-            _check_stored_row(output_path, int(offsets[index]), index, ids)
+        if starts[index] >= 0:
+            _check_stored_row(output_path, int(starts[index]), index, ids)
         else:
             todo.append(index)
             lengths.append(len(ids))
@@ -518,9 +519,7 @@ def _seed_offsets(seed_paths: Sequence[str | Path], keys: array, share: torch.Te
     hits = places < len(records)
     hits[hits.clone()] = records[places[hits], 0] == mine[hits]
     used = torch.zeros(len(seed_paths), dtype=torch.int64)  # [files] whether it answers a prompt of the share
-    sorted_keys = records[:, 0].contiguous()  # [all seed rows]
-    for low, high in zip(places[hits].tolist(), torch.searchsorted(sorted_keys, mine[hits], right=True).tolist()):
-        used[records[low:high, 1]] = 1  # every file that holds a row of the prompt
+    used[records[torch.isin(records[:, 0], mine[hits]), 1]] = 1  # every file that holds a row of such a prompt
     used, sizes = sum_over_processes(used, state), sum_over_processes(sizes, state)
     unused = [number for number in range(len(seed_paths)) if sizes[number] and not used[number]]
     if unused:
