@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The first thing to run on a lent GPU (no internet there): environment, tests/test_cuda.py, a synthetic bench where
 # `dflash-hf bench --synthetic` exists, eager against compiled steps on the proxy (scripts/step_ops_proxy.py), a few
-# training steps in bf16 (scripts/training_throughput.py), then the hybrid proxy in what is left.
+# training steps in bf16 (scripts/training_throughput.py), a few at Qwen3-8B's shapes beside the cost model's numbers
+# (scripts/training_plan_check.py), then the hybrid proxy in what is left.
 # Installs nothing from the internet. Everything goes to stdout and, when $OUT is set, to $OUT/gpu_check.log
 # (pytest's JUnit XML and the bench JSON next to it). 14 minutes at most (the proxy's four compilations, then the
 # hybrid proxy in what is left).
@@ -122,6 +123,25 @@ if [ -f scripts/training_throughput.py ] && [ "$LEFT" -ge 240 ]; then
 else
     echo "skipped: no scripts/training_throughput.py, or under 240 s left of ${CHECK_SECONDS:-840}"
 fi
+
+section "training at Qwen3-8B's shapes beside the cost model (dflash-hf train --plan's step time and memory)"
+# A random Qwen3-8B target in bf16 and the published 5-layer draft's shape (scripts/training_plan_check.py): 3,072-token
+# sequences, 512 anchors, one per step, FSDP off; the time per step from runs of 2 and 5 steps, tokens/s and peak GPU
+# memory, beside the cost model's numbers for the same run. With at least 4 minutes left of 14.
+# PLAN_CHECK_ARGS="--shrink 32 --tokens 256 --anchors 16" runs it on a CPU (a dry run: the numbers mean nothing).
+# Then the same with --gradient-checkpointing, where 4 minutes are still left.
+for CHECKPOINTING in "" "--gradient-checkpointing"; do
+    LEFT=$((${CHECK_SECONDS:-840} - (SECONDS - STARTED)))
+    if [ -f scripts/training_plan_check.py ] && [ "$LEFT" -ge 240 ]; then
+        PLAN_LIMIT=$(( LEFT - 60 < ${PLAN_TIMEOUT:-240} ? LEFT - 60 : ${PLAN_TIMEOUT:-240} ))
+        # shellcheck disable=SC2086
+        timeout "$PLAN_LIMIT" "$PY" scripts/training_plan_check.py --steps 2 5 $CHECKPOINTING ${PLAN_CHECK_ARGS:-}
+        echo "training plan check ${CHECKPOINTING:-without gradient checkpointing} exit status: $?"
+    else
+        echo "skipped ${CHECKPOINTING:-the run}: no scripts/training_plan_check.py, or under 240 s left of" \
+            "${CHECK_SECONDS:-840}"
+    fi
+done
 
 section "compiled path on a hybrid target: eager against compile=True on a Qwen3.5-shaped proxy"
 # 32 layers of width 64, three Gated DeltaNet layers to each attention layer: the eager chain step (with its state
