@@ -121,3 +121,21 @@ def test_a_batch_on_a_target_with_an_attention_indexer_cache_is_refused(target):
     with pytest.raises(ValueError, match=r"attention indexer cache \(IndexedLayer\).*pass one row"):
         check_cache(cache, target, num_rows=2)
     check_cache(cache, target, num_rows=1)  # a single row is fine
+
+
+def test_a_config_without_a_cache_layout_gives_no_cache_and_other_errors_are_not_hidden():
+    """`config_cache` returns None only where Transformers cannot lay a cache out from the config (the model then makes
+    its own); a bug elsewhere still raises."""
+    from transformers import PretrainedConfig
+
+    from dflash_hf.support_dflash import config_cache
+
+    assert len(config_cache(Qwen3Config(num_hidden_layers=3)).layers) == 3
+    assert config_cache(PretrainedConfig()) is None  # no `num_hidden_layers`
+
+    class Broken(PretrainedConfig):
+        def get_text_config(self, *args, **kwargs):
+            raise RuntimeError("a bug in the config class")
+
+    with pytest.raises(RuntimeError, match="a bug in the config class"):
+        config_cache(Broken())
