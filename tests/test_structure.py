@@ -124,7 +124,7 @@ LAYERS = (
     {"generation_dflash"},
     {"modeling_dflash"},
     {"conversion", "push", "cost_model", "loading", "training.objective", "training.recipe", "training.processes",
-     "training.store"},
+     "training.store", "training.corpus"},
     {"training.vllm_engine"},
     {"evaluation", "synthetic", "training.trainer", "training.data"},
     {"model_card", "demo", "benchmark", "training.plan"},

