@@ -59,18 +59,18 @@ from .store import (
     write_sequences,
     write_store_facts,
 )
-from .trainer import TrainingLog, TrainingSettings, check_trackers, train_draft
+from .trainer import TrainingLog, TrainingSettings, check_trackers, prefers_bf16, train_draft
 from .vllm_engine import VllmTarget, engine_gpus, load_vllm_target, vllm_refusal
 
-# --gen-dtype, --target-dtype and --eval-dtype auto: bfloat16 on CUDA (the frozen target only gives features and
-# teacher logits while training); on CPU, float32 (few-row bfloat16 matmuls are slow without native bf16).
-AUTO_TARGET_DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float32}
 
-
-def training_target_dtype(choice: str, device: torch.device) -> torch.dtype:
+def training_target_dtype(choice: str, device: torch.device, width: int | None = None) -> torch.dtype:
     """The target's dtype in a phase of `train` (`--gen-dtype`, `--target-dtype`, `--eval-dtype`), where `auto` is
-    AUTO_TARGET_DTYPE of the device type."""
-    return AUTO_TARGET_DTYPE.get(device.type, torch.float32) if choice == "auto" else DTYPES[choice]
+    bfloat16 where `trainer.prefers_bf16(device, width)`: on CUDA (the frozen target only gives features, teacher
+    logits and batched answers), and on a CPU whose bf16 products of many rows measure faster at the target's
+    `width` (None: few-row decoding, as the evaluation's, stays float32 there)."""
+    if choice != "auto":
+        return DTYPES[choice]
+    return torch.bfloat16 if prefers_bf16(device, width) else torch.float32
 
 
 def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> None:
@@ -171,6 +171,7 @@ def training_settings(args: argparse.Namespace) -> TrainingSettings:
     """The TrainingSettings of `train`'s flags (a ValueError names a value it refuses)."""
     return TrainingSettings(
         epochs=args.epochs, learning_rate=args.learning_rate, num_anchors=args.num_anchors, distill=args.distill,
+        l1_weight=args.l1_weight, logit_weight=args.logit_weight,
         seed=args.seed, mixed_precision=args.mixed_precision, max_length=args.max_length,
         batch_size=args.train_batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
         tokens_per_step=args.tokens_per_step, gradient_checkpointing=args.gradient_checkpointing,
@@ -189,7 +190,9 @@ def generation_target(args: argparse.Namespace, state: Any) -> tuple[torch.nn.Mo
     if refusal is not None:
         raise SystemExit(f"dflash-hf train: {refusal}")
     if args.gen_engine != "vllm":
-        return load_target(args.target, dtype, device=state.device)
+        target, tokenizer = load_target(args.target, dtype, device=state.device)
+        # batched answers are many-row products: "auto" is bf16 on a CPU where they measure faster at this width
+        return target.to(training_target_dtype(args.gen_dtype, state.device, target.config.hidden_size)), tokenizer
     refusal = vllm_refusal(args.target, args.generate_only)
     if refusal is not None:
         raise SystemExit(f"dflash-hf train: {refusal}")
@@ -266,7 +269,7 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     training_rows, held_out_rows = training_store(args, output, range(args.first_prompt, num_rows), conversations,
                                                   generation_tokens(target, tokenizer).stop_token_ids, tokenizer,
                                                   state)
-    target = target.to(training_target_dtype(args.target_dtype, device))
+    target = target.to(training_target_dtype(args.target_dtype, device, target.config.hidden_size))
     torch.manual_seed(args.seed)
     draft, mask_token = build_draft(args, target, tokenizer, lambda size: training_vocabulary(
         training_rows, size, target.get_output_embeddings().weight.shape[0], state))
