@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import save_tiny_target_and_prompts
+from helpers import make_draft, save_tiny_target_and_prompts
 
 from dflash_hf.cli import build_parser, main
 from dflash_hf.configuration_dflash import DFlashConfig
@@ -23,6 +23,7 @@ from dflash_hf.training.plan import (
     parse_hardware,
     parse_interval,
     plan_run,
+    planned,
     resolve_schedule,
     step_flops,
     target_config,
@@ -164,6 +165,15 @@ def test_the_plan_flag_prints_the_cost_before_any_model_loads(tmp_path, monkeypa
     assert re.search(r"memory per GPU, fsdp: [\d.]+ GB of 141\.0 GB", printed)
     assert re.search(r"checkpoints and held-out measurements would take \d+% of the training time", printed)
     assert not (tmp_path / "run").exists()  # nothing written
+    draft = make_draft(7, num_hidden_layers=2)  # --init-from: the trained draft's shape, read from its config alone
+    draft.save_pretrained(tmp_path / "draft")
+    args = build_parser().parse_args(["train", "--target", str(tmp_path / "target"), "--output", "run",
+                                      "--init-from", str(tmp_path / "draft")])
+    _, _, _, trained = planned(args, 4, 1, "h100")
+    assert trained == sum(parameter.numel() for parameter in draft.parameters() if parameter.requires_grad)
+    _, _, _, new = planned(build_parser().parse_args(["train", "--target", str(tmp_path / "target"), "--output",
+                                                      "run", "--draft-layers", "1"]), 4, 1, "h100")
+    assert new < trained  # a new one-layer draft against the two-layer one
 
 
 @pytest.fixture(scope="module")

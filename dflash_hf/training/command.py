@@ -128,7 +128,10 @@ def run_schedule(args: argparse.Namespace, rows: SequenceStore, state: Any) -> a
     OVERHEAD_LIMIT of the training time (docs/training.md, "The cost of a run")."""
     steps = run_steps(rows, state.num_processes, training_settings(checked_schedule(args)))
     gpu = this_machine()[1]
-    plan = planned(args, len(rows), state.num_processes, gpu)[1] if gpu else None
+    try:  # the cost model's plan where it knows this GPU and finds the target's config (none elsewhere)
+        plan = planned(args, len(rows), state.num_processes, gpu)[1] if gpu else None
+    except OSError:
+        plan = None
     try:
         resolved = resolve_schedule(args, steps, plan.step_seconds if plan else None)
     except ValueError as error:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ..configuration_dflash import DFlashConfig
 from ..loading import SMOLLM2, SMOLLM2_HUB_ID
 from ..modeling_dflash import DFlashDraftModel
 from .recipe import DEFAULT_DRAFT_BLOCK_SIZE, DEFAULT_DRAFT_LAYERS, draft_config_for
@@ -145,14 +146,15 @@ def target_config(name: str) -> Any:
 
 
 def model_shapes(name: str, draft_layers: int, block_size: int, target_layer_ids: list[int] | None,
-                 draft_vocab_size: int | None) -> tuple[Any, int, Any, int]:
+                 draft_vocab_size: int | None, init_from: str | None = None) -> tuple[Any, int, Any, int]:
     """(the target's decoder config, its parameters, the draft's config, the draft's trained parameters): both built
-    on the meta device, so nothing is allocated or loaded."""
+    on the meta device, so nothing is allocated or loaded; the draft shaped like the target by these settings, or
+    `init_from`'s (a trained draft's folder or Hub id: its config only)."""
     config = target_config(name)
     with torch.device("meta"):
         target = AutoModelForCausalLM.from_config(config)
-        draft_config = draft_config_for(target, draft_layers, block_size, 0, target_layer_ids,
-                                        draft_vocab_size=draft_vocab_size)
+        draft_config = DFlashConfig.from_pretrained(init_from) if init_from else draft_config_for(
+            target, draft_layers, block_size, 0, target_layer_ids, draft_vocab_size=draft_vocab_size)
         draft = DFlashDraftModel(draft_config)
     count = sum(p.numel() for p in target.parameters())
     trained = sum(p.numel() for p in draft.parameters() if p.requires_grad)
@@ -382,7 +384,7 @@ def planned(args: Any, sequences: int, processes: int, gpu: str) -> tuple[RunInp
     device: nothing is loaded)."""
     config, target_parameters, draft, draft_parameters = model_shapes(
         args.target, args.draft_layers or DEFAULT_DRAFT_LAYERS, args.draft_block_size or DEFAULT_DRAFT_BLOCK_SIZE,
-        args.target_layer_ids, args.draft_vocab_size)
+        args.target_layer_ids, args.draft_vocab_size, args.init_from)
     run = run_inputs(args, sequences, processes, gpu)
     return run, plan_run(run, config, target_parameters, draft, draft_parameters), target_parameters, draft_parameters
 
