@@ -415,9 +415,10 @@ def generate_responses(
     rank, processes = state.process_index, state.num_processes
     share = torch.cat([(offsets >= 0).nonzero().flatten()[rank::processes],  # [share] prompt indices: to check,
                        (offsets < 0).nonzero().flatten()[rank::processes]]).sort().values  # and to answer
-    keys, lengths, todo = array("q"), array("i"), array("i")  # [share] rendered prompts' keys; [todo] to answer
+    keys, lengths, todo = array("q"), array("i"), array("i")  # [share] rendered prompts' keys; [todo] to answer:
+    places = array("i")  # [todo] where each is in the share
     starts = offsets.numpy()  # [prompts] a view, read one entry at a time
-    for index, text in prompt_share(prompts, share.tolist()):
+    for place, (index, text) in enumerate(prompt_share(prompts, share.tolist())):
         ids = user_prompt_ids(tokenizer, text)
         keys.append(ids_key(ids))
         if starts[index] >= 0:
@@ -425,18 +426,20 @@ def generate_responses(
         else:
             todo.append(index)
             lengths.append(len(ids))
-    seeded = _seed_offsets(seed_paths, keys, share, state)  # {prompt index: (seed file, offset, key)} of the share's
+            places.append(place)
+    seeds = _seed_offsets(seed_paths, keys, share, state)  # [share, 2] the seed row of each: file, where (-1: none)
+    seeded = (seeds[:, 0] >= 0).numpy()  # [share]
     device = None if engine == "vllm" else target_device(target)
     tokens = generation_tokens(target, tokenizer)  # stop on every EOS id, as bench and the evaluation do
     if temperature > 0:
         torch.manual_seed(seed + state.process_index)  # each process samples its own prompts
     with open(shard_path(output_path, state.process_index, state.num_processes), "a", encoding="utf-8") as handle:
-        for row in _seed_rows(seed_paths, seeded, todo):
+        for row in _seed_rows(seed_paths, share, seeds, keys, places):
             handle.write(json.dumps(row) + "\n")
         handle.flush()
-        answering = array("i", (index for index in todo if index not in seeded))
-        mine = process_share(answering, array("i", (length for index, length in zip(todo, lengths)
-                                                    if index not in seeded)) if by_length else array("i"), 0, 1)
+        answering = array("i", (index for index, place in zip(todo, places) if not seeded[place]))
+        mine = process_share(answering, array("i", (length for length, place in zip(lengths, places)
+                                                    if not seeded[place])) if by_length else array("i"), 0, 1)
         bar = _progress(len(mine), 0, progress and state.is_main_process,
                         f"generating responses (process {state.process_index}: {len(mine)} of {len(prompts)} prompts)")
         for start in range(0, len(mine), batch_size):
@@ -485,18 +488,18 @@ def _check_stored_row(output_path: Path, offset: int, index: int, prompt_ids: li
 SEED_ROW_IDS = re.compile(rb'"prompt_ids": \[([0-9, ]*)\]')  # a seed row's prompt ids, read without decoding it
 
 
-def _seed_offsets(seed_paths: Sequence[str | Path], keys: array, share: torch.Tensor, state: Any
-                  ) -> dict[int, tuple[int, int, int]]:
-    """{prompt index: (seed file number, where its row starts, key)} of the prompts of this process's `share` (their
-    rendered ids' `keys`) that a seed row answers: the first seed row of a prompt, in file order. Each process reads
-    the prompt ids of its own slice of the seed files' rows (`.jsonl`: bytes; `.jsonl.gz`: every num_processes-th
-    line), their keys are gathered on every process (a collective), and a seed file none of whose rows answers any
-    prompt is refused (other prompts, or another tokenizer)."""
+def _seed_offsets(seed_paths: Sequence[str | Path], keys: array, share: torch.Tensor, state: Any) -> torch.Tensor:
+    """The seed row that answers each prompt of this process's `share` (their rendered ids' `keys`): the first seed
+    row of the prompt, in file order, as (seed file number, where its row starts), or (-1, -1) where none does. Each
+    process reads the prompt ids of its own slice of the seed files' rows (`.jsonl`: bytes; `.jsonl.gz`: every
+    num_processes-th line), their keys are gathered on every process (a collective), and a seed file none of whose
+    rows answers any prompt is refused (other prompts, or another tokenizer). [share, 2] int64"""
     missing = [Path(path) for path in seed_paths if not Path(path).is_file()]
     if missing:
         raise FileNotFoundError(f"--responses {missing[0]}: no such file")
+    seeds = torch.full((len(share), 2), -1, dtype=torch.int64)  # [share, 2]
     if not seed_paths:
-        return {}
+        return seeds
     found = array("q")  # [3 x seed rows] key, file number, where the row starts
     sizes = torch.zeros(len(seed_paths), dtype=torch.int64)  # [files] rows of each
     for number, path in enumerate(map(Path, seed_paths)):
@@ -526,29 +529,35 @@ def _seed_offsets(seed_paths: Sequence[str | Path], keys: array, share: torch.Te
         raise ValueError(f"--responses {seed_paths[unused[0]]}: none of its {int(sizes[unused[0]])} rows answers one "
                          "of these prompts (other --prompts, or another tokenizer); pass the prompt files it was "
                          "generated for")
-    return {int(share[position]): (int(records[place, 1]), int(records[place, 2]), keys[position])
-            for position, place in zip(hits.nonzero().flatten().tolist(), places[hits].tolist())}
+    seeds[hits] = records[places[hits], 1:]
+    return seeds
 
 
-def _seed_rows(seed_paths: Sequence[str | Path], seeded: dict[int, tuple[int, int, int]], todo: array
-               ) -> Iterator[dict]:
-    """The seed rows of the prompts of `todo` that `seeded` answers, re-indexed, one at a time: each file read once,
-    in order (a `.jsonl` seeks to each row, a `.jsonl.gz` is decompressed up to it); a row is checked against its
-    prompt's key."""
-    wanted: dict[int, list[tuple[int, int, int]]] = {}  # file number -> [(where, prompt index, key)]
-    for index in todo:
-        if index in seeded:
-            number, position, key = seeded[index]
-            wanted.setdefault(number, []).append((position, index, key))
-    for number, places in sorted(wanted.items()):
-        path = Path(seed_paths[number])
-        with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as handle:
-            for position, index, key in sorted(places):
-                handle.seek(position)
-                row = json.loads(handle.readline())
-                if ids_key(row["prompt_ids"]) != key:
-                    raise ValueError(f"{path}: the row at byte {position} changed while it was read; rerun")
-                yield {**row, "index": index}
+def _seed_rows(seed_paths: Sequence[str | Path], share: torch.Tensor, seeds: torch.Tensor, keys: array,
+               places: array) -> Iterator[dict]:
+    """The seed rows (`seeds`, `_seed_offsets`) of the prompts at `places` of the `share` that one answers,
+    re-indexed, one at a time: each file read once, in order (a `.jsonl` seeks to each row, a `.jsonl.gz` is
+    decompressed up to it); a row is checked against its prompt's key."""
+    wanted = int64_tensor(array("q", places)) if places else torch.zeros(0, dtype=torch.int64)  # [todo]
+    wanted = wanted[seeds[wanted, 0] >= 0]  # [seeded] places in the share
+    wanted = wanted[torch.argsort(seeds[wanted, 0] * (1 << 40) + seeds[wanted, 1], stable=True)]  # file order
+    handle, current = None, -1
+    try:
+        for place in wanted.tolist():
+            number, position = seeds[place].tolist()
+            path = Path(seed_paths[number])
+            if number != current:
+                if handle is not None:
+                    handle.close()
+                handle, current = gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb"), number
+            handle.seek(position)
+            row = json.loads(handle.readline())
+            if ids_key(row["prompt_ids"]) != keys[place]:
+                raise ValueError(f"{path}: the row at byte {position} changed while it was read; rerun")
+            yield {**row, "index": int(share[place])}
+    finally:
+        if handle is not None:
+            handle.close()
 
 
 def _slice_lines(path: Path, state: Any) -> Iterator[tuple[int, bytes]]:
