@@ -17,7 +17,6 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +25,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from ..configuration_dflash import DFlashConfig
 from ..loading import SMOLLM2, SMOLLM2_HUB_ID
 from ..modeling_dflash import DFlashDraftModel
+from ..synthetic import TARGET_CONFIGS
+from .objective import LOSS_CHUNK_ROWS
 from .recipe import DEFAULT_DRAFT_BLOCK_SIZE, DEFAULT_DRAFT_LAYERS, draft_config_for
 from .trainer import training_plan, training_sequences
 
@@ -58,9 +59,7 @@ OVERHEAD_LIMIT = 0.05  # checkpoints and held-out measurements above this share 
 # token
 SAVED_FLOATS_PER_BLOCK_ROW = 7.3e6 / (16 * 4096 * 4)
 SAVED_FLOATS_PER_CONTEXT_TOKEN = 44e6 / (256 * 4096 * 4)
-LOGIT_ROWS = 1024  # the loss computes logits for this many supervised rows at a time (float32)
 DEFAULT_CHECKPOINT_EVERY = "2%"  # --checkpoint-every: 50 checkpoints in a run, whatever its length
-TARGET_CONFIGS = Path(__file__).resolve().parent.parent / "target_configs"  # config.json of known targets
 
 INTERVAL = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%|s|m|h|)\s*$")
 SECONDS = {"s": 1, "m": 60, "h": 3600}
@@ -252,7 +251,7 @@ def memory_per_gpu(run: RunInputs, target: Any, target_parameters: int, draft: A
     """Bytes per GPU while training, by part, sharded (FSDP) and data-parallel: the bf16 target (a whole copy per
     process), the draft's float32 weights, gradients and AdamW moments (16 bytes a parameter; FSDP: a 1/N shard and one
     layer gathered), the activations the backward keeps (float32, as measured; with gradient checkpointing each layer's
-    inputs and one layer's activations), the logits of LOGIT_ROWS rows and the target's features."""
+    inputs and one layer's activations), the logits of LOSS_CHUNK_ROWS rows and the target's features."""
     hidden, layers, rows = draft.hidden_size, draft.num_hidden_layers, anchors * draft.block_size
     per_micro_batch = max(1.0, run.per_micro_batch)
     layer_saved = 4 * hidden * (rows * SAVED_FLOATS_PER_BLOCK_ROW + run.tokens * SAVED_FLOATS_PER_CONTEXT_TOKEN)
@@ -261,7 +260,7 @@ def memory_per_gpu(run: RunInputs, target: Any, target_parameters: int, draft: A
         saved += layers * 4 * hidden * (rows + run.tokens)
     other = {"target (bf16)": 2.0 * target_parameters,
              "activations kept for the backward": saved * per_micro_batch,
-             "logits and features": 4.0 * LOGIT_ROWS * target.vocab_size
+             "logits and features": 4.0 * LOSS_CHUNK_ROWS * target.vocab_size
              + 2.0 * len(draft.dflash_config["target_layer_ids"]) * hidden * run.tokens * per_micro_batch}
     state = 16.0 * draft_parameters
     return {"fsdp": {"draft training state (sharded)": state / run.processes,
