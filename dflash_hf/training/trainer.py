@@ -18,7 +18,6 @@ import functools
 import hashlib
 import json
 import math
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -30,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch.optim.lr_scheduler import LRScheduler
 from transformers import get_cosine_schedule_with_warmup
 
+from ..loading import free_memory_bytes
 from ..modeling_dflash import DFlashDraftModel
 from .objective import LossWeights, StepResult, TargetSignals, packed_dflash_loss, target_signals, teacher_rows
 from .processes import (
@@ -459,21 +459,9 @@ def feature_cache_bytes(target: torch.nn.Module, sequences: Sequence[tuple[torch
     return per_token * sum(len(input_ids) for input_ids, _ in sequences)
 
 
-def available_host_bytes() -> int:
-    """Host memory available to a new allocation (Linux MemAvailable; elsewhere the free pages)."""
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def check_feature_cache(cache_bytes: int, limit_gib: float | None) -> None:
     """Refuse a target-signal cache over `limit_gib` (None: over the host's available memory), before it is built."""
-    limit = available_host_bytes() if limit_gib is None else int(limit_gib * 2**30)
+    limit = free_memory_bytes(torch.device("cpu")) if limit_gib is None else int(limit_gib * 2**30)
     if cache_bytes > limit:
         where = "the host's available memory" if limit_gib is None else "--cache-limit-gib"
         raise ValueError(f"The target feature cache would take {cache_bytes / 2**30:.2f} GiB in this process, over "
