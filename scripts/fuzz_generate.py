@@ -71,10 +71,14 @@ def main(argv: list[str] | None = None) -> int:
             reason = result["detail"].split(":", 2)[-1].strip()[:90]
             refusals[reason] = refusals.get(reason, 0) + 1
     seconds = round(time.perf_counter() - begin)
-    report = {"seed": args.seed, "cases": len(results), "counts": counts, "seconds": seconds,
+    taus = sorted(result["tau"] for result in results if result["tau"] is not None)
+    accepted = {"median_tau": taus[len(taus) // 2] if taus else None,
+                "cases_with_tau_over_1.5": sum(tau > 1.5 for tau in taus)}
+    report = {"seed": args.seed, "cases": len(results), "counts": counts, "seconds": seconds, "accepted": accepted,
               "refusals": dict(sorted(refusals.items(), key=lambda item: -item[1])), "failures": failures}
     args.report.write_text(json.dumps(report, indent=1))
-    print(f"{len(results)} cases in {report['seconds']} s: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    print(f"{len(results)} cases in {seconds} s: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+          + f"; median tokens per verify {accepted['median_tau']}")
     for result in failures:
         print(f"{result['outcome']}: case {result['index']} ({result['case']['target']} target, "
               f"{result['case']['draft']} draft): {result['detail'][:300]}\n  replay: {result['replay']}")

@@ -83,6 +83,7 @@ def draw_case(index: int, base_seed: int = 0) -> dict[str, Any]:
     case: dict[str, Any] = {
         "index": index, "base_seed": base_seed,
         "target": target_family, "target_seed": rng.randrange(2), "vocab": rng.choice([128, 16]),
+        "bigram": rng.random() < 0.5,  # with vocabulary 16: a target leaning to a bigram, which drafts then guess
         "draft": draft_family, "draft_seed": rng.randrange(4),
         "block_size": rng.choice([None, 1, 2, 3, 4, 5, trained_block]),
         "tree_size": rng.choice([None, None, None, 2, 4, 6, 10]),
@@ -107,6 +108,9 @@ def draw_case(index: int, base_seed: int = 0) -> dict[str, Any]:
     for name in rng.sample(PROCESSORS, count):
         case["processors"].append({"name": name, "positions": [rng.randrange(0, 8) for _ in range(3)],
                                    "value": rng.random()})
+    case["length_via"] = rng.choices(["max_new_tokens", "max_length"], weights=[80, 20])[0]
+    # which processors shape the draft's proposals (docs/api.md): never the output
+    case["draft_processors"] = rng.choice([None, "built", "all", "none"]) if count else None
     return case
 
 
@@ -116,9 +120,12 @@ _TARGETS: dict[tuple, torch.nn.Module] = {}
 _FOLDERS: list[tempfile.TemporaryDirectory] = []
 
 
-def build_target(family: str, seed: int, vocab: int) -> torch.nn.Module:
-    """A tiny float32 target of `family` (tests/helpers.py's tables), cached per (family, seed, vocab)."""
-    key = (family, seed, vocab)
+def build_target(family: str, seed: int, vocab: int, bigram: bool = False) -> torch.nn.Module:
+    """A tiny float32 target of `family` (tests/helpers.py's tables), cached per (family, seed, vocab, bigram); with
+    `bigram` (vocabulary 16 only), its embedding scaled up and half its LM head planted so that token v's row points
+    to token (5v + 3) mod V, as tests/deepspec_fixture.py's golden target (random drafts then get more accepted)."""
+    bigram = bigram and vocab == 16
+    key = (family, seed, vocab, bigram)
     if key in _TARGETS:
         return _TARGETS[key]
     if family in ("qwen3", "llama"):
@@ -140,6 +147,13 @@ def build_target(family: str, seed: int, vocab: int) -> torch.nn.Module:
         target.generation_config.eos_token_id = None
     else:
         target = make_hybrid_target(family, seed=seed, vocab_size=vocab)
+    if bigram:
+        with torch.no_grad():
+            embedding, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+            embedding.mul_(10.0)
+            planted = torch.zeros_like(head)
+            planted[(5 * torch.arange(vocab) + 3) % vocab] = 8.0 * embedding / embedding.norm(dim=-1, keepdim=True)
+            head.mul_(0.5).add_(0.5 * planted)
     _TARGETS[key] = target
     return target
 
@@ -343,6 +357,7 @@ class CaseResult:
     case: dict
     arguments: dict = field(default_factory=dict)
     detail: str = ""
+    tau: float | None = None  # spec_generate's mean tokens committed per verify: how much of the drafts was accepted
 
 
 def run_case(case: dict) -> CaseResult:
@@ -356,7 +371,7 @@ def run_case(case: dict) -> CaseResult:
 
 
 def _run(case: dict, result: CaseResult) -> CaseResult:
-    target = build_target(case["target"], case["target_seed"], case["vocab"])
+    target = build_target(case["target"], case["target_seed"], case["vocab"], case["bigram"])
     prompts = prompts_of_case(case)
     input_ids, attention_mask = left_pad(prompts, pad_token_id=0)  # [N, T], [N, T]
     try:
@@ -366,13 +381,19 @@ def _run(case: dict, result: CaseResult) -> CaseResult:
     spec_only = extra.pop("spec_only_keys", [])
     generate_error = extra.pop("generate_error", None)
     draft, draft_arguments = build_draft(case["draft"], case["draft_seed"], case["vocab"], target)
-    common = dict(max_new_tokens=case["max_new_tokens"], pad_token_id=0, do_sample=False)
+    common = dict(pad_token_id=0, do_sample=False)
+    if case.get("length_via") == "max_length":  # prompt width included, as generate counts it
+        common["max_length"] = input_ids.shape[1] + case["max_new_tokens"]
+    else:
+        common["max_new_tokens"] = case["max_new_tokens"]
     if case["mask"]:
         common["attention_mask"] = attention_mask
     spec_arguments = {**common, **{k: v for k, v in generate_arguments.items() if k not in spec_only}, **extra,
                       **draft_arguments, "block_size": case["block_size"], "tree_size": case["tree_size"]}
     if case["confidence_threshold"] is not None:
         spec_arguments["confidence_threshold"] = case["confidence_threshold"]
+    if case.get("draft_processors"):
+        spec_arguments["draft_processors"] = case["draft_processors"]
     result.arguments = describe({"input_ids": input_ids, **{k: v for k, v in spec_arguments.items()
                                                              if k != "attention_mask"}})
     # stop strings: each row alone (Transformers 5.25's batched stop-string check can miss a row's stop string that the
@@ -389,6 +410,7 @@ def _run(case: dict, result: CaseResult) -> CaseResult:
                 target, input_ids, prompts, batch_reference, common, generate_arguments))
     if spec_error is not None or generate_error is not None:
         return classify_errors(result, spec_error, generate_error)
+    result.tau = round(float(output.tau), 3)
     if batch_reference:
         if not torch.equal(output.output_ids, expected):
             result.detail = f"spec_generate {output.output_ids.tolist()} != generate {expected.tolist()}"
@@ -413,7 +435,9 @@ def reference_output(target: torch.nn.Module, input_ids: torch.Tensor, prompts: 
     """generate's output ids [N, T + W] on the batch, or each row's new tokens from its prompt alone."""
     if batch:
         return target.generate(input_ids, **common, **arguments)
-    alone = []
+    alone, common = [], dict(common)
+    if "max_length" in common:  # the batch's max_length counts its padded width: the same new tokens for each row
+        common["max_new_tokens"] = common.pop("max_length") - input_ids.shape[1]
     for row in prompts:
         ids = torch.tensor([row])
         alone.append(target.generate(ids, **{**common, "attention_mask": torch.ones_like(ids)},

@@ -48,6 +48,8 @@ def test_the_ci_slice_draws_every_draft_family_chains_trees_batches_stops_and_pr
     assert {case["stop"]["via"] for case in cases if case["stop"]} >= {"call", "stop_token_ids", "config",
                                                                        "stop_strings"}
     assert len({spec["name"] for case in cases for spec in case["processors"]}) >= 8
+    assert {case["length_via"] for case in cases} == {"max_new_tokens", "max_length"}
+    assert {case["draft_processors"] for case in cases} >= {"built", "all", "none"}
     assert len({case["target"] for case in cases}) >= 10
 
 
