@@ -30,7 +30,7 @@ from .cache_dflash import CacheColumns, crop_cache, full_history_cache, reorder_
 from .devices_dflash import mask_dtype, target_device, target_text_config
 from .masks_dflash import VerifyLayout, position_attention
 from .mixers_dflash import rollback_mixers
-from .recurrent_dflash import RecurrentStates
+from .recurrent_dflash import RecurrentStates, RollbackWrapper
 from .settings_dflash import DecodingSettings
 from .static_dflash import FixedRowBatch, StaticBackend
 from .static_recurrent_dflash import StaticRecurrentRollback, check_compiled_rollback
@@ -168,7 +168,7 @@ class EagerBackend:
                            **last_logits_only(self.target), **{self.cache_argument: self.cache})
 
 
-class RecurrentRollback:
+class RecurrentRollback(RollbackWrapper):
     """A hybrid target's eager backend: the `EagerBackend`, with each recurrent layer's state recorded around every
     verify and rolled back to the kept columns after it (`recurrent_dflash.RecurrentStates`); a tree's mixers run
     along its root-to-leaf paths. Its compiled counterpart: `static_recurrent_dflash.StaticRecurrentRollback`."""
@@ -177,26 +177,12 @@ class RecurrentRollback:
         self.inner = inner
         self.states: RecurrentStates | None = None
 
-    @property
-    def columns(self) -> CacheColumns:
-        """The inner backend's columns."""
-        return self.inner.columns
-
-    @property
-    def cache(self) -> Any:
-        """The target's cache (attention and recurrent layers)."""
-        return self.inner.cache
-
     def prefill(self, input_ids: torch.Tensor, attention: dict[str, torch.Tensor], valid: torch.Tensor,
                 capture: FeatureCapture) -> Any:
         """The inner prefill; then the recurrent layers of its cache."""
         outputs = self.inner.prefill(input_ids, attention, valid, capture)
         self.states = RecurrentStates(self.inner.cache, rollback_mixers(self.inner.target, self.inner.cache))
         return outputs
-
-    def step_width(self, block_size: int, longest_remaining: int) -> int:
-        """The inner backend's."""
-        return self.inner.step_width(block_size, longest_remaining)
 
     def verify(self, input_ids: torch.Tensor, layout: VerifyLayout) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The inner verify, recording the states it starts from and the mixers' inputs (a tree's mixers: run along
@@ -214,10 +200,6 @@ class RecurrentRollback:
         included."""
         self.states.restore()
         self.inner.discard()
-
-    def compact(self) -> None:
-        """The inner compaction (recurrent states have no columns)."""
-        self.inner.compact()
 
     def drop_rows(self, keep: list[int], index: torch.Tensor) -> None:
         """The inner row selection (recurrent layers select their rows too)."""

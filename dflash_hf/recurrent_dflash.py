@@ -40,10 +40,36 @@ from typing import Any, Iterator
 
 import torch
 
-from .cache_dflash import host_to_device
+from .cache_dflash import CacheColumns, host_to_device
 from .mixers_dflash import Mixer
 from .tree_dflash import PathPlan
 from .versions_dflash import align_token_count
+
+
+class RollbackWrapper:
+    """What a hybrid target's backend forwards to the backend it wraps (`inner`) unchanged, in both of them
+    (`backends_dflash.RecurrentRollback`, eager; `static_recurrent_dflash.StaticRecurrentRollback`, compiled): the
+    cache, its columns, the step width and the compaction (recurrent states have no columns)."""
+
+    inner: Any
+
+    @property
+    def columns(self) -> CacheColumns:
+        """The inner backend's columns."""
+        return self.inner.columns
+
+    @property
+    def cache(self) -> Any:
+        """The target's cache (attention and recurrent layers)."""
+        return self.inner.cache
+
+    def step_width(self, block_size: int, longest_remaining: int) -> int:
+        """The inner backend's."""
+        return self.inner.step_width(block_size, longest_remaining)
+
+    def compact(self) -> None:
+        """The inner compaction."""
+        self.inner.compact()
 
 
 class RecurrentStates:

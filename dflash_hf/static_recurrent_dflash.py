@@ -22,10 +22,11 @@ from typing import Any, Iterator
 
 import torch
 
-from .cache_dflash import CacheColumns, host_to_device
+from .cache_dflash import host_to_device
 from .devices_dflash import compiled_call
 from .masks_dflash import VerifyLayout
 from .mixers_dflash import Mixer
+from .recurrent_dflash import RollbackWrapper
 from .static_dflash import StaticBackend, StaticVerifier
 from .target_dflash import FeatureCapture
 from .tree_dflash import PathPlan
@@ -364,33 +365,19 @@ def static_states(verifier: StaticVerifier, mixers: list[Mixer]) -> StaticRecurr
         return states
 
 
-class StaticRecurrentRollback:
-    """A hybrid target's compiled backend: the `StaticBackend`, with its Gated DeltaNet layers recorded around every
-    verify and rolled back to the kept columns after it (`StaticRecurrentStates`)."""
+class StaticRecurrentRollback(RollbackWrapper):
+    """A hybrid target's compiled backend: the `StaticBackend` (its cache a StaticCache), with its Gated DeltaNet
+    layers recorded around every verify and rolled back to the kept columns after it (`StaticRecurrentStates`)."""
 
     def __init__(self, inner: StaticBackend, mixers: list[Mixer]) -> None:
         self.inner = inner
         self.states = static_states(inner.verifier, mixers)
-
-    @property
-    def columns(self) -> CacheColumns:
-        """The inner backend's columns."""
-        return self.inner.columns
-
-    @property
-    def cache(self) -> Any:
-        """The target's StaticCache (attention and recurrent layers)."""
-        return self.inner.cache
 
     def prefill(self, input_ids: torch.Tensor, attention: dict[str, torch.Tensor], valid: torch.Tensor,
                 capture: FeatureCapture) -> Any:
         """The inner prefill, its Gated DeltaNet calls giving the buffers' shapes."""
         return self.inner.prefill(input_ids, attention, valid, capture,
                                   around=lambda cache: self.states.allocating(cache, self.inner.verify_width))
-
-    def step_width(self, block_size: int, longest_remaining: int) -> int:
-        """The inner backend's."""
-        return self.inner.step_width(block_size, longest_remaining)
 
     def verify(self, input_ids: torch.Tensor, layout: VerifyLayout) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The inner verify, recording the Gated DeltaNet calls' inputs (a tree's: run along its paths, at the fixed
@@ -408,7 +395,3 @@ class StaticRecurrentRollback:
         """The inner discard; the recurrent states as before the last verify (refused after a keep)."""
         self.inner.discard()
         self.states.restore(self.inner.columns.width)
-
-    def compact(self) -> None:
-        """The inner compaction (recurrent states have no columns)."""
-        self.inner.compact()
