@@ -6,10 +6,11 @@ accepted), a draft family, a block size, a chain or a tree, 1-4 prompts left-pad
 without one), `max_new_tokens`, stop settings and up to two of `generate`'s processors; decoding is greedy.
 
 Comparison follows the tests' conventions: with a processor, or without an attention mask, the batch output equals
-`target.generate` on the same batch, padding included (tests/test_generate_arguments.py); otherwise each row's new
-tokens equal `generate` on that row's prompt alone (tests/test_target_families.py). An error raised by both calls, or
-a documented refusal (KNOWN_REFUSALS, docs/api.md "Errors") raised by `spec_generate`, is "refused"; any other error
-is "crashed".
+`target.generate` on the same batch, padding included (tests/test_generate_arguments.py); otherwise, and always with
+stop strings, each row's new tokens equal `generate` on that row's prompt alone (tests/test_target_families.py); a
+case with stop strings and a processor runs its first prompt only (`prompts_of_case`). An error raised by both
+calls, or a documented refusal (KNOWN_REFUSALS, docs/api.md "Errors") raised by `spec_generate`, is "refused"; any
+other error is "crashed".
 """
 
 from __future__ import annotations
@@ -237,8 +238,16 @@ def prompts_of_case(case: dict) -> list[list[int]]:
     (a pad id after a prompt token is a documented refusal, drawn rarely: `pad_in_prompt`)."""
     generator = torch.Generator().manual_seed(case["prompt_seed"])
     low = 0 if case["mask"] or case.get("pad_in_prompt") else 1
-    return [torch.randint(low, case["vocab"] - 1, (length,), generator=generator).tolist()
-            for length in case["prompt_lengths"]]
+    lengths = case["prompt_lengths"]
+    if stops_on_strings(case) and case["processors"]:
+        # no reference for a batch: generate's batched stop-string check can miss a row's stop string, and a processor
+        # that reads the prompt sees the batch's padding, which the row alone has not; so the first prompt alone
+        lengths = lengths[:1]
+    return [torch.randint(low, case["vocab"] - 1, (length,), generator=generator).tolist() for length in lengths]
+
+
+def stops_on_strings(case: dict) -> bool:
+    return bool(case["stop"]) and case["stop"]["via"] == "stop_strings"
 
 
 def processor_arguments(spec: dict, plain: list[int], width: int, vocab: int) -> dict:
@@ -398,8 +407,7 @@ def _run(case: dict, result: CaseResult) -> CaseResult:
                                                              if k != "attention_mask"}})
     # stop strings: each row alone (Transformers 5.25's batched stop-string check can miss a row's stop string that the
     # same row alone meets, tests/test_generate_arguments.py)
-    stop_strings = bool(case["stop"]) and case["stop"]["via"] == "stop_strings"
-    batch_reference = (bool(case["processors"]) or not case["mask"]) and not stop_strings
+    batch_reference = (bool(case["processors"]) or not case["mask"]) and not stops_on_strings(case)
     result.arguments["compared_with"] = "generate on the batch" if batch_reference else "generate on each row alone"
     with torch.no_grad():
         output, spec_error = attempt(lambda: draft.spec_generate(target=target, input_ids=input_ids,
