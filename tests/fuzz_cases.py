@@ -84,7 +84,8 @@ def draw_case(index: int, base_seed: int = 0) -> dict[str, Any]:
     case: dict[str, Any] = {
         "index": index, "base_seed": base_seed,
         "target": target_family, "target_seed": rng.randrange(2), "vocab": rng.choice([128, 16]),
-        "bigram": rng.random() < 0.5,  # with vocabulary 16: a target leaning to a bigram, which drafts then guess
+        # a target leaning to a bigram or to one token, which random drafts then guess: blocks get accepted
+        "lean": rng.choices([None, "bigram", "constant"], weights=[50, 25, 25])[0],
         "draft": draft_family, "draft_seed": rng.randrange(4),
         "block_size": rng.choice([None, 1, 2, 3, 4, 5, trained_block]),
         "tree_size": rng.choice([None, None, None, 2, 4, 6, 10]),
@@ -121,12 +122,13 @@ _TARGETS: dict[tuple, torch.nn.Module] = {}
 _FOLDERS: list[tempfile.TemporaryDirectory] = []
 
 
-def build_target(family: str, seed: int, vocab: int, bigram: bool = False) -> torch.nn.Module:
-    """A tiny float32 target of `family` (tests/helpers.py's tables), cached per (family, seed, vocab, bigram); with
-    `bigram` (vocabulary 16 only), its embedding scaled up and half its LM head planted so that token v's row points
-    to token (5v + 3) mod V, as tests/deepspec_fixture.py's golden target (random drafts then get more accepted)."""
-    bigram = bigram and vocab == 16
-    key = (family, seed, vocab, bigram)
+def build_target(family: str, seed: int, vocab: int, lean: str | None = None) -> torch.nn.Module:
+    """A tiny float32 target of `family` (tests/helpers.py's tables), cached per (family, seed, vocab, lean). `lean`
+    scales its embedding up and plants half its LM head, as tests/deepspec_fixture.py's golden target: "bigram", so
+    that token v's embedding points to the row of token (5v + 3) mod V (followed about half the time); "constant", so
+    that every embedding points to the row of token 6 (which then comes almost always, until a processor or a stop
+    intervenes). Random drafts share the target's embedding and head, so they guess these and get blocks accepted."""
+    key = (family, seed, vocab, lean)
     if key in _TARGETS:
         return _TARGETS[key]
     if family in ("qwen3", "llama"):
@@ -148,12 +150,16 @@ def build_target(family: str, seed: int, vocab: int, bigram: bool = False) -> to
         target.generation_config.eos_token_id = None
     else:
         target = make_hybrid_target(family, seed=seed, vocab_size=vocab)
-    if bigram:
+    if lean:
         with torch.no_grad():
             embedding, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
             embedding.mul_(10.0)
-            planted = torch.zeros_like(head)
-            planted[(5 * torch.arange(vocab) + 3) % vocab] = 8.0 * embedding / embedding.norm(dim=-1, keepdim=True)
+            unit = embedding / embedding.norm(dim=-1, keepdim=True)  # [V, H]
+            planted = torch.zeros_like(head)  # [V, H]
+            if lean == "bigram":
+                planted[(5 * torch.arange(vocab) + 3) % vocab] = 8.0 * unit
+            else:
+                planted[6] = 8.0 * unit.sum(0)
             head.mul_(0.5).add_(0.5 * planted)
     _TARGETS[key] = target
     return target
@@ -380,7 +386,7 @@ def run_case(case: dict) -> CaseResult:
 
 
 def _run(case: dict, result: CaseResult) -> CaseResult:
-    target = build_target(case["target"], case["target_seed"], case["vocab"], case["bigram"])
+    target = build_target(case["target"], case["target_seed"], case["vocab"], case["lean"])
     prompts = prompts_of_case(case)
     input_ids, attention_mask = left_pad(prompts, pad_token_id=0)  # [N, T], [N, T]
     try:

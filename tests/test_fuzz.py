@@ -37,6 +37,7 @@ def test_the_ci_slice_gives_generates_output(slice_results):
                 if r.outcome in (MISMATCH, CRASHED)]
     assert not failures, "\n".join(failures)
     assert counts[EQUAL] >= 0.75 * len(SLICE), counts  # most cases ran and were compared, not refused
+    assert sum(r.tau is not None and r.tau >= 1.5 for r in slice_results) >= 3  # drafted blocks were accepted too
 
 
 def test_the_ci_slice_draws_every_draft_family_chains_trees_batches_stops_and_processors():
