@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 
 from .configuration_dflash import (
     CUSTOM_GENERATE_FILE,
+    DEEPSPEC_BORROWED_WEIGHTS,
     DFLASH_HF_VERSION,
     NATIVE_MODEL_TYPE,
     REMOTE_CODE_FILES,
@@ -122,6 +123,9 @@ class DFlashCheckpointMixin:
         if unread:  # a speculators checkpoint's copies of the verifier's weights: the target's own are used
             loading_info = {**loading_info, "unexpected_keys": [
                 key for key in loading_info.get("unexpected_keys") or () if key not in unread]}
+        if model.config.shifted_labels:  # a DeepSpec checkpoint's frozen copies of the target's: the target's are used
+            loading_info = {**loading_info, "unexpected_keys": [
+                key for key in loading_info.get("unexpected_keys") or () if key not in DEEPSPEC_BORROWED_WEIGHTS]}
         problems = loading_problems(loading_info)
         if problems is not None:
             raise ValueError(f"The checkpoint's weights do not match a DFlash draft of this config "

@@ -266,6 +266,15 @@ class DFlashConfig(Qwen3Config):
 
 
 SUPPORTED_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+# DeepSeek DeepSpec's one class for its DFlash and DSpark drafts (docs/formats.md, "DeepSeek DeepSpec drafts"): loaded
+# as a DFlash draft with shifted labels, a Markov head (`markov_rank` > 0) and a confidence head where the config says.
+DEEPSPEC_ARCHITECTURE = "Qwen3DSparkModel"
+# DeepSpec's Gemma-4 drafts: Gemma-4 decoder layers (value norm, four norms a layer), not a Qwen3 layer stack.
+DEEPSPEC_REFUSED_ARCHITECTURES = ("Gemma4DSparkModel",)
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+# A DeepSpec checkpoint's frozen copies of the target's embedding and LM head (DeepSpec's trainer copies them from the
+# target and never trains them): the draft borrows the target's own, as every DFlash draft, and leaves these unread.
+DEEPSPEC_BORROWED_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Fields of the newer drafts (docs/formats.md), read like every DFlash field, kept at top level once normalised.
 SCALING_DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
@@ -287,7 +296,13 @@ def layer_attention(config: Any, layer_idx: int) -> tuple[bool, int | None]:
 
 def _check_architecture(config: Qwen3Config) -> None:
     architectures = getattr(config, "architectures", None) or []
-    unknown = [name for name in architectures if "DFlash" in name and name not in SUPPORTED_ARCHITECTURES]
+    refused = [name for name in architectures if name in DEEPSPEC_REFUSED_ARCHITECTURES]
+    if refused:
+        raise ValueError(f"Draft architecture {refused} (DeepSpec's Gemma-4 draft) has Gemma-4 decoder layers, which "
+                         f"dflash-hf does not build; it loads DeepSpec's {DEEPSPEC_ARCHITECTURE} drafts (Qwen3 "
+                         "targets), see docs/formats.md.")
+    unknown = [name for name in architectures if ("DFlash" in name or "DSpark" in name)
+               and name not in (*SUPPORTED_ARCHITECTURES, DEEPSPEC_ARCHITECTURE)]
     if unknown:
         raise ValueError(f"Draft architecture {unknown} is not supported: dflash-hf loads "
                          f"{' and '.join(SUPPORTED_ARCHITECTURES)} drafts (see docs/formats.md).")
@@ -298,6 +313,11 @@ def normalize_dflash_config(config: Qwen3Config, published_sliding_window: int |
     _check_architecture(config)
     dflash_config = dict(getattr(config, "dflash_config", None) or {})
     block_size = int(dflash_field(config, dflash_config, "block_size", DEFAULT_BLOCK_SIZE))
+    if DEEPSPEC_ARCHITECTURE in (config.architectures or []):
+        # DeepSpec's `block_size` counts the drafted rows (all of them proposals); ours the verified tokens: one more
+        block_size += 1
+        config.architectures = ["DFlashDraftModel"]
+        config.shifted_labels = True
     if block_size < 2:
         raise ValueError(f"Draft config `block_size` must be at least 2, got {block_size}.")
     num_target_layers = dflash_field(config, dflash_config, "num_target_layers")
@@ -329,6 +349,7 @@ def normalize_dflash_config(config: Qwen3Config, published_sliding_window: int |
         config.final_logit_softcapping = None  # the formats doc: applied only when set and > 0
     if is_dflash2(config):
         _normalize_dflash2(config, dflash_config)
+    _normalize_deepspec(config, dflash_config)
     _check_draft_vocab(config, dflash_config)
     _normalize_draft_vocab_size(config, dflash_config)
     config.dflash_config = dflash_config
@@ -400,6 +421,37 @@ def _normalize_dflash2(config: Qwen3Config, dflash_config: dict[str, Any]) -> No
     if config.hidden_size % config.conv_group_size:
         raise ValueError(f"DFlash2 `conv_group_size` {config.conv_group_size} "
                          f"must divide hidden_size {config.hidden_size}.")
+
+
+def _normalize_deepspec(config: Qwen3Config, dflash_config: dict[str, Any]) -> None:
+    """DeepSpec's fields at top level, checked (docs/formats.md, "DeepSeek DeepSpec drafts"): `shifted_labels` (the
+    block is [t0, MASK x (B-2)] and row k predicts position s + k + 1), `markov_rank` (0: no Markov head),
+    `markov_head_type`, `enable_confidence_head`, `confidence_head_with_markov`."""
+    values = {name: dflash_field(config, dflash_config, name) for name in DEEPSPEC_FIELDS}
+    for name in DEEPSPEC_FIELDS:
+        dflash_config.pop(name, None)
+    config.shifted_labels = bool(values["shifted_labels"])
+    config.markov_rank = int(values["markov_rank"] or 0)
+    kind = values["markov_head_type"]
+    if config.markov_rank < 0:
+        raise ValueError(f"Draft config `markov_rank` must be 0 (no Markov head) or positive, "
+                         f"got {config.markov_rank}.")
+    if config.markov_rank and str(kind).lower() not in MARKOV_HEAD_TYPES:
+        raise ValueError(f"Draft config has `markov_rank` {config.markov_rank} but `markov_head_type` {kind!r}; set "
+                         f"it to one of {MARKOV_HEAD_TYPES} (DeepSpec's markov_head.py).")
+    config.markov_head_type = str(kind).lower() if config.markov_rank else None
+    config.enable_confidence_head = bool(values["enable_confidence_head"])
+    config.confidence_head_with_markov = config.enable_confidence_head and bool(values["confidence_head_with_markov"])
+    if config.confidence_head_with_markov and not config.markov_rank:
+        raise ValueError("Draft config sets `confidence_head_with_markov` but has no Markov head (`markov_rank` 0); "
+                         "set it to false.")
+    if (config.markov_rank or config.enable_confidence_head) and not config.shifted_labels:
+        raise ValueError("A Markov or confidence head needs `shifted_labels` (DeepSpec's block, whose every row is a "
+                         "proposal); set `shifted_labels: true` or remove the heads.")
+
+
+DEEPSPEC_FIELDS = ("shifted_labels", "markov_rank", "markov_head_type", "enable_confidence_head",
+                   "confidence_head_with_markov")
 
 
 def _normalize_rope(config: Qwen3Config) -> None:

@@ -26,7 +26,14 @@ from .cache_dflash import host_to_device, left_padded_positions
 from .devices_dflash import execution_device, target_device
 from .draft_backends_dflash import draft_backend
 from .kernels_dflash import cpu_kernels
-from .proposer_dflash import DFlashDraft, DFlashProposer, Proposal, Proposer
+from .proposer_dflash import (
+    DFlashDraft,
+    DFlashProposer,
+    Proposal,
+    Proposer,
+    check_confidence_threshold,
+    deepspec_refusal,
+)
 from .sampling_dflash import mean_acceptance_length
 from .settings_dflash import DecodingSettings, StepCosts, resolve_settings
 from .steps_dflash import (
@@ -342,14 +349,19 @@ def speculative_decode(
 
 
 def dflash_proposer(draft: DFlashDraft, target: torch.nn.Module, settings: DecodingSettings, prompt_width: int = 0,
-                    num_rows: int = 1) -> DFlashProposer:
+                    num_rows: int = 1, confidence_threshold: float | None = None) -> DFlashProposer:
     """The proposer `spec_generate` runs: the draft with the call's mask id, acceptance rule, draft vocabulary and
-    draft backend (`draft_backend`; compiled: a context cache of `num_rows` rows for prompts `prompt_width` wide)."""
+    draft backend (`draft_backend`; compiled: a context cache of `num_rows` rows for prompts `prompt_width` wide), and
+    a DSpark draft's confidence cut (`confidence_threshold`, DeepSpec's: None or 0 for none)."""
+    check_confidence_threshold(draft, confidence_threshold)
+    refusal = deepspec_refusal(draft, settings.tree_size, settings.compile is not None, confidence_threshold)
+    if refusal is not None:
+        raise ValueError(refusal)
     backend = draft_backend(draft, settings.compile, num_rows,
                             prompt_width + settings.max_new_tokens + settings.block_size,
                             execution_device(target.get_input_embeddings()))
     return DFlashProposer(draft, target, settings.mask_token_id, sample_proposals=settings.acceptance == "rejection",
-                          draft_vocab=settings.draft_vocab, backend=backend)
+                          draft_vocab=settings.draft_vocab, backend=backend, confidence_threshold=confidence_threshold)
 
 
 @torch.no_grad()
@@ -384,6 +396,7 @@ def spec_generate(
     prefix_allowed_tokens_fn: Any = None,
     tokenizer: Any = None,
     draft_processors: str = "built",
+    confidence_threshold: float | None = None,
     **generation_settings: Any,
 ) -> torch.Tensor | SpecGenerateOutput:
     """Generate with `target`, drafting blocks with `draft`; returns ids [N, prompt + new] (or stats too).
@@ -402,7 +415,8 @@ def spec_generate(
         logits_processor=logits_processor, stopping_criteria=stopping_criteria,
         prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, tokenizer=tokenizer, draft_processors=draft_processors,
         **generation_settings)
-    proposer = dflash_proposer(draft, target, settings, prompt_width=input_ids.shape[1], num_rows=input_ids.shape[0])
+    proposer = dflash_proposer(draft, target, settings, prompt_width=input_ids.shape[1], num_rows=input_ids.shape[0],
+                               confidence_threshold=confidence_threshold)
     result = speculative_decode(target, proposer, input_ids, attention_mask=attention_mask, settings=settings)
     return result if return_stats or settings.return_dict else result.output_ids
 

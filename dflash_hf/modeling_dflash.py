@@ -13,6 +13,7 @@ Hub remote code: this file imports only torch, transformers and its sibling file
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Protocol
 
 import torch
@@ -31,7 +32,13 @@ from .backends_dflash import TargetBackend  # noqa: F401
 # F401 for that alone), so that an exported folder loads there too; tests/test_structure.py checks none is missing.
 from .cache_dflash import CacheColumns  # noqa: F401
 from .checkpoint_dflash import DFlashCheckpointMixin
-from .configuration_dflash import DFlashConfig, is_dflash2, layer_attention, read_rope_parameters
+from .configuration_dflash import (
+    DEEPSPEC_BORROWED_WEIGHTS,
+    DFlashConfig,
+    is_dflash2,
+    layer_attention,
+    read_rope_parameters,
+)
 from .custom_generate_dflash import generate as custom_generate  # noqa: F401
 from .devices_dflash import MASKED_ATTENTION, materialized_weight, target_device  # noqa: F401
 from .draft_backends_dflash import DraftBackend, DraftContextCache  # noqa: F401
@@ -396,6 +403,70 @@ class DFlashCandidateSelector(nn.Module):
         return torch.stack(chosen, dim=1)
 
 
+class DFlashMarkovHead(nn.Module):
+    """DSpark's Markov head (DeepSpec `markov_head.py`): a rank-r bias on a proposal position's logits from the token
+    before it (the anchor for the first), added after the LM head. Weight names as DeepSpec saves them.
+
+    vanilla: bias = W2(W1[prev]); gated: W2(sigmoid(gate_proj([h; W1[prev]])) * W1[prev]); rnn: a state s (zero at
+    each block's first position) with [s; W1[prev]; h] -> joint_proj -> gate g, candidate c, output o;
+    s' = g * s + (1 - g) * tanh(c), bias = W2(tanh(o)). h: the position's final (normalised) hidden state.
+    """
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        rank, hidden_size = config.markov_rank, config.hidden_size
+        self.kind = config.markov_head_type
+        self.markov_w1 = nn.Embedding(config.vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, config.vocab_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size + rank, rank) if self.kind == "gated" else None
+        self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank) if self.kind == "rnn" else None
+
+    def initial_state(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The state before a block's first position, for rows of hidden states [M, H]: zeros [M, r] (rnn), else
+        None (the other kinds keep none)."""
+        if self.joint_proj is None:
+            return None
+        return hidden_states.new_zeros(hidden_states.shape[0], self.markov_w1.embedding_dim,
+                                       dtype=self.markov_w1.weight.dtype)
+
+    def previous_embedding(self, previous_tokens: torch.Tensor) -> torch.Tensor:
+        """W1[prev] [M, r] of the tokens before the positions [M]."""
+        return self.markov_w1(previous_tokens.long())
+
+    def step(self, previous_tokens: torch.Tensor, hidden_states: torch.Tensor, state: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(bias [M, V], the state after this position) for M positions given the tokens before them [M], their
+        hidden states [M, H] and the state before them (`initial_state`, or the last step's)."""
+        previous = self.previous_embedding(previous_tokens)  # [M, r]
+        hidden_states = hidden_states.to(previous.dtype)
+        if self.kind == "gated":
+            gate = torch.sigmoid(self.gate_proj(torch.cat((hidden_states, previous), dim=-1)))
+            return self.markov_w2(gate.to(previous.dtype) * previous), None
+        if self.kind == "rnn":
+            gate, candidate, output = self.joint_proj(torch.cat((state, previous, hidden_states), dim=-1)).chunk(3, -1)
+            gate = torch.sigmoid(gate)
+            state = gate * state + (1.0 - gate) * torch.tanh(candidate)
+            return self.markov_w2(torch.tanh(output)), state
+        return self.markov_w2(previous), None
+
+
+class DFlashConfidenceHead(nn.Module):
+    """DSpark's confidence head (DeepSpec `AcceptRatePredictor`): one logit per proposal position from its hidden
+    state, and with `confidence_head_with_markov` also the Markov head's W1 of the token before it."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.with_markov = config.confidence_head_with_markov
+        self.proj = nn.Linear(config.hidden_size + (config.markov_rank if self.with_markov else 0), 1)
+
+    def forward(self, hidden_states: torch.Tensor, previous_embedding: torch.Tensor | None) -> torch.Tensor:
+        """Logits [M] (float32) of hidden states [M, H] and W1[prev] [M, r] (read only `with_markov`)."""
+        features = hidden_states.to(self.proj.weight.dtype)
+        if self.with_markov:
+            features = torch.cat((features, previous_embedding.to(features.dtype)), dim=-1)
+        return self.proj(features).squeeze(-1).float()
+
+
 class DFlashDecoderLayer(GradientCheckpointingLayer):
     """Qwen3 decoder layer whose attention also reads the fused target context (DFlash2: convolutions around both).
     Under activation checkpointing (`gradient_checkpointing_enable`, training) the backward recomputes it."""
@@ -471,6 +542,11 @@ class DFlashDraftModel(DFlashCheckpointMixin, PreTrainedModel, DFlashGenerationM
         self.norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DFlashRotaryEmbedding(config)
         self.candidate_selector = DFlashCandidateSelector(config) if self.with_dflash2_parts else None
+        # DeepSpec's DSpark heads (docs/formats.md, "DeepSeek DeepSpec drafts"); None where the config has none
+        self.markov_head = DFlashMarkovHead(config) if config.markov_rank else None
+        self.confidence_head = DFlashConfidenceHead(config) if config.enable_confidence_head else None
+        if config.shifted_labels:  # DeepSpec's frozen copies of the target's embedding and head: left unread, quietly
+            self._keys_to_ignore_on_load_unexpected = [f"^{re.escape(name)}$" for name in DEEPSPEC_BORROWED_WEIGHTS]
         self.lm_head = None  # None: the target's LM head; else the draft's own over its K tokens, mapped by d2t / t2d
         if config.draft_vocab_size is not None:
             self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
@@ -484,6 +560,12 @@ class DFlashDraftModel(DFlashCheckpointMixin, PreTrainedModel, DFlashGenerationM
     def block_size(self) -> int:
         """Tokens per drafted block the draft was trained for (including the known first token)."""
         return self.config.block_size
+
+    @property
+    def shifted_labels(self) -> bool:
+        """Whether the block's every row is a proposal (DeepSpec): the block is [t0, MASK x (B-2)] at positions
+        s .. s+B-2 and row k predicts position s+k+1; else row j (1 .. B-1) of [t0, MASK x (B-1)] predicts s+j."""
+        return self.config.shifted_labels
 
     @property
     def target_layer_ids(self) -> list[int]:

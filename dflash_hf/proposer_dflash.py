@@ -42,11 +42,30 @@ class CandidateSelector(Protocol):
         ...
 
 
+class MarkovHead(Protocol):
+    """DSpark's Markov head, as the proposer uses it (`modeling_dflash.DFlashMarkovHead`)."""
+
+    def initial_state(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The state before a block's first position [M, r], or None."""
+        ...
+
+    def previous_embedding(self, previous_tokens: torch.Tensor) -> torch.Tensor:
+        """W1[prev] [M, r]."""
+        ...
+
+    def step(self, previous_tokens: torch.Tensor, hidden_states: torch.Tensor, state: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(bias [M, V], the next state) of one position (see `DFlashMarkovHead.step`)."""
+        ...
+
+
 class DFlashDraft(Protocol):
     """What the loop needs of a DFlash draft (`modeling_dflash.DFlashDraftModel` is one)."""
 
     config: Any
     candidate_selector: CandidateSelector | None
+    markov_head: MarkovHead | None  # DSpark's (DeepSpec): a bias from the token before each position
+    confidence_head: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None  # DSpark's: logits [M]
     lm_head: torch.nn.Module | None  # its own LM head over its draft vocabulary (None: it borrows the target's)
 
     @property
@@ -54,6 +73,9 @@ class DFlashDraft(Protocol):
 
     @property
     def target_layer_ids(self) -> list[int]: ...  # noqa: D102
+
+    @property
+    def shifted_labels(self) -> bool: ...  # noqa: D102
 
     @property
     def mask_token_id(self) -> int | None: ...  # noqa: D102
@@ -140,6 +162,9 @@ class Proposal:
     # token: a width chosen from the sampled tokens would bias which proposals get verified (None: not scored)
     confidences: torch.Tensor | None = field(default=None, kw_only=True)
     candidates: Candidates | None = field(default=None, kw_only=True)  # asked for by a tree (DraftStep.num_candidates)
+    # [N]: how many proposals each row asks to have verified (DeepSpec's confidence cut: a row's proposals after its
+    # length are not part of its proposal); None: all of them. A length depends only on the proposals before the cut
+    lengths: torch.Tensor | None = field(default=None, kw_only=True)
 
     def proposal_confidences(self) -> torch.Tensor | None:
         """The draft's confidence at each position [N, B-1], as scored (None: unknown)."""
@@ -183,8 +208,11 @@ class DFlashProposer:
 
     def __init__(self, draft: DFlashDraft, target: torch.nn.Module, mask_token_id: int,
                  sample_proposals: bool = True, draft_vocab: torch.Tensor | None = None,
-                 backend: DraftBackend | None = None) -> None:
+                 backend: DraftBackend | None = None, confidence_threshold: float | None = None) -> None:
+        check_confidence_threshold(draft, confidence_threshold)
         self.draft = draft
+        # DeepSpec's cut: a row's proposal ends before its first position whose confidence is under it (None: no cut)
+        self.confidence_threshold = confidence_threshold or None
         self.sample_proposals = sample_proposals  # at temperature > 0: sample from q (else propose the argmax)
         self.target_layer_ids = draft.target_layer_ids
         self.embed_tokens = target.get_input_embeddings()
@@ -207,22 +235,27 @@ class DFlashProposer:
             block_position_ids = (host_to_device(step.pending_positions, device)[:, None]
                                   + torch.arange(block_size, device=device))
         pending_ids = host_to_device(step.pending_tokens, device) if step.pending_ids is None else step.pending_ids
-        block_ids = torch.full((len(step.row_ids), block_size), self.mask_token_id, dtype=torch.long, device=device)
+        # the draft's rows: [t0, MASK x (B-1)] at s .. s+B-1, or with shifted labels (DeepSpec) [t0, MASK x (B-2)]
+        rows = max(block_size - 1, 1) if self.draft.shifted_labels else block_size
+        block_ids = torch.full((len(step.row_ids), rows), self.mask_token_id, dtype=torch.long, device=device)
         block_ids[:, 0] = pending_ids
         with materialized_weight(self.embed_tokens) as embedding_weight:
-            block_embeddings = self.draft.embed_block(block_ids, embedding_weight)  # [N, B, H]
+            block_embeddings = self.draft.embed_block(block_ids, embedding_weight)  # [N, rows, H]
         with few_row_kernels(self.draft):  # on a CPU, its few-row products by the fastest kernel timed here
-            hidden = self.backend.forward(block_embeddings, block_position_ids, step.target_hidden,
+            hidden = self.backend.forward(block_embeddings, block_position_ids[:, :rows], step.target_hidden,
                                           step.context_position_ids, step.context_valid,
-                                          step.pending_positions)  # [N, B, H]; position s: the positions before it
-        proposal_states = hidden[:, 1:].reshape(-1, hidden.shape[-1])  # [N * (B-1), H]
+                                          step.pending_positions)  # [N, rows, H]; position s: the positions before it
+        # [N, B-1, H]: the rows that predict positions s+1 .. s+B-1
+        hidden = hidden[:, : block_size - 1] if self.draft.shifted_labels else hidden[:, 1:]
+        proposal_states = hidden.reshape(-1, hidden.shape[-1])  # [N * (B-1), H]
         head = self.lm_head if self.vocab is None else self.vocab.head
         proposal_states = proposal_states.contiguous().to(head.weight.dtype)
         sample = step.temperature > 0.0 and self.sample_proposals
         selector = self.draft.candidate_selector
         shape = (len(step.row_ids), block_size - 1)
+        markov = self.draft.markov_head is not None or self.confidence_threshold is not None
         if self.vocab is not None and not sample and selector is None and not step.num_candidates \
-                and step.rules is None:
+                and step.rules is None and not markov:
             # greedy: the argmax over the draft's vocabulary
             logits = self.draft.scale_logits(self.vocab.logits(proposal_states))  # [N * (B-1), K]
             tokens = self.vocab.ids[logits.argmax(dim=-1).to(device)].view(shape)
@@ -233,13 +266,15 @@ class DFlashProposer:
         else:
             logits = self.draft.scale_logits(few_row_logits(self.lm_head, proposal_states))  # [N * (B-1), V]
         logits = logits.view(len(step.row_ids), block_size - 1, -1)  # [N, B-1, V]
+        if markov:  # each position after the token drafted before it (DSpark), with the call's processors
+            return markov_proposals(logits, hidden, pending_ids, step, sample, self.draft, self.confidence_threshold)
         if step.rules is not None and (not sample or selector is not None or step.num_candidates):
             # the call's processors along the argmax path (a sampled chain: along its draws, in sample_proposals)
             logits = processed_block(logits, step, lambda position, scores: scores.argmax(dim=-1))[0]
         if selector is not None and step.num_candidates:
-            return selector_candidates(selector, logits, hidden[:, 1:], block_ids[:, 0], step)
+            return selector_candidates(selector, logits, hidden, block_ids[:, 0], step)
         if selector is not None:
-            return select_candidates(selector, logits, hidden[:, 1:], block_ids[:, 0], step, sample)
+            return select_candidates(selector, logits, hidden, block_ids[:, 0], step, sample)
         if step.num_candidates:
             return top_candidates(logits, step, sample)
         if sample:
@@ -248,22 +283,130 @@ class DFlashProposer:
         return Proposal(tokens, confidences=greedy_confidences(logits)) if step.score_proposals else tokens
 
 
-def processed_block(logits: torch.Tensor, step: DraftStep, pick: Callable[[int, torch.Tensor], torch.Tensor]
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The call's processors (`step.rules`) on the draft's logits [N, P, V], one block position after another:
-    position p's prefix is the row's prompt as passed, its committed tokens and the tokens `pick(p, scores [N, V])`
-    chose at the positions before it, as the verify will see them. (scores [N, P, V] float32, tokens [N, P])"""
+def processed_block(logits: torch.Tensor, step: DraftStep, pick: Callable[[int, torch.Tensor], torch.Tensor],
+                    markov: MarkovStage | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft's logits [N, P, V], one block position after another: with `markov`, each position's after the token
+    picked before it (`MarkovStage.logits`); then the call's processors (`step.rules`, if any), position p's prefix
+    being the row's prompt as passed, its committed tokens and the tokens `pick(p, scores [N, V])` chose at the
+    positions before it, as the verify will see them. (scores [N, P, V] float32, tokens [N, P])"""
     rules = step.rules
     device = logits.device
-    committed = [torch.cat((rules.input_ids[row].to(device), host_to_device(generated, device)))
-                 for row, generated in zip(step.row_ids, step.generated)]  # per row: [L]
+    committed = [] if rules is None else [  # per row: [L]
+        torch.cat((rules.input_ids[row].to(device), host_to_device(generated, device)))
+        for row, generated in zip(step.row_ids, step.generated)]
     scores = torch.empty(logits.shape, dtype=torch.float32, device=device)
     tokens = torch.empty(logits.shape[:2], dtype=torch.long, device=device)
     for position in range(logits.shape[1]):
-        prefixes = [torch.cat((ids, tokens[row, :position])) for row, ids in enumerate(committed)]
-        scores[:, position] = rules.scores(logits[:, position], step.row_ids, prefixes)
+        raw = logits[:, position] if markov is None else markov.logits(position, tokens)  # [N, V]
+        if rules is None:
+            scores[:, position] = raw.float()
+        else:
+            prefixes = [torch.cat((ids, tokens[row, :position])) for row, ids in enumerate(committed)]
+            scores[:, position] = rules.scores(raw, step.row_ids, prefixes)
         tokens[:, position] = pick(position, scores[:, position])
     return scores, tokens
+
+
+class MarkovStage:
+    """One block of a DSpark draft (DeepSpec), walked left to right: each position's logits are the LM head's plus the
+    Markov head's bias from the token picked before it (the pending token before the first), so the q a token is
+    drawn from is the one the verify judges it by; and, where asked, the confidence head's logit at each position
+    (from its hidden state and, `confidence_head_with_markov`, the token before it)."""
+
+    def __init__(self, draft: DFlashDraft, logits: torch.Tensor, hidden_states: torch.Tensor, anchors: torch.Tensor,
+                 score_confidence: bool) -> None:
+        self.head, self.confidence_head = draft.markov_head, draft.confidence_head if score_confidence else None
+        self.base, self.hidden_states, self.anchors = logits, hidden_states, anchors  # [N, P, V], [N, P, H], [N]
+        self.state = None if self.head is None else self.head.initial_state(hidden_states[:, 0])
+        self.confidence_logits: list[torch.Tensor] = []  # per position walked: [N]
+
+    def logits(self, position: int, tokens: torch.Tensor) -> torch.Tensor:
+        """Position `position`'s logits [N, V], after the tokens [N, P] picked at the positions before it."""
+        previous = self.anchors if position == 0 else tokens[:, position - 1]  # [N]
+        hidden = self.hidden_states[:, position]  # [N, H]
+        if self.confidence_head is not None:
+            embedding = (self.head.previous_embedding(previous) if self.confidence_head.with_markov else None)
+            self.confidence_logits.append(self.confidence_head(hidden, embedding))
+        if self.head is None:
+            return self.base[:, position]
+        bias, self.state = self.head.step(previous, hidden, self.state)
+        return self.base[:, position] + bias.to(self.base.dtype)
+
+    def lengths(self, threshold: float) -> torch.Tensor:
+        """Per row [N], the proposals before the first position whose own confidence sigmoid(c) is under
+        `threshold` (all P where none is): DeepSpec's cut, not a running product."""
+        below = torch.stack(self.confidence_logits, dim=1).sigmoid() < threshold  # [N, P]
+        positions = torch.arange(below.shape[1], device=below.device).expand_as(below)
+        return torch.where(below, positions, below.shape[1]).amin(dim=1)
+
+
+def markov_proposals(logits: torch.Tensor, hidden_states: torch.Tensor, anchors: torch.Tensor, step: DraftStep,
+                     sample: bool, draft: DFlashDraft, confidence_threshold: float | None) -> torch.Tensor | Proposal:
+    """A DSpark draft's proposals [N, B-1] from its LM head's logits [N, B-1, V] and hidden states [N, B-1, H]: each
+    position's logits get the Markov bias of the token drafted before it (`MarkovStage`) and the call's processors,
+    then the argmax, or a draw from that position's q (returned for the verify: exact). With a confidence
+    threshold, each row's proposal is cut where DeepSpec cuts it (`Proposal.lengths`)."""
+    markov = MarkovStage(draft, logits, hidden_states, anchors, confidence_threshold is not None)
+    if step.num_candidates:
+        return markov_candidates(markov, step)
+    if sample:
+        proposal = sample_proposals(logits, step, markov)
+    else:
+        scores, tokens = processed_block(logits, step, lambda position, scores: scores.argmax(dim=-1), markov)
+        proposal = Proposal(tokens, confidences=greedy_confidences(scores) if step.score_proposals else None)
+    if confidence_threshold is None:
+        return proposal if sample or step.score_proposals else proposal.tokens
+    return replace(proposal, lengths=markov.lengths(confidence_threshold))
+
+
+def markov_candidates(markov: MarkovStage, step: DraftStep) -> Proposal:
+    """A DSpark draft's candidates for a tree (a Markov head whose bias depends on the token before only: vanilla,
+    gated): at each position the k most probable tokens of q after the greedy path, and the probability of each of
+    them after each candidate of the position before (its q given that token), by which a node's children are ranked
+    after their parent's own token. Chosen, not drawn: each node is verified with a one-hot q, so greedy and sampling
+    stay exact."""
+    logits, hidden_states = markov.base, markov.hidden_states  # [N, P, V], [N, P, H]
+    scores, tokens = processed_block(logits, step, lambda position, scores: scores.argmax(dim=-1), markov)
+    probabilities = draft_distribution(scores, step)  # [N, P, V]: q along the greedy path
+    count = min(step.num_candidates, logits.shape[-1])
+    largest, candidates = probabilities.topk(count, dim=-1)  # [N, P, k]
+    rows, positions, vocabulary = logits.shape
+    transitions = [largest[:, :1, None, :].expand(-1, 1, count, -1)]  # position 0: after the pending token (not read)
+    if positions > 1:
+        previous = candidates[:, :-1].reshape(-1)  # [N * (P-1) * k]: each candidate as the token before the next
+        hidden = hidden_states[:, 1:, None].expand(-1, -1, count, -1).reshape(previous.shape[0], -1)
+        bias, _ = markov.head.step(previous, hidden, None)  # [N * (P-1) * k, V]
+        after = logits[:, 1:, None] + bias.view(rows, positions - 1, count, vocabulary).to(logits.dtype)
+        q_after = draft_distribution(after.flatten(1, 2), step).view(rows, positions - 1, count, vocabulary)
+        transitions.append(q_after.gather(-1, candidates[:, 1:, None, :].expand(-1, -1, count, -1)))  # [N,P-1,k,k]
+    return Proposal(tokens, candidates=Candidates(candidates, largest, torch.cat(transitions, dim=1)))
+
+
+def check_confidence_threshold(draft: DFlashDraft, threshold: float | None) -> None:
+    """Refuse a confidence threshold outside [0, 1] or for a draft without a confidence head."""
+    if threshold is None:
+        return
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"confidence_threshold must be a number from 0 to 1 (0: no cut, as DeepSpec's default), "
+                         f"got {threshold!r}.")
+    if threshold and draft.confidence_head is None:
+        raise ValueError("confidence_threshold needs a draft with a confidence head (a DeepSpec DSpark draft whose "
+                         "config has `enable_confidence_head`); this draft has none: leave it out.")
+
+
+def deepspec_refusal(draft: DFlashDraft, tree_size: int | None, compiled: bool,
+                     confidence_threshold: float | None) -> str | None:
+    """Why a call cannot run with this draft's DeepSpec parts (shifted labels, a Markov head, a confidence cut), or
+    None: trees over an rnn Markov head or a confidence cut, and compiled DeepSpec drafts, are not built yet."""
+    if compiled and draft.shifted_labels:
+        return ("compile=True does not run DeepSpec drafts (shifted labels) yet; run them with compile=False "
+                "(docs/formats.md, \"DeepSeek DeepSpec drafts\").")
+    recurrent = draft.markov_head is not None and draft.config.markov_head_type == "rnn"
+    if tree_size is not None and (recurrent or confidence_threshold):
+        return ("tree_size does not run over a DSpark draft's rnn Markov head (its state follows the whole path) or "
+                "a confidence cut yet; verify a chain (leave tree_size out) (docs/formats.md, \"DeepSeek DeepSpec "
+                "drafts\").")
+    return None
 
 
 def top_candidates(logits: torch.Tensor, step: DraftStep, sample: bool) -> Proposal:
@@ -393,11 +536,12 @@ def selector_candidates(selector: CandidateSelector, logits: torch.Tensor, hidde
     return Proposal(tokens, candidates=Candidates(candidates, transitions[:, :, 0], transitions))
 
 
-def sample_proposals(logits: torch.Tensor, step: DraftStep) -> SampledProposal:
-    """Proposals sampled from the draft's q (logits [N, B-1, V] after the call's processors, if any, along the row's
-    draws, then the step's temperature, top-k, top-p), per row with that row's generator."""
+def sample_proposals(logits: torch.Tensor, step: DraftStep, markov: MarkovStage | None = None) -> SampledProposal:
+    """Proposals sampled from the draft's q (logits [N, B-1, V], with `markov` each position's after the token drawn
+    before it, after the call's processors, if any, along the row's draws, then the step's temperature, top-k, top-p),
+    per row with that row's generator."""
     uniforms = draw_uniforms(step.generators, logits.shape[1], logits.device)  # [N, B-1]
-    if step.rules is None:
+    if step.rules is None and markov is None:
         probabilities = draft_distribution(logits, step)  # [N, B-1, V]
         return SampledProposal(sample_from(probabilities, uniforms), draft_probabilities=probabilities)
     distributions = []  # per position: q [N, V] after the call's processors along the row's draws
@@ -406,5 +550,5 @@ def sample_proposals(logits: torch.Tensor, step: DraftStep) -> SampledProposal:
         distributions.append(draft_distribution(scores[:, None], step)[:, 0])
         return sample_from(distributions[-1], uniforms[:, position])
 
-    tokens = processed_block(logits, step, draw)[1]
+    tokens = processed_block(logits, step, draw, markov)[1]
     return SampledProposal(tokens, draft_probabilities=torch.stack(distributions, dim=1))

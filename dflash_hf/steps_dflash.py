@@ -350,7 +350,10 @@ class ChainStep:
 
     def arrange(self, state: DecodeState, step: StepPlan, proposal: Proposal, settings: DecodingSettings
                 ) -> tuple[StepPlan, Proposal]:
-        """The step as planned, or cut to the worthwhile width when step costs are given."""
+        """The step as planned, cut where the proposer cut its rows (`Proposal.lengths`), then to the worthwhile
+        width when step costs are given."""
+        if proposal.lengths is not None:
+            step, proposal = cut_to_lengths(step, proposal)
         confidences = proposal.proposal_confidences()
         if settings.step_costs is None or confidences is None or step.width == 1:
             return step, proposal
@@ -380,6 +383,19 @@ class ChainStep:
 
 
 CHAIN = ChainStep()
+
+
+def cut_to_lengths(step: StepPlan, proposal: Proposal) -> tuple[StepPlan, Proposal]:
+    """A chain step whose row i verifies at most `proposal.lengths[i]` proposals (its count: later ones are never
+    accepted, and its next token follows the last one it may keep), as wide as the longest row needs."""
+    lengths = proposal.lengths.tolist()  # one device read
+    width = min(step.width, max(lengths) + 1)
+    counts = [min(count, length + 1) for count, length in zip(step.counts, lengths)]
+    confidences = None if proposal.confidences is None else proposal.confidences[:, : width - 1]
+    cut = dict(tokens=proposal.tokens[:, : width - 1], confidences=confidences, lengths=None)
+    if isinstance(proposal, SampledProposal):
+        cut["draft_probabilities"] = proposal.draft_probabilities[:, : width - 1]
+    return StepPlan(width, counts, step.positions[:, :width], step.pending), replace(proposal, **cut)
 
 
 class TreeStep:
