@@ -486,7 +486,7 @@ def run_convert(args: argparse.Namespace) -> None:
     from .conversion import convert
 
     try:
-        destination = convert(args.source, args.destination, args.to, vocab_size=args.vocab_size, target=args.target)
+        destination = convert(args.source, args.destination, args.to, vocab_size=args.vocab_size, target=args.verifier)
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(f"dflash-hf convert: {error}") from error
     if args.to == "transformers":
@@ -598,13 +598,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "  dflash-hf convert z-lab/Qwen3-8B-DFlash-b16 qwen3-8b-native --to transformers\n"
                          "  dflash-hf convert qwen3-8b-native qwen3-8b-dflash --to dflash --vocab-size 151936\n"
                          "  dflash-hf convert z-lab/Qwen3-8B-DFlash-b16 qwen3-8b-speculators --to speculators "
-                         "--target Qwen/Qwen3-8B")
+                         "--verifier Qwen/Qwen3-8B")
     convert.add_argument("source", help="draft folder or Hub id (DFlash layout, native, or speculators)")
     convert.add_argument("destination", help="folder to write")
     convert.add_argument("--to", choices=["transformers", "dflash", "speculators"], required=True,
                          help="transformers: MuseGlimmerAssistantModel (Transformers >= 5.24); "
                               "dflash: the published layout; speculators: vLLM speculators' DFlash format")
-    convert.add_argument("--target", default=None,
+    convert.add_argument("--verifier", default=None, metavar="TARGET",
                          help="the target model's Hub id or folder, for --to speculators (its embedding and LM head "
                               "are copied in, its id recorded as the verifier)")
     convert.add_argument("--vocab-size", type=int, default=None,

@@ -248,7 +248,7 @@ def convert(source: str | Path, destination: str | Path, to: str, vocab_size: in
         raise ValueError(f"{destination} is an existing file; pass a folder to write the draft into.")
     if to == "speculators" and target is None:
         raise ValueError("A speculators checkpoint carries the target's embedding and LM head and names the target; "
-                         "pass it: --target MODEL (python: target=MODEL), the Hub id or folder of the target model.")
+                         "pass it: --verifier MODEL (python: target=MODEL), the Hub id or folder of the target model.")
     check_draft_source(source)  # a missing or empty local folder first, whatever the direction
     if to == "transformers":
         native_draft_classes()  # refuse before loading anything

@@ -45,7 +45,7 @@ def write(tmp_path, draft: DFlashDraftModel, arch: str = "qwen3"):
     target.save_pretrained(tmp_path / "target")
     draft.save_pretrained(tmp_path / "ours")
     main(["convert", str(tmp_path / "ours"), str(tmp_path / "speculators"), "--to", "speculators",
-          "--target", str(tmp_path / "target")])
+          "--verifier", str(tmp_path / "target")])
     return target, tmp_path / "speculators"
 
 
@@ -201,7 +201,7 @@ def test_what_the_speculators_format_cannot_express_is_refused_by_name(tmp_path,
 
 
 def test_convert_to_speculators_asks_for_the_target_first(tmp_path):
-    with pytest.raises(ValueError, match="pass it: --target MODEL"):
+    with pytest.raises(ValueError, match="pass it: --verifier MODEL"):
         convert(tmp_path / "missing", tmp_path / "out", "speculators")
-    with pytest.raises(SystemExit, match="pass it: --target MODEL"):
+    with pytest.raises(SystemExit, match="pass it: --verifier MODEL"):
         main(["convert", str(tmp_path / "missing"), str(tmp_path / "out"), "--to", "speculators"])
