@@ -354,9 +354,12 @@ def dflash_proposer(draft: DFlashDraft, target: torch.nn.Module, settings: Decod
     draft backend (`draft_backend`; compiled: a context cache of `num_rows` rows for prompts `prompt_width` wide), and
     a DSpark draft's confidence cut (`confidence_threshold`, DeepSpec's: None or 0 for none)."""
     check_confidence_threshold(draft, confidence_threshold)
-    refusal = deepspec_refusal(draft, settings.tree_size, settings.compile is not None, confidence_threshold)
+    refusal = deepspec_refusal(draft, settings.tree_size, confidence_threshold)
     if refusal is not None:
         raise ValueError(refusal)
+    if settings.compile is not None and draft.shifted_labels:
+        raise ValueError("compile=True does not run DeepSpec drafts (shifted labels) yet; run them with compile=False "
+                         "(docs/formats.md, \"DeepSeek DeepSpec drafts\").")
     backend = draft_backend(draft, settings.compile, num_rows,
                             prompt_width + settings.max_new_tokens + settings.block_size,
                             execution_device(target.get_input_embeddings()))

@@ -394,13 +394,9 @@ def check_confidence_threshold(draft: DFlashDraft, threshold: float | None) -> N
                          "config has `enable_confidence_head`); this draft has none: leave it out.")
 
 
-def deepspec_refusal(draft: DFlashDraft, tree_size: int | None, compiled: bool,
-                     confidence_threshold: float | None) -> str | None:
-    """Why a call cannot run with this draft's DeepSpec parts (shifted labels, a Markov head, a confidence cut), or
-    None: trees over an rnn Markov head or a confidence cut, and compiled DeepSpec drafts, are not built yet."""
-    if compiled and draft.shifted_labels:
-        return ("compile=True does not run DeepSpec drafts (shifted labels) yet; run them with compile=False "
-                "(docs/formats.md, \"DeepSeek DeepSpec drafts\").")
+def deepspec_refusal(draft: DFlashDraft, tree_size: int | None, confidence_threshold: float | None) -> str | None:
+    """Why a call cannot run with this draft's DSpark parts (a Markov head, a confidence cut), or None: trees over an
+    rnn Markov head or a confidence cut are not built yet."""
     recurrent = draft.markov_head is not None and draft.config.markov_head_type == "rnn"
     if tree_size is not None and (recurrent or confidence_threshold):
         return ("tree_size does not run over a DSpark draft's rnn Markov head (its state follows the whole path) or "
