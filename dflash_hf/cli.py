@@ -255,8 +255,8 @@ def add_train_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", nargs="?", const="", default=None, metavar="GPUS",
                         help="print what the run will cost before any model loads (steps, tokens, checkpoint bytes, "
                              "the checkpoints' and held-out measurements' share of the time, memory per GPU) and "
-                             "exit; GPUS e.g. 8xh100 (default: this launch's processes and GPU; docs/training.md, "
-                             "'The cost of a run')")
+                             "exit; GPUS e.g. 8xh100 (default: this launch's processes and GPU; "
+                             "docs/training.md, 'The cost of a run')")
     parser.add_argument("--keep-checkpoints", type=int, default=TrainingSettings.keep_checkpoints, metavar="K",
                         help="checkpoints kept on disk: the latest in OUTPUT/checkpoint, the K - 1 before it in "
                              "OUTPUT/checkpoint-<step>")
