@@ -67,7 +67,7 @@ def test_the_usage_examples_run_and_give_the_targets_own_output(hub, capsys):
         if "compile=True" in block and torch_refusal("compile=True") is not None:  # torch older than it needs
             with pytest.raises(ValueError, match="compile=True needs torch >= "):
                 exec(compile(block, "README.md", "exec"), dict(namespace))
-            continue
+            block = block.replace(", compile=True", "")  # the rest of the example, as that torch runs it (eager)
         exec(compile(block, "README.md", "exec"), namespace)
     target, input_ids, stops = namespace["target"], namespace["input_ids"], namespace["stop_token_ids"]
     expected = plain(target, input_ids, stops)
