@@ -70,7 +70,7 @@ def json_array_items(path: str | Path) -> Iterator[dict]:
                     break  # the object goes on in the next chunk, or the file was cut inside it
                 yield item
                 position = end
-            if position < len(buffer) and buffer[position] == "]" or not chunk:
+            if (position < len(buffer) and buffer[position] == "]") or not chunk:  # the array's end, or the file's
                 return
 
 
