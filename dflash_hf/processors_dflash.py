@@ -221,15 +221,15 @@ class PositionRules:
         """Whether a verify's processed scores are read after it (criteria or outputs)."""
         return self.stopping is not None or self.output_scores
 
-    def scores(self, logits: torch.Tensor, prefixes: list[list[torch.Tensor]], rows: list[int]) -> torch.Tensor:
+    def scores(self, logits: torch.Tensor, prefixes: list[list[torch.Tensor | None]], rows: list[int]) -> torch.Tensor:
         """Processed scores [n, w, V] (float32) of logits [n, w, V]; prefixes[i][j]: the ids [L] before position j
-        of row rows[i]."""
-        processed = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        of row rows[i], or None where the row cannot commit that position (its scores stay the logits, never read)."""
+        processed = logits.to(torch.float32, copy=True)  # processors may write in place
         for index, row in enumerate(rows):
             processors = self.row_processors[row]
             for column, prefix in enumerate(prefixes[index]):
-                scores = logits[index, column][None].to(torch.float32, copy=True)  # [1, V]: processors may write
-                processed[index, column] = processors(prefix[None], scores)[0]
+                if prefix is not None:
+                    processed[index, column] = processors(prefix[None], processed[index, column][None])[0]
         return processed
 
     def first_stop(self, sequence: torch.Tensor, num_new: int, scores: torch.Tensor) -> int | None:

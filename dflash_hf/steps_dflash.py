@@ -122,7 +122,7 @@ class Verdict:
 # --- The stages every strategy shares --------------------------------------------------------------------------------
 
 
-def target_scores(logits: torch.Tensor, prefixes: Callable[[], list[list[torch.Tensor]]], rows: list[int],
+def target_scores(logits: torch.Tensor, prefixes: Callable[[], list[list[torch.Tensor | None]]], rows: list[int],
                   settings: DecodingSettings) -> torch.Tensor:
     """`generate`'s scores [n, b, V] at each verified position from the target's logits [n, b, V] (rows: the call's
     rows): the call's processors and warpers at each position, given its prefix (`prefixes()`: per row, the ids
@@ -150,19 +150,23 @@ def committed_ids(state: DecodeState, row: int) -> torch.Tensor:
     return torch.cat((state.input_ids[row], host_to_device(state.generated[row], state.device)))
 
 
-def position_prefixes(state: DecodeState, step: StepPlan, nodes: torch.Tensor) -> list[list[torch.Tensor]]:
+def position_prefixes(state: DecodeState, step: StepPlan, nodes: torch.Tensor) -> list[list[torch.Tensor | None]]:
     """Per active row, the ids [L] before each verify column, as `generate` would hold them: the prompt as passed,
     the committed tokens (the pending one last), then a chain's proposals before the column, or a tree node's path
-    (nodes [n, b - 1]: the proposals or the tree's nodes)."""
+    (nodes [n, b - 1]: the proposals or the tree's nodes). None for a column whose token the row cannot commit
+    (past what max_new_tokens leaves it, `StepPlan.counts`): no processor is asked about a position `generate`
+    never reaches, however wide the backend's verify (a compiled one keeps its width)."""
     prefixes = []
     for index, row in enumerate(state.active):
-        committed = committed_ids(state, row)  # [L]
+        committed, count = committed_ids(state, row), step.counts[index]  # [L]
         if step.tree is None:
             sequence = torch.cat((committed, nodes[index]))
-            prefixes.append([sequence[: committed.shape[0] + column] for column in range(step.width)])
+            prefixes.append([sequence[: committed.shape[0] + column] if column < count else None
+                             for column in range(step.width)])
             continue
         paths = column_paths(step.tree.tokens[index], step.tree.parents[index])
-        prefixes.append([torch.cat((committed, host_to_device(path, state.device))) for path in paths])
+        prefixes.append([torch.cat((committed, host_to_device(path, state.device))) if len(path) < count else None
+                         for path in paths])
     return prefixes
 
 

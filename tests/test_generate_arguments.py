@@ -162,6 +162,38 @@ def test_a_users_processor_that_reads_the_prefix_gives_generates_output(target, 
     assert result.tau > 1.2
 
 
+class RecordPositions(LogitsProcessor):
+    """A user's processor that records, per call, how many tokens of its row's prefix follow the prompts' width."""
+
+    def __init__(self, width: int) -> None:
+        self.width, self.new_before = width, []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.new_before.append(input_ids.shape[1] - self.width)
+        return scores
+
+
+@pytest.mark.parametrize("tree_size", [None, 6])
+def test_a_processor_is_asked_only_about_positions_a_row_can_commit(target, tree_size):
+    """A row whose proposals are all accepted reaches max_new_tokens while a slower row still verifies whole blocks:
+    the verify stays as wide as the slower row needs, but no processor is asked about the first row's positions past
+    max_new_tokens, which `generate` never reaches (a compiled verify, always as wide, asks as often as eager)."""
+    prompts = prompts_of([6, 4], seed=8)
+    input_ids, mask = left_pad_prompts(prompts)
+    expected = target.generate(input_ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    width = input_ids.shape[1]
+    references = [torch.cat((prompt[0], expected[row, width:]))[None] for row, prompt in enumerate(prompts)]
+    proposer = TreeReferenceProposer(references, k=3, seed=3) if tree_size else \
+        ReferenceProposer(references, corrupt_seed=2, corrupt_rows={1})
+    recorder = RecordPositions(width)
+    result = decode(target, proposer, input_ids, mask, tree_size=tree_size,
+                    logits_processor=LogitsProcessorList([recorder]))
+    assert torch.equal(result.output_ids, expected)
+    assert max(recorder.new_before) == NEW - 1  # the last position generate reaches, and none after it
+    if tree_size is None:  # row 0 took whole blocks (its last one cut by max_new_tokens), row 1 more steps
+        assert len(result.acceptance_lengths[0]) < len(result.acceptance_lengths[1])
+
+
 def test_prefix_allowed_tokens_fn_is_given_each_rows_own_index(target):
     prompts = prompts_of([5, 7], seed=9)
     input_ids, mask = left_pad_prompts(prompts)
