@@ -223,8 +223,9 @@ class DFlashConfig(Qwen3Config):
     `num_target_layers`; `dflash_config` with `target_layer_ids` (computed when absent), `mask_token_id` when
     known and `mask_token` when published as a string; rope in the installed Transformers' own style; the newer
     fields of docs/formats.md (`layer_types`, `sliding_window`, `is_causal`, `input_embedding_scale`,
-    `output_multiplier`, `final_logit_softcapping`, `draft_vocab_size`, and DFlash2's convolution and selector
-    sizes) at top level.
+    `output_multiplier`, `final_logit_softcapping`, `draft_vocab_size`, DFlash2's convolution and selector sizes,
+    DeepSpec's fields, `layer_style` and `attention_k_eq_v`) at top level. DeepSpec's Gemma-4 config
+    (`Gemma4DSparkModel`) is mapped at construction (`config_from_deepspec_gemma4`).
     """
 
     def __init__(self, block_size: int | None = None, num_target_layers: int | None = None,

@@ -3,7 +3,8 @@
 One forward pass drafts a whole block. Each layer is a Qwen3 decoder layer with "KV injection":
 its keys/values are computed over [fused target context ; block], and every block query attends
 to all of them (non-causal), or causally and/or within a sliding window where the config's
-`layer_types` / `is_causal` say so. Embedding and LM head are borrowed from the target, or the draft
+`layer_types` / `is_causal` say so; with `layer_style` "gemma4" each layer is a Gemma-4 one instead (DeepSpec's
+Gemma-4 drafts, docs/formats.md). Embedding and LM head are borrowed from the target, or the draft
 has its own LM head over K tokens of the target's vocabulary (`draft_vocab_size`, with `d2t` / `t2d`).
 `DFlash2DraftModel` adds dynamic causal convolutions around each sub-layer and a candidate
 selector over the head's top-K (docs/formats.md).

@@ -12,8 +12,7 @@ import json
 from pathlib import Path
 
 import torch
-import transformers
-from helpers import COMMON_DECODER, FAMILIES, make_target, random_prompt
+from helpers import COMMON_DECODER, FAMILIES, make_target, random_prompt, transformers_class
 from safetensors.torch import save_file
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "deepspec_golden.json"
@@ -39,10 +38,10 @@ def gemma4_golden_target() -> torch.nn.Module:
     fields DeepSpec's Gemma-4 draft config asks of a target (no MoE block, no per-layer inputs)."""
     model_class, config_class, settings = FAMILIES["gemma4_unified"]
     torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**{**COMMON_DECODER, **settings, "vocab_size": VOCAB,
-                                                    "final_logit_softcapping": 30.0}, enable_moe_block=False,
-                                                 hidden_size_per_layer_input=0)
-    target = getattr(transformers, model_class)(config).eval()
+    config = transformers_class(config_class)(**{**COMMON_DECODER, **settings, "vocab_size": VOCAB,
+                                                 "final_logit_softcapping": 30.0}, enable_moe_block=False,
+                                              hidden_size_per_layer_input=0)
+    target = transformers_class(model_class)(config).eval()
     target.generation_config.eos_token_id = None
     return planted(target)
 
