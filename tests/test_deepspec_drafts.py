@@ -9,6 +9,9 @@ decode on several families and batch layouts, and against the target's distribut
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,8 @@ from deepspec_fixture import (
     write_deepspec_folder,
 )
 from helpers import (
+    COMMON_DECODER,
+    FAMILIES,
     VOCAB_SIZE,
     RecordingProposer,
     build_target,
@@ -30,9 +35,11 @@ from helpers import (
     plain_greedy,
     prompts_of,
     random_prompt,
+    transformers_class,
 )
 from sampling_checks import NUM_NEW, NUM_SAMPLES, assert_follows, exact_joint, sampled_counts
 from sampling_checks import SAMPLING_VOCAB as VOCAB
+from test_remote_code import LOAD_WITHOUT_PACKAGE
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import dflash_hf.proposer_dflash as proposer_module
@@ -218,6 +225,56 @@ def test_a_gemma4_deepspec_folder_loads_unchanged_and_equals_generate(tmp_path):
         "DFlashDraftModel"]
     reloaded = DFlashDraftModel.from_pretrained(tmp_path / "saved")
     assert torch.equal(reloaded.spec_generate(target=target, input_ids=prompt, max_new_tokens=16), expected)
+
+
+@needs_gemma4
+def test_a_gemma4_deepspec_draft_runs_as_exported_remote_code_without_the_package(tmp_path):
+    """The Gemma-4 DeepSpec draft, saved by dflash-hf, runs with trust_remote_code where dflash_hf cannot be imported:
+    DeepSpec's recorded new tokens (the golden fixture's, its block) and the in-process run's acceptance."""
+    record = GEMMA4_RECORD["variants"]["dspark_vanilla"]
+    target = gemma4_golden_target()
+    draft = DFlashDraftModel.from_pretrained(write_deepspec_folder(
+        tmp_path / "deepspec", record["config"], record["shapes"], target, record["seed"]))
+    run = next(run for run in record["greedy"] if run["prompt"] == 1 and not run["threshold"])
+    prompt = golden_prompts()[1][0].tolist()
+    expected = draft.spec_generate(target=target, input_ids=torch.tensor([prompt]), max_new_tokens=20,
+                                   block_size=draft.block_size, return_stats=True)
+    assert expected.new_tokens(0) == run["new_tokens"]
+    draft.save_pretrained(tmp_path / "draft")
+    target.save_pretrained(tmp_path / "target")
+    (tmp_path / "load.py").write_text(LOAD_WITHOUT_PACKAGE)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    completed = subprocess.run([sys.executable, str(tmp_path / "load.py"), str(tmp_path / "draft"),
+                                str(tmp_path / "target"), json.dumps(prompt), str(draft.block_size)],
+                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    remote = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert remote["model_module"].startswith("transformers_modules")
+    assert remote["ids"][len(prompt):] == run["new_tokens"]
+    assert remote["acceptance"] == expected.acceptance_lengths
+
+
+@needs_gemma4
+def test_gemma4_drafts_equal_generate_on_the_class_gemma4_12b_loads_as():
+    """AutoModelForCausalLM loads google/gemma-4-12B-it as Gemma4UnifiedForConditionalGeneration (text, image and
+    audio in one decoder): a tiny one, given text, with the Gemma-4 DeepSpec draft: greedy equals generate."""
+    _, _, settings = FAMILIES["gemma4_unified"]
+    torch.manual_seed(0)
+    config = transformers_class("Gemma4UnifiedConfig")(
+        text_config={**COMMON_DECODER, **settings},
+        vision_config=dict(mm_embed_dim=COMMON_DECODER["hidden_size"], output_proj_dims=COMMON_DECODER["hidden_size"],
+                           mm_posemb_size=16),
+        audio_config=dict(audio_embed_dim=16, hidden_size=16, output_proj_dims=16))
+    target = transformers_class("Gemma4UnifiedForConditionalGeneration")(config).eval()
+    target.generation_config.eos_token_id = None
+    input_ids = random_prompt(731, 9)
+    expected = plain_greedy(target, input_ids, max_new_tokens=20)
+    draft = deepspec_draft("vanilla", seed=2, **GEMMA4_LAYOUT)
+    for block_size, threshold in ((4, None), (8, None), (8, 0.5)):
+        output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=20, block_size=block_size,
+                                     confidence_threshold=threshold)
+        assert torch.equal(output, expected), (block_size, threshold)
 
 
 # --- Golden: DeepSpec's own inference code -------------------------------------------------------------------------
