@@ -647,10 +647,15 @@ class DFlashDraftModel(DFlashCheckpointMixin, PreTrainedModel, DFlashGenerationM
 
     def embed_block(self, block_ids: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
         """Block inputs [N, T, H]: the raw lookup of ids [N, T] in the target's embedding weight, times
-        `input_embedding_scale` (never the target embedding module's own scaling)."""
+        `input_embedding_scale` (never the target embedding module's own scaling); with Gemma-4 layers the scale is
+        first rounded to the weight's dtype, as Gemma's embedding module (DeepSpec's Gemma-4 draft's) rounds it."""
         embeddings = F.embedding(block_ids, embedding_weight)
         scale = self.config.input_embedding_scale
-        return embeddings if scale == 1.0 else embeddings * scale
+        if scale == 1.0:
+            return embeddings
+        if self.config.layer_style == "gemma4":
+            return embeddings * torch.tensor(scale, dtype=embeddings.dtype, device=embeddings.device)
+        return embeddings * scale
 
     def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's logits from its LM head's output (the target's, or its own): times `output_multiplier`, then

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from deepspec_fixture import (
     GEMMA4_GOLDEN,
@@ -225,6 +226,24 @@ def test_a_gemma4_deepspec_folder_loads_unchanged_and_equals_generate(tmp_path):
         "DFlashDraftModel"]
     reloaded = DFlashDraftModel.from_pretrained(tmp_path / "saved")
     assert torch.equal(reloaded.spec_generate(target=target, input_ids=prompt, max_new_tokens=16), expected)
+
+
+@needs_gemma4
+def test_gemma4_block_embeddings_are_gemmas_in_bfloat16():
+    """The block's embeddings are those of Gemma-4's own embedding module (DeepSpec's draft embeds with it), bit for
+    bit in bfloat16, where it rounds sqrt(H) to bfloat16 before the product."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextScaledWordEmbedding
+
+    draft = deepspec_draft("dflash", **GEMMA4_LAYOUT, hidden_size=60)  # sqrt(60): not a bfloat16 number
+    module = Gemma4TextScaledWordEmbedding(VOCAB_SIZE, draft.config.hidden_size, 0,
+                                           embed_scale=draft.config.hidden_size**0.5)
+    with torch.no_grad():
+        module.weight.normal_(generator=torch.Generator().manual_seed(0))
+    module = module.to(torch.bfloat16)
+    ids = torch.arange(VOCAB_SIZE).view(4, -1)
+    embeddings = draft.embed_block(ids, module.weight)
+    assert embeddings.dtype == torch.bfloat16 and torch.equal(embeddings, module(ids))
+    assert not torch.equal(embeddings, F.embedding(ids, module.weight) * draft.config.hidden_size**0.5)
 
 
 @needs_gemma4
