@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 from .configuration_dflash import (
     CUSTOM_GENERATE_FILE,
     DEEPSPEC_BORROWED_WEIGHTS,
+    DEEPSPEC_GEMMA4_ARCHITECTURE,
     DFLASH_HF_VERSION,
     NATIVE_MODEL_TYPE,
     REMOTE_CODE_FILES,
@@ -92,7 +93,8 @@ class DFlashCheckpointMixin:
         """`PreTrainedModel.from_pretrained` of the class the checkpoint's config names (`checkpoint_class`: DFlash or
         DFlash2), refusing a checkpoint whose weights do not match the draft one for one. A folder of Transformers'
         native DFlash draft (`muse_glimmer_assistant`) or of vLLM speculators' (`speculators_model_type: "dflash"`)
-        loads as the same draft in our layout."""
+        loads as the same draft in our layout, and so does one of DeepSpec's Gemma-4 drafts (its config is the
+        target's Gemma-4 text config, model type and all)."""
         wants_loading_info = kwargs.pop("output_loading_info", False)
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         check_draft_source(source, kwargs.get("subfolder") or "")
@@ -106,6 +108,9 @@ class DFlashCheckpointMixin:
             elif config.get(SPECULATORS_TYPE_KEY) is not None:
                 kwargs["config"] = config = DFlashConfig(**config_from_speculators(config))
                 unread = speculators_verifier_copies(config)
+            elif DEEPSPEC_GEMMA4_ARCHITECTURE in (config.get("architectures") or []):
+                # its model type is the target's (gemma4_text, ...): read here, not as another class's config
+                kwargs["config"] = config = DFlashConfig(**config)
         model_class = cls.checkpoint_class(config)
         try:
             model, loading_info = super(DFlashCheckpointMixin, model_class).from_pretrained(

@@ -11,6 +11,8 @@ from typing import Any
 
 from transformers import Qwen3Config
 
+from .versions_dflash import rope_type_refusal
+
 DFLASH_HF_VERSION = "0.2.0"  # the package version; exported folders record it (config field and file headers)
 # The Hub remote code: these files are copied next to the weights by `save_pretrained`.
 REMOTE_CODE_FILES = (
@@ -221,8 +223,9 @@ class DFlashConfig(Qwen3Config):
     `num_target_layers`; `dflash_config` with `target_layer_ids` (computed when absent), `mask_token_id` when
     known and `mask_token` when published as a string; rope in the installed Transformers' own style; the newer
     fields of docs/formats.md (`layer_types`, `sliding_window`, `is_causal`, `input_embedding_scale`,
-    `output_multiplier`, `final_logit_softcapping`, `draft_vocab_size`, and DFlash2's convolution and selector
-    sizes) at top level.
+    `output_multiplier`, `final_logit_softcapping`, `draft_vocab_size`, DFlash2's convolution and selector sizes,
+    DeepSpec's fields, `layer_style` and `attention_k_eq_v`) at top level. DeepSpec's Gemma-4 config
+    (`Gemma4DSparkModel`) is mapped at construction (`config_from_deepspec_gemma4`).
     """
 
     def __init__(self, block_size: int | None = None, num_target_layers: int | None = None,
@@ -230,6 +233,8 @@ class DFlashConfig(Qwen3Config):
         self.block_size = block_size
         self.num_target_layers = num_target_layers
         self.dflash_config = dict(dflash_config or {})
+        if DEEPSPEC_GEMMA4_ARCHITECTURE in (kwargs.get("architectures") or []):  # its names mapped to ours
+            kwargs = config_from_deepspec_gemma4(kwargs)
         # Qwen3Config drops `sliding_window` unless `use_sliding_window`; DFlash drafts name sliding layers by type.
         published_sliding_window = kwargs.get("sliding_window")
         try:
@@ -269,8 +274,14 @@ SUPPORTED_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 # DeepSeek DeepSpec's one class for its DFlash and DSpark drafts (docs/formats.md, "DeepSeek DeepSpec drafts"): loaded
 # as a DFlash draft with shifted labels, a Markov head (`markov_rank` > 0) and a confidence head where the config says.
 DEEPSPEC_ARCHITECTURE = "Qwen3DSparkModel"
-# DeepSpec's Gemma-4 drafts: Gemma-4 decoder layers (value norm, four norms a layer), not a Qwen3 layer stack.
-DEEPSPEC_REFUSED_ARCHITECTURES = ("Gemma4DSparkModel",)
+# The same draft over Gemma-4 targets: Gemma-4's layers (`layer_style` "gemma4"), its config the target's Gemma-4 text
+# config with DeepSpec's fields, mapped at load (`config_from_deepspec_gemma4`).
+DEEPSPEC_GEMMA4_ARCHITECTURE = "Gemma4DSparkModel"
+DEEPSPEC_ARCHITECTURES = (DEEPSPEC_ARCHITECTURE, DEEPSPEC_GEMMA4_ARCHITECTURE)
+# The draft layer's kinds (docs/formats.md): "qwen3", a Qwen3 decoder layer; "gemma4", a Gemma-4 one (DeepSpec's
+# Gemma-4 draft): norms after attention and MLP too, a weightless value norm, attention unscaled (the q and k norms
+# set the scale), every norm weighted in float32, and the layer's output times its `layer_scalar` buffer.
+LAYER_STYLES = ("qwen3", "gemma4")
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 # A DeepSpec checkpoint's frozen copies of the target's embedding and LM head (DeepSpec's trainer copies them from the
 # target and never trains them): the draft borrows the target's own, as every DFlash draft, and leaves these unread.
@@ -294,15 +305,62 @@ def layer_attention(config: Any, layer_idx: int) -> tuple[bool, int | None]:
     return causal, config.sliding_window if sliding else None
 
 
+# DeepSpec's Gemma-4 draft config (its `build_draft_config`: the target's Gemma-4 text config, copied, with DeepSpec's
+# fields): the keys read as they are; the rest is mapped (`config_from_deepspec_gemma4`) or, the target's own (sliding
+# window, per-layer inputs, model type) and training's (`num_anchors`), left out.
+GEMMA4_SHARED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                        "rms_norm_eps", "attention_bias", "attention_dropout", "max_position_embeddings",
+                        "initializer_range", "layer_types", "final_logit_softcapping", "block_size",
+                        "num_target_layers", "target_layer_ids", "mask_token_id", "markov_rank", "markov_head_type",
+                        "enable_confidence_head", "confidence_head_with_markov", "dflash_config", "pad_token_id",
+                        "bos_token_id", "eos_token_id", "dtype", "torch_dtype", "transformers_version")
+
+
+def config_from_deepspec_gemma4(values: dict[str, Any]) -> dict[str, Any]:
+    """DFlashConfig arguments for DeepSpec's Gemma-4 draft config (`Gemma4DSparkModel`) as a dict: the draft its code
+    builds. Its attention: `global_head_dim`, and `num_global_key_value_heads` when keys are values
+    (`attention_k_eq_v`); its rope: the full-attention one; embeddings times sqrt(hidden_size), as Gemma's. What its
+    code does not build (an MoE block, per-layer inputs) or builds per Transformers version is refused by name."""
+    for name, unbuilt in (("enable_moe_block", "an MoE block"), ("hidden_size_per_layer_input", "per-layer inputs")):
+        if values.get(name):
+            raise ValueError(f"This Gemma-4 DeepSpec draft config sets `{name}` ({unbuilt}), which DeepSpec's "
+                             "Gemma-4 draft does not build; dflash-hf loads the drafts its code builds "
+                             "(docs/formats.md, \"DeepSeek DeepSpec drafts\").")
+    if values.get("use_double_wide_mlp") and values.get("num_kv_shared_layers"):
+        raise ValueError("This Gemma-4 DeepSpec draft config sets `use_double_wide_mlp` with `num_kv_shared_layers`: "
+                         "its MLP widths then depend on the Transformers version DeepSpec ran, which the config does "
+                         "not record; set `use_double_wide_mlp` to false if every MLP is `intermediate_size` wide.")
+    missing = [name for name in ("global_head_dim", "rope_parameters", "hidden_size") if values.get(name) is None]
+    shared = bool(values.get("attention_k_eq_v"))
+    if shared and values.get("num_global_key_value_heads") is None:
+        missing.append("num_global_key_value_heads")
+    if missing:
+        raise ValueError(f"This Gemma-4 DeepSpec draft config lacks {', '.join(missing)} (DeepSpec's "
+                         "build_draft_config copies them from the target's Gemma-4 text config); add them from it.")
+    rope = values["rope_parameters"].get("full_attention") or {}  # DeepSpec's draft: every layer full attention
+    if "rope_theta" not in rope:
+        raise ValueError(f"This Gemma-4 DeepSpec draft config has no full-attention rope with a `rope_theta` in "
+                         f"`rope_parameters` ({values['rope_parameters']}); copy it from the target's text config.")
+    rope = {**rope, "rope_type": rope.get("rope_type") or "default"}
+    refusal = rope_type_refusal(rope["rope_type"], f"DeepSpec's Gemma-4 draft ({DEEPSPEC_GEMMA4_ARCHITECTURE})")
+    if refusal is not None:
+        raise ValueError(refusal)
+    arguments = {name: values[name] for name in GEMMA4_SHARED_FIELDS if name in values}
+    arguments.update(
+        architectures=[DEEPSPEC_GEMMA4_ARCHITECTURE], layer_style="gemma4", attention_k_eq_v=shared,
+        head_dim=int(values["global_head_dim"]), tie_word_embeddings=False,
+        num_key_value_heads=int(values["num_global_key_value_heads" if shared else "num_key_value_heads"]),
+        hidden_act=values.get("hidden_activation") or "gelu_pytorch_tanh",
+        input_embedding_scale=float(values["hidden_size"]) ** 0.5,
+        rope_theta=float(rope["rope_theta"]), rope_scaling=None if rope["rope_type"] == "default" else rope,
+    )
+    return arguments
+
+
 def _check_architecture(config: Qwen3Config) -> None:
     architectures = getattr(config, "architectures", None) or []
-    refused = [name for name in architectures if name in DEEPSPEC_REFUSED_ARCHITECTURES]
-    if refused:
-        raise ValueError(f"Draft architecture {refused} (DeepSpec's Gemma-4 draft) has Gemma-4 decoder layers, which "
-                         f"dflash-hf does not build; it loads DeepSpec's {DEEPSPEC_ARCHITECTURE} drafts (Qwen3 "
-                         "targets), see docs/formats.md.")
     unknown = [name for name in architectures if ("DFlash" in name or "DSpark" in name)
-               and name not in (*SUPPORTED_ARCHITECTURES, DEEPSPEC_ARCHITECTURE)]
+               and name not in (*SUPPORTED_ARCHITECTURES, *DEEPSPEC_ARCHITECTURES)]
     if unknown:
         raise ValueError(f"Draft architecture {unknown} is not supported: dflash-hf loads "
                          f"{' and '.join(SUPPORTED_ARCHITECTURES)} drafts (see docs/formats.md).")
@@ -313,7 +371,7 @@ def normalize_dflash_config(config: Qwen3Config, published_sliding_window: int |
     _check_architecture(config)
     dflash_config = dict(getattr(config, "dflash_config", None) or {})
     block_size = int(dflash_field(config, dflash_config, "block_size", DEFAULT_BLOCK_SIZE))
-    if DEEPSPEC_ARCHITECTURE in (config.architectures or []):
+    if set(DEEPSPEC_ARCHITECTURES) & set(config.architectures or []):
         # DeepSpec's `block_size` counts the drafted rows (all of them proposals); ours the verified tokens: one more
         block_size += 1
         config.architectures = ["DFlashDraftModel"]
@@ -349,6 +407,7 @@ def normalize_dflash_config(config: Qwen3Config, published_sliding_window: int |
         config.final_logit_softcapping = None  # the formats doc: applied only when set and > 0
     if is_dflash2(config):
         _normalize_dflash2(config, dflash_config)
+    _normalize_layer_style(config, dflash_config)
     _normalize_deepspec(config, dflash_config)
     _check_draft_vocab(config, dflash_config)
     _normalize_draft_vocab_size(config, dflash_config)
@@ -376,6 +435,23 @@ def _normalize_layer_attention(config: Qwen3Config, dflash_config: dict[str, Any
     # Servers build a Qwen3 config from the file, which keeps `sliding_window` only with this flag (docs/serving.md)
     config.use_sliding_window = "sliding_attention" in layer_types
     config.is_causal = None if is_causal is None else bool(is_causal)
+
+
+def _normalize_layer_style(config: Qwen3Config, dflash_config: dict[str, Any]) -> None:
+    """`layer_style` (one of LAYER_STYLES, "qwen3" when absent) and `attention_k_eq_v` (values are the key
+    projection's output, no `v_proj`: Gemma-4's, so only with its layers) at top level, checked; idempotent."""
+    style = dflash_field(config, dflash_config, "layer_style", "qwen3")
+    shared = bool(dflash_field(config, dflash_config, "attention_k_eq_v", False))
+    for name in ("layer_style", "attention_k_eq_v"):
+        dflash_config.pop(name, None)
+    if style not in LAYER_STYLES:
+        raise ValueError(f"Draft config `layer_style` must be one of {LAYER_STYLES}, got {style!r}.")
+    if style != "qwen3" and is_dflash2(config):
+        raise ValueError("A DFlash2 draft has Qwen3 layers; remove `layer_style`.")
+    if shared and style != "gemma4":
+        raise ValueError("Draft config sets `attention_k_eq_v` (Gemma-4's keys-as-values attention) on Qwen3 layers; "
+                         "it goes with `layer_style: \"gemma4\"`.")
+    config.layer_style, config.attention_k_eq_v = style, shared
 
 
 def _check_draft_vocab(config: Qwen3Config, dflash_config: dict[str, Any]) -> None:

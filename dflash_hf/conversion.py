@@ -56,6 +56,8 @@ def inexpressible_in_native(config: DFlashConfig) -> list[str]:
             problems.append(f"{name}={getattr(config, name)}")
     if config.attention_bias:
         problems.append("attention_bias=True")
+    if config.layer_style != "qwen3":
+        problems.append(f"layer_style={config.layer_style} (Gemma-4 layers; native layers are Qwen3's)")
     if config.draft_vocab_size is not None:
         problems.append(f"draft_vocab_size={config.draft_vocab_size} (an LM head of its own; native drafts borrow "
                         "the target's)")
@@ -131,6 +133,8 @@ def inexpressible_in_speculators(config: DFlashConfig, num_target_layers: int | 
             problems.append(f"{name}={getattr(config, name)}")
     if getattr(config, "shifted_labels", False) or getattr(config, "markov_rank", 0):
         problems.append("a DeepSpec block or Markov head (shifted_labels / markov_rank)")
+    if config.layer_style != "qwen3":
+        problems.append(f"layer_style={config.layer_style} (Gemma-4 layers; speculators' layer config builds Qwen3's)")
     if config.dflash_config.get("mask_token_id") is None:
         problems.append("mask_token_id (the config names the mask token only as a string)")
     last = None if num_target_layers is None else num_target_layers - 1

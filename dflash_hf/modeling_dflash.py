@@ -3,7 +3,8 @@
 One forward pass drafts a whole block. Each layer is a Qwen3 decoder layer with "KV injection":
 its keys/values are computed over [fused target context ; block], and every block query attends
 to all of them (non-causal), or causally and/or within a sliding window where the config's
-`layer_types` / `is_causal` say so. Embedding and LM head are borrowed from the target, or the draft
+`layer_types` / `is_causal` say so; with `layer_style` "gemma4" each layer is a Gemma-4 one instead (DeepSpec's
+Gemma-4 drafts, docs/formats.md). Embedding and LM head are borrowed from the target, or the draft
 has its own LM head over K tokens of the target's vocabulary (`draft_vocab_size`, with `d2t` / `t2d`).
 `DFlash2DraftModel` adds dynamic causal convolutions around each sub-layer and a candidate
 selector over the head's top-K (docs/formats.md).
@@ -68,17 +69,23 @@ NARROW_RANGE_DTYPES = (torch.float16,)
 
 
 class DFlashRMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 (as Qwen3RMSNorm)."""
+    """Root-mean-square norm, computed in float32: weighted in the input's dtype (as Qwen3RMSNorm), or with `style`
+    "gemma4" weighted in float32 (as Gemma4RMSNorm), there also without a weight (`with_weight` False)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, style: str = "qwen3", with_weight: bool = True) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.ones(hidden_size)) if with_weight else None
         self.variance_epsilon = eps
+        self.gemma4 = style == "gemma4"
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        if self.gemma4:
+            hidden_states = hidden_states * torch.pow(variance + self.variance_epsilon, -0.5)
+            weighted = hidden_states if self.weight is None else hidden_states * self.weight.float()
+            return weighted.to(input_dtype)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
         return self.weight * hidden_states.to(input_dtype)
 
@@ -252,24 +259,31 @@ class DFlashAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
-        self.scaling = self.head_dim**-0.5
+        gemma4 = config.layer_style == "gemma4"
+        self.scaling = 1.0 if gemma4 else self.head_dim**-0.5  # Gemma-4: the q and k norms set the scale
         self.attention_dropout = config.attention_dropout
         self.is_causal = False  # causal and sliding layers get their restriction from the mask (queries are a block)
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
+        # keys as values (`attention_k_eq_v`, Gemma-4): the values are the key projection's output, value-normed
+        self.v_proj = None if config.attention_k_eq_v else nn.Linear(
+            config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.q_norm = DFlashRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = DFlashRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.q_norm = DFlashRMSNorm(self.head_dim, eps=config.rms_norm_eps, style=config.layer_style)
+        self.k_norm = DFlashRMSNorm(self.head_dim, eps=config.rms_norm_eps, style=config.layer_style)
+        self.v_norm = DFlashRMSNorm(self.head_dim, eps=config.rms_norm_eps, style=config.layer_style,
+                                    with_weight=False) if gemma4 else None
 
     def _keys_values(
         self, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         batch, length, _ = rows.shape
         shape = (batch, length, self.num_key_value_heads, self.head_dim)
-        key = self.k_norm(self.k_proj(rows).view(shape)).transpose(1, 2)  # [B, kv_heads, T, D]
-        value = self.v_proj(rows).view(shape).transpose(1, 2)
+        projected = self.k_proj(rows).view(shape)
+        key = self.k_norm(projected).transpose(1, 2)  # [B, kv_heads, T, D]
+        value = projected if self.v_proj is None else self.v_proj(rows).view(shape)
+        value = (value if self.v_norm is None else self.v_norm(value)).transpose(1, 2)
         return apply_rotary(key, cos, sin), value
 
     def forward(
@@ -469,15 +483,24 @@ class DFlashConfidenceHead(nn.Module):
 
 class DFlashDecoderLayer(GradientCheckpointingLayer):
     """Qwen3 decoder layer whose attention also reads the fused target context (DFlash2: convolutions around both).
-    Under activation checkpointing (`gradient_checkpointing_enable`, training) the backward recomputes it."""
+    With `layer_style` "gemma4", Gemma-4's layer instead (DeepSpec's Gemma-4 draft): `post_attention_layernorm` on the
+    attention's output, `pre_feedforward_layernorm` and `post_feedforward_layernorm` around the MLP, and the output
+    times the `layer_scalar` buffer. Under activation checkpointing (`gradient_checkpointing_enable`, training) the
+    backward recomputes it."""
 
     def __init__(self, config: DFlashConfig, layer_idx: int, with_convolutions: bool = False) -> None:
         super().__init__()
         self.attention_kind = layer_attention(config, layer_idx)  # (causal, sliding window or None)
         self.self_attn = DFlashAttention(config, layer_idx)
         self.mlp = DFlashMLP(config)
-        self.input_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        size, eps, style = config.hidden_size, config.rms_norm_eps, config.layer_style
+        self.input_layernorm = DFlashRMSNorm(size, eps=eps, style=style)
+        self.post_attention_layernorm = DFlashRMSNorm(size, eps=eps, style=style)
+        self.gemma4 = style == "gemma4"
+        if self.gemma4:
+            self.pre_feedforward_layernorm = DFlashRMSNorm(size, eps=eps, style=style)
+            self.post_feedforward_layernorm = DFlashRMSNorm(size, eps=eps, style=style)
+            self.register_buffer("layer_scalar", torch.ones(1))  # saved with the weights, as Gemma-4 layers save it
         self.attention_conv = DFlashDynamicConvolution(config) if with_convolutions else None
         self.mlp_conv = DFlashDynamicConvolution(config) if with_convolutions else None
 
@@ -492,6 +515,11 @@ class DFlashDecoderLayer(GradientCheckpointingLayer):
     ) -> torch.Tensor:
         block_length = block_length or hidden_states.shape[1]
         attend = lambda rows: self.self_attn(rows, context, rope, cache, attention_mask)  # noqa: E731
+        if self.gemma4:
+            hidden_states = hidden_states + self.post_attention_layernorm(attend(self.input_layernorm(hidden_states)))
+            hidden_states = hidden_states + self.post_feedforward_layernorm(
+                self.mlp(self.pre_feedforward_layernorm(hidden_states)))
+            return hidden_states * self.layer_scalar
         hidden_states = hidden_states + self._around(attend, self.attention_conv, self.input_layernorm(hidden_states),
                                                      block_length)
         return hidden_states + self._around(self.mlp, self.mlp_conv, self.post_attention_layernorm(hidden_states),
@@ -536,10 +564,10 @@ class DFlashDraftModel(DFlashCheckpointMixin, PreTrainedModel, DFlashGenerationM
                              "(DFlashDraftModel.from_pretrained picks the class itself).")
         num_features = len(config.dflash_config["target_layer_ids"])
         self.fc = nn.Linear(num_features * config.hidden_size, config.hidden_size, bias=False)
-        self.hidden_norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps, style=config.layer_style)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i, with_convolutions=self.with_dflash2_parts)
                                     for i in range(config.num_hidden_layers))
-        self.norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps, style=config.layer_style)
         self.rotary_emb = DFlashRotaryEmbedding(config)
         self.candidate_selector = DFlashCandidateSelector(config) if self.with_dflash2_parts else None
         # DeepSpec's DSpark heads (docs/formats.md, "DeepSeek DeepSpec drafts"); None where the config has none
@@ -619,10 +647,15 @@ class DFlashDraftModel(DFlashCheckpointMixin, PreTrainedModel, DFlashGenerationM
 
     def embed_block(self, block_ids: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
         """Block inputs [N, T, H]: the raw lookup of ids [N, T] in the target's embedding weight, times
-        `input_embedding_scale` (never the target embedding module's own scaling)."""
+        `input_embedding_scale` (never the target embedding module's own scaling); with Gemma-4 layers the scale is
+        first rounded to the weight's dtype, as Gemma's embedding module (DeepSpec's Gemma-4 draft's) rounds it."""
         embeddings = F.embedding(block_ids, embedding_weight)
         scale = self.config.input_embedding_scale
-        return embeddings if scale == 1.0 else embeddings * scale
+        if scale == 1.0:
+            return embeddings
+        if self.config.layer_style == "gemma4":
+            return embeddings * torch.tensor(scale, dtype=embeddings.dtype, device=embeddings.device)
+        return embeddings * scale
 
     def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's logits from its LM head's output (the target's, or its own): times `output_multiplier`, then

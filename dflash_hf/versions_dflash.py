@@ -14,6 +14,7 @@ installed:
 - a recurrent layer's token count (`align_token_count`): none before 5.25; 5.25's `cumulative_length_linear`, which
   `DynamicCache.get_seq_length()` reports when layer 0 is recurrent (so positions never come from it here);
 - the native DFlash draft (`native_draft_classes`): `MuseGlimmerAssistantModel` from 5.24 on;
+- Gemma-4's "proportional" rope (`rope_type_refusal`), which DeepSpec's Gemma-4 drafts use: from 5.5 on;
 - functions a Hub kernel may replace in a recurrent mixer (`kernel_replacements`), and a Gated DeltaNet mixer's own
   function modules, whose calls a chain's rollback replays (`gated_delta_functions`): from 5.25 on;
 - Transformers' own assisted decoding on recurrent targets (`assisted_decoding_runs_recurrent_targets`): refused
@@ -125,6 +126,24 @@ def native_draft_classes() -> tuple[type, type]:
                          "(MuseGlimmerAssistantModel, Transformers >= 5.24); upgrade Transformers to convert to it. "
                          "Native folders still load here with DFlashDraftModel.from_pretrained.") from None
     return MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+
+
+# Transformers' first release with Gemma-4 (`models/gemma4`) and with it the "proportional" rope of its full-attention
+# layers (half of each head's frequencies rotate, a quarter of them in Gemma-4's config, the rest stay zero).
+GEMMA4_RELEASE = "5.5"
+
+
+def rope_type_refusal(rope_type: str, what: str) -> str | None:
+    """Why the installed Transformers cannot build `what`'s rope of type `rope_type` (not in its rope table), with the
+    fix, or None."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type == "default" or rope_type in ROPE_INIT_FUNCTIONS:
+        return None
+    release = GEMMA4_RELEASE if rope_type == "proportional" else None
+    return (f"{what} uses the {rope_type!r} rope, which the installed Transformers {TRANSFORMERS_VERSION} does not "
+            "have; upgrade Transformers" + (f" to >= {release}, the release that brought Gemma-4 and its rope "
+                                            f"(pip install -U \"transformers>={release}\")." if release else "."))
 
 
 def kernel_replacements(mixer: torch.nn.Module) -> list[str]:

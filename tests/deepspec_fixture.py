@@ -12,10 +12,11 @@ import json
 from pathlib import Path
 
 import torch
-from helpers import make_target, random_prompt
+from helpers import COMMON_DECODER, FAMILIES, make_target, random_prompt, transformers_class
 from safetensors.torch import save_file
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "deepspec_golden.json"
+GEMMA4_GOLDEN = GOLDEN.with_name("deepspec_gemma4_golden.json")  # DeepSpec's Gemma-4 draft (`Gemma4DSparkModel`)
 VOCAB = 16  # a small vocabulary: random drafts then agree with the target often enough to accept some proposals
 BORROWED = ("embed_tokens.weight", "lm_head.weight")  # DeepSpec's frozen copies of the target's
 
@@ -27,12 +28,31 @@ BIGRAM = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(7))  # [V
 def golden_target() -> torch.nn.Module:
     """The tiny float32 Qwen3 target of the golden runs, leaning to a bigram: its embedding scaled up and half its LM
     head planted so that token v's row points to BIGRAM[v] (it follows the bigram about half the time)."""
-    target = make_target("qwen3", seed=0, vocab_size=VOCAB, init_std=0.2)
+    return planted(make_target("qwen3", seed=0, vocab_size=VOCAB, init_std=0.2))
+
+
+@torch.no_grad()
+def gemma4_golden_target() -> torch.nn.Module:
+    """The tiny float32 Gemma-4 target of the Gemma-4 golden runs (tests/helpers.py's `gemma4_unified`, Gemma-4 12B's
+    kind, with the 12B's soft cap of 30), planted with the bigram as `golden_target`. Its config also names the two
+    fields DeepSpec's Gemma-4 draft config asks of a target (no MoE block, no per-layer inputs)."""
+    model_class, config_class, settings = FAMILIES["gemma4_unified"]
+    torch.manual_seed(0)
+    config = transformers_class(config_class)(**{**COMMON_DECODER, **settings, "vocab_size": VOCAB,
+                                                 "final_logit_softcapping": 30.0}, enable_moe_block=False,
+                                              hidden_size_per_layer_input=0)
+    target = transformers_class(model_class)(config).eval()
+    target.generation_config.eos_token_id = None
+    return planted(target)
+
+
+def planted(target: torch.nn.Module) -> torch.nn.Module:
+    """`target` leaning to the bigram, in place (see `golden_target`)."""
     embedding, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     embedding.mul_(10.0)
-    planted = torch.zeros_like(head)
-    planted[BIGRAM] = 8.0 * embedding / embedding.norm(dim=-1, keepdim=True)
-    head.mul_(0.5).add_(0.5 * planted)
+    rows = torch.zeros_like(head)
+    rows[BIGRAM] = 8.0 * embedding / embedding.norm(dim=-1, keepdim=True).clamp_min(1e-6)  # Gemma's pad row: 0
+    head.mul_(0.5).add_(0.5 * rows)
     return target
 
 
@@ -42,15 +62,15 @@ def golden_prompts() -> list[torch.Tensor]:
 
 
 def deepspec_weights(shapes: dict[str, list[int]], target: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    """A DeepSpec checkpoint's tensors: each named tensor seeded from its name's rank (norm weights near 1; the final
-    norm's near 0.05), the
+    """A DeepSpec checkpoint's tensors: each named tensor seeded from its name's rank (norm weights and Gemma-4's layer
+    scalars near 1; the final norm's near 0.05), the
     target's embedding and LM head under DeepSpec's names (its trainer copies them from the target), and a Markov
     head of rank V planted with the golden target's bigram (`BIGRAM`), so that its drafts get accepted."""
     weights = {}
     for index, (name, shape) in enumerate(sorted(shapes.items())):
         generator = torch.Generator().manual_seed(seed * 1000 + index)
         noise = torch.randn(shape, generator=generator)
-        weights[name] = 1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.15 * noise
+        weights[name] = 1.0 + 0.1 * noise if name.endswith(("norm.weight", "layer_scalar")) else 0.15 * noise
     weights["norm.weight"] = 0.05 * weights["norm.weight"]  # moderate logits: the Markov bias then counts
     weights["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().clone()
     weights["lm_head.weight"] = target.get_output_embeddings().weight.detach().clone()

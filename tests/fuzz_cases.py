@@ -42,7 +42,7 @@ from dflash_hf import DFlashDraftModel, left_pad
 from dflash_hf.families_dflash import RECURRENT_REFUSALS
 
 ATTENTION_TARGETS = list(FAMILIES) + ["gpt2"]  # qwen3, llama, llama3_rope, qwen3_moe, mistral, gpt_oss, gemma3,
-# gemma4 (tests/helpers.py FAMILIES) and GPT-2 (tests/test_lossless.py)
+# gemma4, gemma4_unified (tests/helpers.py FAMILIES) and GPT-2 (tests/test_lossless.py)
 HYBRID_TARGETS = ["qwen3_5", "qwen3_next", "qwen3_5_moe", "qwen3_5_vl"]
 ROLLED_BACK_TARGETS = [name for name in RECURRENT_FAMILIES if name not in RECURRENT_REFUSALS]
 REFUSED_TARGETS = list(RECURRENT_REFUSALS)  # refused before any forward: every case on them is "refused"

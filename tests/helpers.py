@@ -149,9 +149,13 @@ FAMILIES = {
     "gemma4": ("Gemma4ForCausalLM", "Gemma4TextConfig",  # per-layer inputs, the last two layers reuse earlier K/V
                dict(sliding_window=WINDOW, layer_types=ALTERNATING, final_logit_softcapping=3.0,
                     hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB_SIZE, num_kv_shared_layers=2)),
+    # Gemma-4 12B's kind (encoder-free multimodal, text here): keys as values and wider heads in its full layers
+    "gemma4_unified": ("Gemma4UnifiedForCausalLM", "Gemma4UnifiedTextConfig",
+                       dict(sliding_window=WINDOW, layer_types=ALTERNATING, final_logit_softcapping=3.0,
+                            attention_k_eq_v=True, global_head_dim=32, num_global_key_value_heads=1)),
 }
-WINDOWED = ["mistral", "gpt_oss", "gemma3", "gemma4"]
-SOFT_CAPPED = ["gemma3", "gemma4"]
+WINDOWED = ["mistral", "gpt_oss", "gemma3", "gemma4", "gemma4_unified"]
+SOFT_CAPPED = ["gemma3", "gemma4", "gemma4_unified"]
 
 
 def transformers_class(name: str):

@@ -119,6 +119,12 @@ def test_a_draft_with_its_own_lm_head_is_refused_by_name():
         to_native(make_draft(0, draft_vocab_size=40))
 
 
+@needs_native
+def test_a_draft_with_gemma4_layers_is_refused_by_name():
+    with pytest.raises(ValueError, match="layer_style=gemma4 \\(Gemma-4 layers"):
+        to_native(make_draft(0, layer_style="gemma4"))
+
+
 def write_native_folder(folder, source) -> None:
     """A native checkpoint of `source`'s weights as Transformers writes it: encoder.* names, inclusive window,
     defaults omitted, no vocabulary size (Transformers' native drafts do not record it)."""

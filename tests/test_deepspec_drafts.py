@@ -9,12 +9,26 @@ decode on several families and batch layouts, and against the target's distribut
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from deepspec_fixture import GOLDEN, golden_prompts, golden_target, write_deepspec_folder
+import torch.nn.functional as F
+import transformers
+from deepspec_fixture import (
+    GEMMA4_GOLDEN,
+    GOLDEN,
+    gemma4_golden_target,
+    golden_prompts,
+    golden_target,
+    write_deepspec_folder,
+)
 from helpers import (
+    COMMON_DECODER,
+    FAMILIES,
     VOCAB_SIZE,
     RecordingProposer,
     build_target,
@@ -22,22 +36,43 @@ from helpers import (
     plain_greedy,
     prompts_of,
     random_prompt,
+    transformers_class,
 )
 from sampling_checks import NUM_NEW, NUM_SAMPLES, assert_follows, exact_joint, sampled_counts
 from sampling_checks import SAMPLING_VOCAB as VOCAB
+from test_remote_code import LOAD_WITHOUT_PACKAGE
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import dflash_hf.proposer_dflash as proposer_module
 from dflash_hf import DFlashConfig, DFlashDraftModel, DraftStep, left_pad, speculative_decode
+from dflash_hf.configuration_dflash import read_rope_parameters
 from dflash_hf.loading import PUBLISHED_CONFIGS
+from dflash_hf.modeling_dflash import DFlashRotaryEmbedding
 from dflash_hf.proposer_dflash import DFlashProposer
 from dflash_hf.target_dflash import select_features
 
 GOLDEN_RECORD = json.loads(GOLDEN.read_text(encoding="utf-8"))
+GEMMA4_RECORD = json.loads(GEMMA4_GOLDEN.read_text(encoding="utf-8"))
+# (record, its target) of each golden fixture: DeepSpec's Qwen3 draft on a Qwen3 target, its Gemma-4 draft on Gemma-4's
+GOLDENS = {"qwen3": (GOLDEN_RECORD, golden_target), "gemma4": (GEMMA4_RECORD, gemma4_golden_target)}
+GOLDEN_VARIANTS = [f"{name}/{variant}" for name, (record, _) in GOLDENS.items() for variant in record["variants"]]
+# DeepSpec's Gemma-4 drafts need Gemma-4's rope (Transformers >= 5.5); older ones refuse them (tested below)
+needs_gemma4 = pytest.mark.skipif("proportional" not in ROPE_INIT_FUNCTIONS,
+                                  reason=f"transformers {transformers.__version__} has no Gemma-4 rope")
 MARKOV = {"dflash": {}, **{kind: dict(markov_rank=8, markov_head_type=kind, enable_confidence_head=True,
                                       confidence_head_with_markov=kind != "rnn")
                            for kind in ("vanilla", "gated", "rnn")}}
 PUBLISHED = {"dflash_qwen3_4b_block7": 0, "dflash_qwen3_8b_block7": 0, "dflash_qwen3_14b_block7": 0,
              "dspark_qwen3_4b_block7": 256, "dspark_qwen3_8b_block7": 256, "dspark_qwen3_14b_block7": 256}
+GEMMA4_PUBLISHED = {"dflash_gemma4_12b_block7": 0, "dspark_gemma4_12b_block7": 256}
+# A tiny DeepSpec Gemma-4 draft config in DeepSpec's layout (`Gemma4DSparkModel`: the target's Gemma-4 text config with
+# DeepSpec's fields), for `deepspec_draft(..., **GEMMA4_LAYOUT)`: keys as values, wider full-attention heads, Gemma-4's
+# proportional rope
+GEMMA4_LAYOUT = dict(architectures=["Gemma4DSparkModel"], attention_k_eq_v=True, global_head_dim=32,
+                     num_global_key_value_heads=1, hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=30.0,
+                     rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                         "rope_theta": 1e6},
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,8 +87,8 @@ def deepspec_draft(kind: str, seed: int = 0, block_size: int = 7, vocab_size: in
                    **overrides) -> DFlashDraftModel:
     """A tiny random DeepSpec draft (`kind`: a MARKOV key) from a config in DeepSpec's layout (its `block_size` counts
     the drafted rows); its Markov head scaled up so that its bias moves the argmax."""
-    config = draft_config(architectures=["Qwen3DSparkModel"], block_size=block_size, vocab_size=vocab_size,
-                          **{**MARKOV[kind], **overrides})
+    config = draft_config(**{"architectures": ["Qwen3DSparkModel"], "block_size": block_size, "vocab_size": vocab_size,
+                             **MARKOV[kind], **overrides})
     torch.manual_seed(seed)
     draft = DFlashDraftModel(config).eval()
     if draft.markov_head is not None:
@@ -86,6 +121,44 @@ def test_published_configs_read_as_deepspec_drafts(name):
         assert not any(name.startswith(("markov_head", "confidence_head")) for name in names)
 
 
+@needs_gemma4
+@pytest.mark.parametrize("name", GEMMA4_PUBLISHED)
+def test_published_gemma4_configs_read_as_deepspec_drafts_with_gemma4_layers(name):
+    """DeepSpec's Gemma-4 12B drafts: the target's Gemma-4 text config with DeepSpec's fields, read as a DFlash draft
+    with Gemma-4 layers; the attention of its full layers (512-wide heads, one key/value head, keys as values), their
+    proportional rope, Gemma's embedding scale sqrt(3840) and soft cap 30; a save reads back the same."""
+    config = DFlashConfig.from_json_file(str(PUBLISHED_CONFIGS / "deepspec" / f"{name}.json"))
+    assert config.architectures == ["DFlashDraftModel"] and config.shifted_labels and config.block_size == 8
+    assert (config.layer_style, config.attention_k_eq_v, config.head_dim, config.num_key_value_heads) == (
+        "gemma4", True, 512, 1)
+    assert read_rope_parameters(config) == {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1e6}
+    assert config.hidden_act == "gelu_pytorch_tanh" and config.final_logit_softcapping == 30.0
+    assert config.input_embedding_scale == pytest.approx(3840**0.5)
+    assert config.layer_types == ["full_attention"] * 5 and config.sliding_window is None
+    assert config.dflash_config == {"target_layer_ids": [5, 17, 29, 41, 46], "mask_token_id": 4}
+    assert config.num_target_layers == 48 and config.markov_rank == GEMMA4_PUBLISHED[name]
+    assert config.enable_confidence_head == config.confidence_head_with_markov == bool(GEMMA4_PUBLISHED[name])
+    assert DFlashConfig(**config.to_dict()).to_dict() == config.to_dict()
+    with torch.device("meta"):
+        draft = DFlashDraftModel(config)
+    shapes = {name: tuple(tensor.shape) for name, tensor in draft.state_dict().items()}
+    assert shapes["layers.0.self_attn.q_proj.weight"] == (16 * 512, 3840)
+    assert shapes["layers.0.self_attn.k_proj.weight"] == (512, 3840)
+    assert "layers.0.self_attn.v_proj.weight" not in shapes
+    assert shapes["layers.4.pre_feedforward_layernorm.weight"] == (3840,) and shapes["layers.4.layer_scalar"] == (1,)
+    assert shapes["layers.0.mlp.down_proj.weight"] == (3840, 15360) and shapes["fc.weight"] == (3840, 5 * 3840)
+    inv_freq = DFlashRotaryEmbedding(config).inv_freq  # [256]: a quarter of the 256 frequencies turn
+    assert tuple(inv_freq.shape) == (256,) and int((inv_freq > 0).sum()) == 64
+
+
+def test_gemma4_drafts_are_refused_by_name_where_transformers_has_no_gemma4_rope(monkeypatch):
+    """Transformers before 5.5 (4.57.6 among them) has no Gemma-4 and no "proportional" rope: the config says so."""
+    monkeypatch.delitem(ROPE_INIT_FUNCTIONS, "proportional", raising=False)
+    with pytest.raises(ValueError, match=r"Gemma4DSparkModel.*'proportional' rope.*transformers>=5\.5"):
+        DFlashConfig.from_json_file(str(PUBLISHED_CONFIGS / "deepspec" / "dspark_gemma4_12b_block7.json"))
+
+
 def test_deepspec_config_keys_are_normalised_once():
     config = draft_config(architectures=["Qwen3DSparkModel"], block_size=7, **MARKOV["gated"])
     again = DFlashConfig(**config.to_dict())  # what a saved config reads as
@@ -94,7 +167,13 @@ def test_deepspec_config_keys_are_normalised_once():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(architectures=["Gemma4DSparkModel"]), "Gemma-4 decoder layers"),
+    (dict(GEMMA4_LAYOUT, enable_moe_block=True), "enable_moe_block"),
+    (dict(GEMMA4_LAYOUT, hidden_size_per_layer_input=8), "hidden_size_per_layer_input"),
+    (dict(GEMMA4_LAYOUT, use_double_wide_mlp=True, num_kv_shared_layers=1), "use_double_wide_mlp"),
+    (dict(GEMMA4_LAYOUT, global_head_dim=None), "global_head_dim"),
+    (dict(GEMMA4_LAYOUT, rope_parameters={"sliding_attention": {"rope_theta": 1e4}}), "full-attention rope"),
+    (dict(attention_k_eq_v=True), "attention_k_eq_v"),
+    (dict(layer_style="gemma3"), "layer_style"),
     (dict(architectures=["Qwen3DSparkModel"], markov_rank=4), "markov_head_type"),
     (dict(architectures=["Qwen3DSparkModel"], markov_rank=4, markov_head_type="lstm"), "markov_head_type"),
     (dict(architectures=["Qwen3DSparkModel"], enable_confidence_head=True, confidence_head_with_markov=True),
@@ -125,6 +204,98 @@ def test_a_deepspec_folder_loads_unchanged_and_saves_in_dflash_hf_layout(tmp_pat
     assert torch.equal(expected, plain_greedy(target, prompt, max_new_tokens=16))
 
 
+@needs_gemma4
+def test_a_gemma4_deepspec_folder_loads_unchanged_and_equals_generate(tmp_path):
+    """DeepSpec's Gemma-4 draft folder as its code wrote it (the Gemma-4 golden fixture's config and weight names):
+    every tensor read but the borrowed copies (its layer scalars, not 1, among them), Gemma-4's layers built; a save
+    and reload gives the same tokens, and they are the Gemma-4 target's greedy ones."""
+    record = GEMMA4_RECORD["variants"]["dspark_vanilla"]
+    target = gemma4_golden_target()
+    draft, info = DFlashDraftModel.from_pretrained(write_deepspec_folder(
+        tmp_path / "deepspec", record["config"], record["shapes"], target, record["seed"]), output_loading_info=True)
+    assert set(draft.state_dict()) == set(record["shapes"]) - {"embed_tokens.weight", "lm_head.weight"}
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    assert draft.config.layer_style == "gemma4" and draft.layers[0].self_attn.v_proj is None
+    assert float(draft.layers[1].layer_scalar) != 1.0
+    prompt = golden_prompts()[2]
+    expected = draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=16)
+    assert torch.equal(expected, plain_greedy(target, prompt, max_new_tokens=16))
+    draft.save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert saved["layer_style"] == "gemma4" and saved["attention_k_eq_v"] and saved["architectures"] == [
+        "DFlashDraftModel"]
+    reloaded = DFlashDraftModel.from_pretrained(tmp_path / "saved")
+    assert torch.equal(reloaded.spec_generate(target=target, input_ids=prompt, max_new_tokens=16), expected)
+
+
+@needs_gemma4
+def test_gemma4_block_embeddings_are_gemmas_in_bfloat16():
+    """The block's embeddings are those of Gemma-4's own embedding module (DeepSpec's draft embeds with it), bit for
+    bit in bfloat16, where it rounds sqrt(H) to bfloat16 before the product."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextScaledWordEmbedding
+
+    draft = deepspec_draft("dflash", **GEMMA4_LAYOUT, hidden_size=60)  # sqrt(60): not a bfloat16 number
+    module = Gemma4TextScaledWordEmbedding(VOCAB_SIZE, draft.config.hidden_size, 0,
+                                           embed_scale=draft.config.hidden_size**0.5)
+    with torch.no_grad():
+        module.weight.normal_(generator=torch.Generator().manual_seed(0))
+    module = module.to(torch.bfloat16)
+    ids = torch.arange(VOCAB_SIZE).view(4, -1)
+    embeddings = draft.embed_block(ids, module.weight)
+    assert embeddings.dtype == torch.bfloat16 and torch.equal(embeddings, module(ids))
+    assert not torch.equal(embeddings, F.embedding(ids, module.weight) * draft.config.hidden_size**0.5)
+
+
+@needs_gemma4
+def test_a_gemma4_deepspec_draft_runs_as_exported_remote_code_without_the_package(tmp_path):
+    """The Gemma-4 DeepSpec draft, saved by dflash-hf, runs with trust_remote_code where dflash_hf cannot be imported:
+    DeepSpec's recorded new tokens (the golden fixture's, its block) and the in-process run's acceptance."""
+    record = GEMMA4_RECORD["variants"]["dspark_vanilla"]
+    target = gemma4_golden_target()
+    draft = DFlashDraftModel.from_pretrained(write_deepspec_folder(
+        tmp_path / "deepspec", record["config"], record["shapes"], target, record["seed"]))
+    run = next(run for run in record["greedy"] if run["prompt"] == 1 and not run["threshold"])
+    prompt = golden_prompts()[1][0].tolist()
+    expected = draft.spec_generate(target=target, input_ids=torch.tensor([prompt]), max_new_tokens=20,
+                                   block_size=draft.block_size, return_stats=True)
+    assert expected.new_tokens(0) == run["new_tokens"]
+    draft.save_pretrained(tmp_path / "draft")
+    target.save_pretrained(tmp_path / "target")
+    (tmp_path / "load.py").write_text(LOAD_WITHOUT_PACKAGE)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    completed = subprocess.run([sys.executable, str(tmp_path / "load.py"), str(tmp_path / "draft"),
+                                str(tmp_path / "target"), json.dumps(prompt), str(draft.block_size)],
+                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    remote = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert remote["model_module"].startswith("transformers_modules")
+    assert remote["ids"][len(prompt):] == run["new_tokens"]
+    assert remote["acceptance"] == expected.acceptance_lengths
+
+
+@needs_gemma4
+def test_gemma4_drafts_equal_generate_on_the_class_gemma4_12b_loads_as():
+    """AutoModelForCausalLM loads google/gemma-4-12B-it as Gemma4UnifiedForConditionalGeneration (text, image and
+    audio in one decoder): a tiny one, given text, with the Gemma-4 DeepSpec draft: greedy equals generate."""
+    _, _, settings = FAMILIES["gemma4_unified"]
+    torch.manual_seed(0)
+    config = transformers_class("Gemma4UnifiedConfig")(
+        text_config={**COMMON_DECODER, **settings},
+        vision_config=dict(mm_embed_dim=COMMON_DECODER["hidden_size"], output_proj_dims=COMMON_DECODER["hidden_size"],
+                           mm_posemb_size=16),
+        audio_config=dict(audio_embed_dim=16, hidden_size=16, output_proj_dims=16))
+    target = transformers_class("Gemma4UnifiedForConditionalGeneration")(config).eval()
+    target.generation_config.eos_token_id = None
+    input_ids = random_prompt(731, 9)
+    expected = plain_greedy(target, input_ids, max_new_tokens=20)
+    draft = deepspec_draft("vanilla", seed=2, **GEMMA4_LAYOUT)
+    for block_size, threshold in ((4, None), (8, None), (8, 0.5)):
+        output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=20, block_size=block_size,
+                                     confidence_threshold=threshold)
+        assert torch.equal(output, expected), (block_size, threshold)
+
+
 # --- Golden: DeepSpec's own inference code -------------------------------------------------------------------------
 
 
@@ -142,45 +313,52 @@ class CutRecordingProposer(RecordingProposer):
         return proposal
 
 
-@pytest.mark.parametrize("variant", list(GOLDEN_RECORD["variants"]))
+def golden_draft(folder: Path, name: str) -> tuple[dict, dict, torch.nn.Module, DFlashDraftModel]:
+    """(the fixture, its variant's record, the target, the draft loaded from the variant's DeepSpec folder) of a
+    GOLDEN_VARIANTS name."""
+    fixture_name, variant = name.split("/")
+    if fixture_name == "gemma4" and "proportional" not in ROPE_INIT_FUNCTIONS:
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma-4 rope")
+    fixture, make = GOLDENS[fixture_name]
+    record, target = fixture["variants"][variant], make()
+    draft = DFlashDraftModel.from_pretrained(write_deepspec_folder(
+        folder / variant, record["config"], record["shapes"], target, record["seed"]))
+    return fixture, record, target, draft
+
+
+@pytest.mark.parametrize("variant", GOLDEN_VARIANTS)
 def test_golden_runs_of_deepspec_are_reproduced(tmp_path, variant):
     """Greedy, batch 1, every prompt and threshold recorded: the same new tokens, the same B drafted tokens at every
     step (B = DeepSpec's block), the same cut and acceptance per step. DeepSpec never shortens its last block (it
     trims afterwards); dflash-hf narrows the blocks that reach max_new_tokens, so those steps are left out."""
-    record = GOLDEN_RECORD["variants"][variant]
-    target = golden_target()
-    draft = DFlashDraftModel.from_pretrained(write_deepspec_folder(
-        tmp_path / variant, record["config"], record["shapes"], target, record["seed"]))
-    assert draft.block_size == GOLDEN_RECORD["block_size"] + 1
+    fixture, record, target, draft = golden_draft(tmp_path, variant)
+    assert draft.block_size == fixture["block_size"] + 1
     prompts = golden_prompts()
     for run in record["greedy"]:
         proposer = CutRecordingProposer(draft, target, draft.mask_token_id,
                                         confidence_threshold=run["threshold"] or None)
         result = speculative_decode(target, proposer, prompts[run["prompt"]],
-                                    max_new_tokens=GOLDEN_RECORD["max_new_tokens"], block_size=draft.block_size,
+                                    max_new_tokens=fixture["max_new_tokens"], block_size=draft.block_size,
                                     stop_token_ids=[])
         where = f"prompt {run['prompt']} threshold {run['threshold']}"
         assert result.new_tokens(0) == run["new_tokens"], where
         # the steps before our loop narrows its block to what max_new_tokens leaves
-        steps = sum(tokens.shape[1] == GOLDEN_RECORD["block_size"] for tokens in proposer.steps)
+        steps = sum(tokens.shape[1] == fixture["block_size"] for tokens in proposer.steps)
         assert steps >= len(run["acceptance_lengths"]) // 2
         assert result.acceptance_lengths[0][:steps] == run["acceptance_lengths"][:steps], where
         for index in range(steps):
             count = run["proposal_lengths"][index]
-            assert proposer.lengths[index] in ((None, count) if count == GOLDEN_RECORD["block_size"] else (count,))
+            assert proposer.lengths[index] in ((None, count) if count == fixture["block_size"] else (count,))
             assert proposer.steps[index][0, :count].tolist() == run["drafted"][index], f"{where} step {index}"
 
 
-@pytest.mark.parametrize("variant", list(GOLDEN_RECORD["variants"]))
+@pytest.mark.parametrize("variant", GOLDEN_VARIANTS)
 def test_sampled_q_is_deepspecs_for_the_same_draws(tmp_path, monkeypatch, variant):
     """At temperature 1, after the prompt (the pending token: the target's greedy first one) and with DeepSpec's own
     draws forced on the walk, q at every position is the distribution DeepSpec drew that token from: the LM head's
     logits plus the Markov bias of the token drawn before it."""
-    record = GOLDEN_RECORD["variants"][variant]
+    _, record, target, draft = golden_draft(tmp_path, variant)
     sampled = record["sampled_first_step"]
-    target = golden_target()
-    draft = DFlashDraftModel.from_pretrained(write_deepspec_folder(
-        tmp_path / variant, record["config"], record["shapes"], target, record["seed"]))
     prompt = golden_prompts()[sampled["prompt"]][0].tolist()
     drawn = iter(sampled["drafted"])
 
@@ -222,6 +400,36 @@ def test_greedy_chains_equal_generate(family, kind):
                 output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=20,
                                              confidence_threshold=threshold)
                 assert torch.equal(output, expected), f"seed {seed} threshold {threshold}"
+
+
+@needs_gemma4
+@pytest.mark.parametrize("family", ["gemma4_unified", "gemma4", "qwen3"])
+@pytest.mark.parametrize("kind", ["dflash", "vanilla"])
+def test_gemma4_layer_drafts_equal_generate(family, kind):
+    """DeepSpec's Gemma-4 draft (Gemma-4 layers, keys as values, proportional rope, sqrt(H) embeddings, soft cap) on
+    Gemma-4 targets (12B's kind, and E-series' per-layer inputs and shared K/V) and a Qwen3 one: greedy equals
+    generate over seeds, prompt lengths, blocks and confidence thresholds, and in a left-padded batch."""
+    target = build_target(family)
+    for seed, length in ((0, 5), (1, 11)):
+        input_ids = random_prompt(720 + seed, length)
+        expected = plain_greedy(target, input_ids, max_new_tokens=20)
+        draft = deepspec_draft(kind, seed=seed, **GEMMA4_LAYOUT)
+        assert draft.config.layer_style == "gemma4"
+        for block_size in (2, 5, 8):
+            output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=20,
+                                         block_size=block_size)
+            assert torch.equal(output, expected), f"seed {seed} block_size {block_size}"
+        if draft.confidence_head is not None:
+            output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=20,
+                                         confidence_threshold=0.5)
+            assert torch.equal(output, expected), f"seed {seed} threshold 0.5"
+    prompts = prompts_of([3, 9, 6], seed=41)
+    input_ids, attention_mask = left_pad([ids[0].tolist() for ids in prompts], pad_token_id=0)
+    result = deepspec_draft(kind, seed=3, **GEMMA4_LAYOUT).spec_generate(
+        target=target, input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=18, block_size=6,
+        return_stats=True)
+    for row, ids in enumerate(prompts):
+        assert result.new_tokens(row) == plain_greedy(target, ids, max_new_tokens=18)[0, ids.shape[1]:].tolist()
 
 
 @pytest.mark.parametrize("kind", list(MARKOV))
@@ -368,6 +576,6 @@ def test_sampled_markov_chains_follow_the_target_distribution(kind, threshold, t
 
 def test_published_readme_names_every_deepspec_config():
     text = (PUBLISHED_CONFIGS / "README.md").read_text(encoding="utf-8")
-    for name in PUBLISHED:
+    for name in [*PUBLISHED, *GEMMA4_PUBLISHED]:
         assert f"`deepspec/{name}.json`" in text and f"deepseek-ai/{name}" in text
     assert Path(PUBLISHED_CONFIGS / "deepspec" / "dspark_qwen3_8b_block7.json").is_file()

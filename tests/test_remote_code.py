@@ -11,6 +11,7 @@ import textwrap
 import torch
 from helpers import make_draft, make_target
 
+# argv: the draft's folder, the target's, the prompt (JSON), and optionally the block size (4 when absent)
 LOAD_WITHOUT_PACKAGE = textwrap.dedent("""
     import json, sys
     sys.modules["dflash_hf"] = None  # the package is not available: only torch + transformers
@@ -23,11 +24,12 @@ LOAD_WITHOUT_PACKAGE = textwrap.dedent("""
     import torch
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
     draft_dir, target_dir, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    block_size = int(sys.argv[4]) if len(sys.argv) > 4 else 4
     config = AutoConfig.from_pretrained(draft_dir, trust_remote_code=True)
     draft = AutoModel.from_pretrained(draft_dir, trust_remote_code=True).eval()
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     result = draft.spec_generate(target=target, input_ids=torch.tensor([prompt]), max_new_tokens=20,
-                                 block_size=4, return_stats=True)
+                                 block_size=block_size, return_stats=True)
     print(json.dumps({"ids": result.output_ids[0].tolist(), "acceptance": result.acceptance_lengths,
                       "config_class": type(config).__name__, "model_module": type(draft).__module__}))
 """)

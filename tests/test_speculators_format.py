@@ -190,6 +190,7 @@ def test_what_the_speculators_loader_cannot_run_exactly_is_refused_by_name(tmp_p
     (lambda: make_variant_draft("scaled", dflash_config=IDS),
      "input_embedding_scale=8.0; output_multiplier=0.5; final_logit_softcapping=3.0"),
     (lambda: make_variant_draft("dflash2", dflash_config=IDS), "architectures=DFlash2DraftModel"),
+    (lambda: make_draft(layer_style="gemma4", dflash_config=IDS), "layer_style=gemma4 \\(Gemma-4 layers"),
     (lambda: make_draft(dflash_config={**IDS, "target_layer_ids": [0, TARGET_LAYERS - 1]}),
      "target layer 3, the target's last"),
     (lambda: make_draft(vocab_size=2 * VOCAB_SIZE, dflash_config=IDS), "256 LM-head rows|vocab_size 256"),
