@@ -41,6 +41,14 @@ CONVERSION_TARGETS = ("transformers", "dflash", "speculators")
 OWN_HEAD_WEIGHTS = ("lm_head.weight", "d2t", "t2d")
 
 
+def deepspec_parts(config: DFlashConfig) -> list[str]:
+    """A DeepSpec draft's parts no other format holds, by name: its shifted block, Markov head and confidence head."""
+    parts = [(config.shifted_labels, "shifted_labels=True (DeepSpec's block: the last committed token, then masks)"),
+             (config.markov_rank, f"markov_rank={config.markov_rank} (a DSpark Markov head)"),
+             (config.enable_confidence_head, "enable_confidence_head=True (a DSpark confidence head)")]
+    return [name for present, name in parts if present]
+
+
 def inexpressible_in_native(config: DFlashConfig) -> list[str]:
     """The draft settings the native class cannot express, by name (empty: the conversion is exact)."""
     problems = []
@@ -58,6 +66,7 @@ def inexpressible_in_native(config: DFlashConfig) -> list[str]:
         problems.append("attention_bias=True")
     if config.layer_style != "qwen3":
         problems.append(f"layer_style={config.layer_style} (Gemma-4 layers; native layers are Qwen3's)")
+    problems += deepspec_parts(config)
     if config.draft_vocab_size is not None:
         problems.append(f"draft_vocab_size={config.draft_vocab_size} (an LM head of its own; native drafts borrow "
                         "the target's)")
@@ -131,8 +140,7 @@ def inexpressible_in_speculators(config: DFlashConfig, num_target_layers: int | 
     for name, neutral in SCALING_DEFAULTS.items():
         if getattr(config, name) != neutral:
             problems.append(f"{name}={getattr(config, name)}")
-    if getattr(config, "shifted_labels", False) or getattr(config, "markov_rank", 0):
-        problems.append("a DeepSpec block or Markov head (shifted_labels / markov_rank)")
+    problems += deepspec_parts(config)
     if config.layer_style != "qwen3":
         problems.append(f"layer_style={config.layer_style} (Gemma-4 layers; speculators' layer config builds Qwen3's)")
     if config.dflash_config.get("mask_token_id") is None:

@@ -120,6 +120,16 @@ def test_a_draft_with_its_own_lm_head_is_refused_by_name():
 
 
 @needs_native
+def test_a_deepspec_drafts_own_parts_are_refused_by_name():
+    draft = make_draft(0, architectures=["Qwen3DSparkModel"], markov_rank=8, markov_head_type="vanilla",
+                       enable_confidence_head=True)
+    with pytest.raises(ValueError, match="shifted_labels=True .*; markov_rank=8 .*; enable_confidence_head=True"):
+        to_native(draft)
+    with pytest.raises(ValueError, match="shifted_labels=True \\(DeepSpec's block"):
+        to_native(make_draft(0, architectures=["Qwen3DSparkModel"]))
+
+
+@needs_native
 def test_a_draft_with_gemma4_layers_is_refused_by_name():
     with pytest.raises(ValueError, match="layer_style=gemma4 \\(Gemma-4 layers"):
         to_native(make_draft(0, layer_style="gemma4"))
