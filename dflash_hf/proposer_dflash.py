@@ -27,8 +27,8 @@ from .sampling_dflash import draw_uniforms, process_logits, sample_from
 SCHEDULED = "auto"
 SCHEDULE_NEEDS_COSTS = (
     "confidence_threshold='auto' chooses each step's verify width by this machine's step costs: pass step_costs="
-    "dflash_hf.cost_model.measure_verify_costs(draft, target, context_ids, mask_token_id, batch_size=N) (docs/api.md, "
-    "\"`spec_generate` arguments\"), or a number for DeepSpec's fixed cut.")
+    "dflash_hf.cost_model.measure_verify_costs(draft, target, context_ids, mask_token_id, batch_size=N), or a number "
+    "for DeepSpec's fixed cut (docs/formats.md, \"Confidence-scheduled verification\").")
 
 
 class CandidateSelector(Protocol):
