@@ -529,6 +529,23 @@ def test_auto_scores_each_proposal_with_the_confidence_heads_sigmoid():
     torch.testing.assert_close(confidences, weights[tokens[: confidences.shape[0]]].sigmoid())
 
 
+def test_auto_runs_on_the_step_costs_the_cost_model_measures(tmp_path):
+    """The curve `cost_model.measure_verify_costs` times here (at the batch's size) drives the schedule; each row of
+    a left-padded batch still equals the target's greedy decode."""
+    from dflash_hf.cost_model import measure_verify_costs
+
+    target = golden_target()
+    draft = scheduled_draft("dspark_vanilla", tmp_path, target)
+    prompts = golden_prompts()
+    input_ids, attention_mask = left_pad([ids[0].tolist() for ids in prompts], pad_token_id=0)
+    costs = measure_verify_costs(draft, target, prompts[1], draft.mask_token_id, repeats=1, batch_size=3)
+    assert len(costs.verify) == draft.block_size
+    result = draft.spec_generate(target=target, input_ids=input_ids, attention_mask=attention_mask,
+                                 max_new_tokens=16, confidence_threshold="auto", step_costs=costs, return_stats=True)
+    for row, ids in enumerate(prompts):
+        assert result.new_tokens(row) == plain_greedy(target, ids, 16)[0, ids.shape[1]:].tolist(), row
+
+
 def test_auto_runs_through_generate_and_is_refused_where_it_cannot_apply(tmp_path):
     target = golden_target()
     draft = scheduled_draft("dspark_gated", tmp_path, target)
