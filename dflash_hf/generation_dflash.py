@@ -27,6 +27,8 @@ from .devices_dflash import execution_device, target_device
 from .draft_backends_dflash import draft_backend
 from .kernels_dflash import cpu_kernels
 from .proposer_dflash import (
+    SCHEDULE_NEEDS_COSTS,
+    SCHEDULED,
     DFlashDraft,
     DFlashProposer,
     Proposal,
@@ -349,14 +351,17 @@ def speculative_decode(
 
 
 def dflash_proposer(draft: DFlashDraft, target: torch.nn.Module, settings: DecodingSettings, prompt_width: int = 0,
-                    num_rows: int = 1, confidence_threshold: float | None = None) -> DFlashProposer:
+                    num_rows: int = 1, confidence_threshold: float | str | None = None) -> DFlashProposer:
     """The proposer `spec_generate` runs: the draft with the call's mask id, acceptance rule, draft vocabulary and
     draft backend (`draft_backend`; compiled: a context cache of `num_rows` rows for prompts `prompt_width` wide), and
-    a DSpark draft's confidence cut (`confidence_threshold`, DeepSpec's: None or 0 for none)."""
+    a DSpark draft's confidence cut (`confidence_threshold`, DeepSpec's: None or 0 for none; "auto": the verify width
+    scheduled from its confidences and `settings.step_costs`)."""
     check_confidence_threshold(draft, confidence_threshold)
     refusal = deepspec_refusal(draft, settings.tree_size, confidence_threshold)
     if refusal is not None:
         raise ValueError(refusal)
+    if confidence_threshold == SCHEDULED and settings.step_costs is None:
+        raise ValueError(SCHEDULE_NEEDS_COSTS)
     if settings.compile is not None and draft.shifted_labels:
         raise ValueError("compile=True does not run DeepSpec drafts (shifted labels) yet; run them with compile=False "
                          "(docs/formats.md, \"DeepSeek DeepSpec drafts\").")
@@ -399,7 +404,7 @@ def spec_generate(
     prefix_allowed_tokens_fn: Any = None,
     tokenizer: Any = None,
     draft_processors: str = "built",
-    confidence_threshold: float | None = None,
+    confidence_threshold: float | str | None = None,
     **generation_settings: Any,
 ) -> torch.Tensor | SpecGenerateOutput:
     """Generate with `target`, drafting blocks with `draft`; returns ids [N, prompt + new] (or stats too).

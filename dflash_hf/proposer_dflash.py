@@ -22,6 +22,14 @@ from .kernels_dflash import few_row_kernels, few_row_logits, few_row_product, is
 from .processors_dflash import DraftRules
 from .sampling_dflash import draw_uniforms, process_logits, sample_from
 
+# confidence_threshold's scheduled mode (the DSpark paper's confidence-scheduled verification): the confidence head
+# scores each proposal and the call's step costs choose each step's verify width (steps_dflash.worthwhile_width)
+SCHEDULED = "auto"
+SCHEDULE_NEEDS_COSTS = (
+    "confidence_threshold='auto' chooses each step's verify width by this machine's step costs: pass step_costs="
+    "dflash_hf.cost_model.measure_verify_costs(draft, target, context_ids, mask_token_id, batch_size=N), or a number "
+    "for DeepSpec's fixed cut (docs/formats.md, \"Confidence-scheduled verification\").")
+
 
 class CandidateSelector(Protocol):
     """DFlash2's candidate selector, as the proposer uses it (`modeling_dflash.DFlashCandidateSelector`)."""
@@ -158,13 +166,18 @@ class Proposal:
     the target's own pick (greedy: its argmax; sampling: its sample). Every field after `tokens` is named."""
 
     tokens: torch.Tensor  # [N, B-1]
-    # [N, B-1]: the draft's confidence at each position, a function of its distributions only, never of a sampled
-    # token: a width chosen from the sampled tokens would bias which proposals get verified (None: not scored)
+    # [N, B-1]: the draft's confidence at each position (a DSpark draft's under confidence_threshold="auto": its
+    # confidence head's), a function of its distributions only, never of a sampled token (with
+    # `sequential_confidences`, of the tokens proposed before the position only): a width chosen from a token's own
+    # draw would bias which proposals get verified (None: not scored)
     confidences: torch.Tensor | None = field(default=None, kw_only=True)
     candidates: Candidates | None = field(default=None, kw_only=True)  # asked for by a tree (DraftStep.num_candidates)
     # [N]: how many proposals each row asks to have verified (DeepSpec's confidence cut: a row's proposals after its
     # length are not part of its proposal); None: all of them. A length depends only on the proposals before the cut
     lengths: torch.Tensor | None = field(default=None, kw_only=True)
+    # each position's confidence depends on the tokens proposed before it (a DSpark draft's Markov walk): a width
+    # chosen from them must stop early (steps_dflash.worthwhile_width), never search past the first position it drops
+    sequential_confidences: bool = field(default=False, kw_only=True)
 
     def proposal_confidences(self) -> torch.Tensor | None:
         """The draft's confidence at each position [N, B-1], as scored (None: unknown)."""
@@ -208,10 +221,11 @@ class DFlashProposer:
 
     def __init__(self, draft: DFlashDraft, target: torch.nn.Module, mask_token_id: int,
                  sample_proposals: bool = True, draft_vocab: torch.Tensor | None = None,
-                 backend: DraftBackend | None = None, confidence_threshold: float | None = None) -> None:
+                 backend: DraftBackend | None = None, confidence_threshold: float | str | None = None) -> None:
         check_confidence_threshold(draft, confidence_threshold)
         self.draft = draft
-        # DeepSpec's cut: a row's proposal ends before its first position whose confidence is under it (None: no cut)
+        # DeepSpec's cut: a row's proposal ends before its first position whose confidence is under it (None: no cut);
+        # SCHEDULED: the confidence head scores the proposals and the call's step costs choose the verify width
         self.confidence_threshold = confidence_threshold or None
         self.sample_proposals = sample_proposals  # at temperature > 0: sample from q (else propose the argmax)
         self.target_layer_ids = draft.target_layer_ids
@@ -229,6 +243,8 @@ class DFlashProposer:
 
     def propose(self, step: DraftStep) -> torch.Tensor | Proposal:
         """The draft's proposals [N, B-1] for positions s+1 .. s+B-1: its argmax, or samples of q when sampling."""
+        if isinstance(self.confidence_threshold, str) and not step.score_proposals:  # SCHEDULED (checked)
+            raise ValueError(SCHEDULE_NEEDS_COSTS)
         device, block_size = self.device, step.block_size
         block_position_ids = step.block_position_ids  # [N, B]
         if block_position_ids is None:
@@ -332,20 +348,28 @@ class MarkovStage:
         bias, self.state = self.head.step(previous, hidden, self.state)
         return self.base[:, position] + bias.to(self.base.dtype)
 
+    def confidences(self) -> torch.Tensor:
+        """Each walked position's own confidence sigmoid(c) [N, P]: the probability the confidence head gives its
+        proposal of being accepted once every proposal before it is."""
+        return torch.stack(self.confidence_logits, dim=1).sigmoid()
+
     def lengths(self, threshold: float) -> torch.Tensor:
         """Per row [N], the proposals before the first position whose own confidence sigmoid(c) is under
         `threshold` (all P where none is): DeepSpec's cut, not a running product."""
-        below = torch.stack(self.confidence_logits, dim=1).sigmoid() < threshold  # [N, P]
+        below = self.confidences() < threshold  # [N, P]
         positions = torch.arange(below.shape[1], device=below.device).expand_as(below)
         return torch.where(below, positions, below.shape[1]).amin(dim=1)
 
 
 def markov_proposals(logits: torch.Tensor, hidden_states: torch.Tensor, anchors: torch.Tensor, step: DraftStep,
-                     sample: bool, draft: DFlashDraft, confidence_threshold: float | None) -> torch.Tensor | Proposal:
+                     sample: bool, draft: DFlashDraft, confidence_threshold: float | str | None
+                     ) -> torch.Tensor | Proposal:
     """A DSpark draft's proposals [N, B-1] from its LM head's logits [N, B-1, V] and hidden states [N, B-1, H]: each
     position's logits get the Markov bias of the token drafted before it (`MarkovStage`) and the call's processors,
     then the argmax, or a draw from that position's q (returned for the verify: exact). With a confidence
-    threshold, each row's proposal is cut where DeepSpec cuts it (`Proposal.lengths`)."""
+    threshold, each row's proposal is cut where DeepSpec cuts it (`Proposal.lengths`); with SCHEDULED, the
+    confidence head's values are the proposal's confidences, by which the call's step costs choose the width. Every
+    confidence here follows the tokens drafted before it (`Proposal.sequential_confidences`)."""
     markov = MarkovStage(draft, logits, hidden_states, anchors, confidence_threshold is not None)
     if step.num_candidates:
         return markov_candidates(markov, step)
@@ -354,8 +378,13 @@ def markov_proposals(logits: torch.Tensor, hidden_states: torch.Tensor, anchors:
     else:
         scores, tokens = processed_block(logits, step, lambda position, scores: scores.argmax(dim=-1), markov)
         proposal = Proposal(tokens, confidences=greedy_confidences(scores) if step.score_proposals else None)
+    if confidence_threshold is None and not sample and not step.score_proposals:
+        return proposal.tokens
+    proposal = replace(proposal, sequential_confidences=True)
     if confidence_threshold is None:
-        return proposal if sample or step.score_proposals else proposal.tokens
+        return proposal
+    if isinstance(confidence_threshold, str):  # SCHEDULED (checked)
+        return replace(proposal, confidences=markov.confidences())
     return replace(proposal, lengths=markov.lengths(confidence_threshold))
 
 
@@ -382,19 +411,24 @@ def markov_candidates(markov: MarkovStage, step: DraftStep) -> Proposal:
     return Proposal(tokens, candidates=Candidates(candidates, largest, torch.cat(transitions, dim=1)))
 
 
-def check_confidence_threshold(draft: DFlashDraft, threshold: float | None) -> None:
-    """Refuse a confidence threshold outside [0, 1] or for a draft without a confidence head."""
+def check_confidence_threshold(draft: DFlashDraft, threshold: float | str | None) -> None:
+    """Refuse a confidence threshold other than a number in [0, 1] or SCHEDULED, or for a draft without a confidence
+    head."""
     if threshold is None:
         return
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
-        raise ValueError(f"confidence_threshold must be a number from 0 to 1 (0: no cut, as DeepSpec's default), "
-                         f"got {threshold!r}.")
+    scheduled = isinstance(threshold, str) and threshold == SCHEDULED
+    if not scheduled and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                          or not 0.0 <= threshold <= 1.0):
+        raise ValueError(f"confidence_threshold must be a number from 0 to 1 (0: no cut, as DeepSpec's default) or "
+                         f"{SCHEDULED!r} (the verify width scheduled from the confidences and step_costs), got "
+                         f"{threshold!r}.")
     if threshold and draft.confidence_head is None:
         raise ValueError("confidence_threshold needs a draft with a confidence head (a DeepSpec DSpark draft whose "
                          "config has `enable_confidence_head`); this draft has none: leave it out.")
 
 
-def deepspec_refusal(draft: DFlashDraft, tree_size: int | None, confidence_threshold: float | None) -> str | None:
+def deepspec_refusal(draft: DFlashDraft, tree_size: int | None, confidence_threshold: float | str | None
+                     ) -> str | None:
     """Why a call cannot run with this draft's DSpark parts (a Markov head, a confidence cut), or None: trees over an
     rnn Markov head or a confidence cut are not built yet."""
     recurrent = draft.markov_head is not None and draft.config.markov_head_type == "rnn"

@@ -310,19 +310,29 @@ class StepStrategy(Protocol):
         """One target pass over the arranged step (the cache holds its columns until `keep_context`)."""
 
 
-def worthwhile_width(confidences: torch.Tensor, counts: list[int], costs: StepCosts) -> int:
+def worthwhile_width(confidences: torch.Tensor, counts: list[int], costs: StepCosts, early_stop: bool = False) -> int:
     """The verify width w (1 .. b) with the most expected tokens per second for draft confidences [n, b - 1].
 
     A row expects 1 + the sum over k < w of the draft's cumulative confidence in its first k proposals (at most its
-    count); a step costs the draft pass and a w-token verify. Greedy, the width never changes which tokens are
-    committed; sampling, a narrower verify draws fewer uniforms, so the draws (not their distribution) differ.
+    count); a step costs the draft pass and a w-token verify (the batch verifies one rectangle, as wide as its widest
+    row, so every row verifies up to w). Greedy, the width never changes which tokens are committed; sampling, a
+    narrower verify draws fewer uniforms, so the draws (not their distribution) differ.
+
+    `early_stop` (the DSpark paper's Algorithm 1; needed where a position's confidence depends on the token drafted
+    before it): widen one column at a time and stop at the first widening that does not raise the expected tokens
+    per second, so whether proposal k is verified never depends on a confidence that proposal k itself shaped.
+    Without it, the best of all widths: a retrospective search, exact only for confidences no drawn token shapes.
     """
     num_rows, width = confidences.shape[0], confidences.shape[1] + 1
     survival = confidences.float().cumprod(dim=1)  # [n, b - 1]: P(the first k proposals are all accepted)
     usable = torch.arange(1, width, device=survival.device)[None, :] < host_to_device(counts, survival.device)[:, None]
     expected = torch.cat((survival.new_ones(num_rows, 1), (survival * usable).cumsum(dim=1) + 1), dim=1)  # [n, b]
     seconds = torch.tensor(costs.verify[:width], device=survival.device) + costs.draft  # [b]
-    return int((expected.sum(dim=0) / seconds).argmax()) + 1
+    rates = expected.sum(dim=0) / seconds  # [b]: expected tokens per second of each width
+    if not early_stop:
+        return int(rates.argmax()) + 1
+    rising = (rates[1:] > rates[:-1]).int()  # [b - 1]: widening from w to w + 1 pays
+    return int(rising.cumprod(dim=0).sum()) + 1  # the widenings that pay before the first that does not
 
 
 def target_tokens(scores: torch.Tensor, proposal: Proposal, rows: list[int], step: StepPlan,
@@ -348,7 +358,8 @@ def target_tokens(scores: torch.Tensor, proposal: Proposal, rows: list[int], ste
 
 class ChainStep:
     """The target verifies the pending token and the b - 1 proposals in a row; the longest matching prefix is kept.
-    With step costs (`settings.step_costs`), the block is first cut to `worthwhile_width`."""
+    With step costs (`settings.step_costs`), the block is first cut to `worthwhile_width` (with its early stop where
+    the proposal's confidences follow its own tokens: `Proposal.sequential_confidences`)."""
 
     num_candidates = 0
 
@@ -361,7 +372,8 @@ class ChainStep:
         confidences = proposal.proposal_confidences()
         if settings.step_costs is None or confidences is None or step.width == 1:
             return step, proposal
-        width = worthwhile_width(confidences, step.counts, settings.step_costs)
+        width = worthwhile_width(confidences, step.counts, settings.step_costs,
+                                 early_stop=proposal.sequential_confidences)
         if width == step.width:
             return step, proposal
         tokens = proposal.tokens[:, : width - 1]

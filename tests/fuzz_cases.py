@@ -40,6 +40,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from dflash_hf import DFlashDraftModel, left_pad
 from dflash_hf.families_dflash import RECURRENT_REFUSALS
+from dflash_hf.settings_dflash import StepCosts
 
 ATTENTION_TARGETS = list(FAMILIES) + ["gpt2"]  # qwen3, llama, llama3_rope, qwen3_moe, mistral, gpt_oss, gemma3,
 # gemma4, gemma4_unified (tests/helpers.py FAMILIES) and GPT-2 (tests/test_lossless.py)
@@ -47,6 +48,8 @@ HYBRID_TARGETS = ["qwen3_5", "qwen3_next", "qwen3_5_moe", "qwen3_5_vl"]
 ROLLED_BACK_TARGETS = [name for name in RECURRENT_FAMILIES if name not in RECURRENT_REFUSALS]
 REFUSED_TARGETS = list(RECURRENT_REFUSALS)  # refused before any forward: every case on them is "refused"
 DEEPSPEC_KINDS = ("vanilla", "gated", "rnn")
+# confidence_threshold="auto"'s step costs: a verify that costs more per token as it widens (widths 1 .. 32)
+SCHEDULE_COSTS = StepCosts(draft=0.1, verify=tuple(1.0 + 0.2 * width ** 1.2 for width in range(32)))
 DRAFT_FAMILIES = (["dflash", "draft_vocab", "own_head", "speculators", "deepspec_dflash", "muse_glimmer"]
                   + list(DRAFT_VARIANTS) + [f"dspark_{kind}" for kind in DEEPSPEC_KINDS])
 PROCESSORS = ["repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size", "bad_words_ids",
@@ -97,7 +100,7 @@ def draw_case(index: int, base_seed: int = 0) -> dict[str, Any]:
         "confidence_threshold": None,
     }
     if draft_family.startswith("dspark") and rng.random() < 0.5:
-        case["confidence_threshold"] = rng.choice([0.2, 0.5, 0.8, 1.0])
+        case["confidence_threshold"] = rng.choice([0.2, 0.5, 0.8, 1.0, "auto"])  # "auto": with SCHEDULE_COSTS
     if (draft_family == "dspark_rnn" or case["confidence_threshold"] is not None) and rng.random() < 0.75:
         case["tree_size"] = None  # trees are refused there (docs/api.md): drawn a quarter of the time only
     stop_kind = rng.choices(["none", "call", "stop_token_ids", "config", "stop_strings"],
@@ -407,6 +410,8 @@ def _run(case: dict, result: CaseResult) -> CaseResult:
                       **draft_arguments, "block_size": case["block_size"], "tree_size": case["tree_size"]}
     if case["confidence_threshold"] is not None:
         spec_arguments["confidence_threshold"] = case["confidence_threshold"]
+    if case["confidence_threshold"] == "auto":
+        spec_arguments["step_costs"] = SCHEDULE_COSTS
     if case.get("draft_processors"):
         spec_arguments["draft_processors"] = case["draft_processors"]
     result.arguments = describe({"input_ids": input_ids, **{k: v for k, v in spec_arguments.items()

@@ -49,6 +49,8 @@ from dflash_hf.configuration_dflash import read_rope_parameters
 from dflash_hf.loading import PUBLISHED_CONFIGS
 from dflash_hf.modeling_dflash import DFlashRotaryEmbedding
 from dflash_hf.proposer_dflash import DFlashProposer
+from dflash_hf.settings_dflash import StepCosts
+from dflash_hf.steps_dflash import worthwhile_width
 from dflash_hf.target_dflash import select_features
 
 GOLDEN_RECORD = json.loads(GOLDEN.read_text(encoding="utf-8"))
@@ -73,6 +75,13 @@ GEMMA4_LAYOUT = dict(architectures=["Gemma4DSparkModel"], attention_k_eq_v=True,
                      rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                                          "rope_theta": 1e6},
                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+# confidence_threshold="auto": the DSpark paper's Appendix A curve (SPS 1, 0.5, 0.45 steps per second: seconds 1, 2,
+# 1/0.45), and hand-set curves whose scheduled widths are mostly deep, mostly shallow, and cut short by a cliff (where
+# a search over all widths would go on)
+APPENDIX_A = StepCosts(draft=0.0, verify=(1.0, 2.0, 1 / 0.45))
+SCHEDULE_COSTS = (StepCosts(draft=0.0, verify=(1.0, 1.3, 1.45, 1.6, 1.75, 1.9, 2.05, 2.2)),
+                  StepCosts(draft=0.0, verify=(1.0, 1.5, 1.9, 2.3, 2.7, 3.1, 3.5, 3.9)),
+                  StepCosts(draft=0.0, verify=(1.0, 1.4, 1.75, 1.76, 1.77, 1.78, 1.79, 1.8)))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -400,6 +409,10 @@ def test_greedy_chains_equal_generate(family, kind):
                 output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=20,
                                              confidence_threshold=threshold)
                 assert torch.equal(output, expected), f"seed {seed} threshold {threshold}"
+            for costs in SCHEDULE_COSTS:
+                output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=20,
+                                             confidence_threshold="auto", step_costs=costs)
+                assert torch.equal(output, expected), f"seed {seed} scheduled by {costs}"
 
 
 @needs_gemma4
@@ -438,10 +451,11 @@ def test_left_padded_batches_equal_each_row_alone(kind):
     prompts = prompts_of([3, 9, 6], seed=40)
     input_ids, attention_mask = left_pad([ids[0].tolist() for ids in prompts], pad_token_id=0)
     draft = deepspec_draft(kind, seed=3)
-    for threshold in ((None, 0.5) if draft.confidence_head is not None else (None,)):
+    for threshold in ((None, 0.5, "auto") if draft.confidence_head is not None else (None,)):
         result = draft.spec_generate(target=target, input_ids=input_ids, attention_mask=attention_mask,
                                      max_new_tokens=18, block_size=6, return_stats=True,
-                                     confidence_threshold=threshold)
+                                     confidence_threshold=threshold,
+                                     step_costs=SCHEDULE_COSTS[0] if threshold == "auto" else None)
         for row, ids in enumerate(prompts):
             expected = plain_greedy(target, ids, max_new_tokens=18)[0, ids.shape[1]:].tolist()
             assert result.new_tokens(row) == expected, f"row {row} threshold {threshold}"
@@ -579,3 +593,238 @@ def test_published_readme_names_every_deepspec_config():
     for name in [*PUBLISHED, *GEMMA4_PUBLISHED]:
         assert f"`deepspec/{name}.json`" in text and f"deepseek-ai/{name}" in text
     assert Path(PUBLISHED_CONFIGS / "deepspec" / "dspark_qwen3_8b_block7.json").is_file()
+
+
+# --- confidence_threshold="auto": the DSpark paper's confidence-scheduled verification (Algorithm 1) -----------------
+
+
+def scheduled_width(confidences: list[list[float]], costs: StepCosts, counts: list[int] | None = None,
+                    early_stop: bool = True) -> int:
+    """`worthwhile_width` of hand-set confidences [N][P], every row free to keep P + 1 tokens unless `counts`."""
+    rows = torch.tensor(confidences)
+    counts = [rows.shape[1] + 1] * rows.shape[0] if counts is None else counts
+    return worthwhile_width(rows, counts, costs, early_stop=early_stop)
+
+
+def test_the_schedule_widens_while_expected_tokens_per_second_rise():
+    """Algorithm 1 on hand-set curves: expected tokens 1 + the running products of the confidences, over the step's
+    seconds; the first widening that does not pay (a tie included) ends the search, even where a wider verify
+    further on would pay again (a cliff in the curve: the paper's unimodal assumption)."""
+    costs = StepCosts(draft=0.5, verify=(1.0, 1.2, 1.5, 2.0, 2.1))
+    expected = [1.0, 1.9, 1.9 + 0.72, 1.9 + 0.72 + 0.36, 1.9 + 0.72 + 0.36 + 0.324]  # products 0.9, 0.72, 0.36, ...
+    rates = [tokens / (0.5 + seconds) for tokens, seconds in zip(expected, costs.verify)]
+    assert rates[2] > rates[1] > rates[0] and rates[3] < rates[2]
+    assert scheduled_width([[0.9, 0.8, 0.5, 0.9]], costs) == 3
+    cliff = StepCosts(draft=0.0, verify=(1.0, 1.5, 3.5, 3.6, 3.7))  # rates 1, 1.33, 0.86, 1.11, 1.35
+    assert scheduled_width([[1.0] * 4], cliff) == 2
+    assert scheduled_width([[1.0] * 4], cliff, early_stop=False) == 5  # the search over all widths goes past it
+    flat = StepCosts(draft=0.0, verify=(1.0,) * 5)
+    assert scheduled_width([[0.5, 0.0, 1.0, 1.0]], flat) == 2  # a zero product adds nothing: a tie, the end
+    assert scheduled_width([[0.1] * 4], flat) == 5 and scheduled_width([[0.0] * 4], flat) == 1
+
+
+def test_a_batch_schedules_one_width_from_the_sum_of_its_rows():
+    """The batch verifies one rectangle: widening admits every row's next proposal, for the sum of the rows' products
+    there; a row that max_new_tokens stops adds nothing past its count."""
+    costs = StepCosts(draft=0.0, verify=(1.0, 1.4, 1.8))
+    sure, unsure = [1.0, 1.0], [0.1, 0.1]
+    assert scheduled_width([sure], costs) == 3 and scheduled_width([unsure], costs) == 1
+    assert scheduled_width([sure, unsure], costs) == 3  # rates 2, 2.36, 2.23 ... then 3.01 / 1.8 = 1.67 ...
+    assert scheduled_width([unsure, unsure, unsure], costs) == 1
+    assert scheduled_width([sure, sure], costs, counts=[2, 2]) == 2  # neither row can keep a third token
+
+
+def test_the_early_stop_never_reads_past_the_first_proposal_it_drops():
+    """Whether proposal k is verified never depends on a confidence at a later position (those follow proposal k's
+    own token in a DSpark draft): the paper's Appendix A. With its numbers, a search over every width admits the
+    first proposal or not by the second confidence (which the first token shaped); the early stop does not."""
+    for second in (0.9, 0.0):
+        assert scheduled_width([[0.8, second]], APPENDIX_A) == 1  # 1.8 * 0.5 = 0.9 < 1.0: stop before reading c2
+    assert scheduled_width([[0.8, 0.9]], APPENDIX_A, early_stop=False) == 3  # 2.52 * 0.45 = 1.134
+    assert scheduled_width([[0.8, 0.0]], APPENDIX_A, early_stop=False) == 1
+    generator = torch.Generator().manual_seed(0)
+    for case in range(300):
+        rows, positions = 1 + case % 4, 1 + case % 7
+        confidences = torch.rand(rows, positions, generator=generator) ** 0.3
+        verify = (1.0 + torch.rand(positions + 1, generator=generator).cumsum(0) * 0.4).tolist()
+        costs = StepCosts(draft=float(torch.rand(1, generator=generator)), verify=tuple(verify))
+        counts = torch.randint(1, positions + 2, (rows,), generator=generator).tolist()
+        width = worthwhile_width(confidences, counts, costs, early_stop=True)
+        changed = confidences.clone()
+        changed[:, width:] = torch.rand(rows, positions, generator=generator)[:, width:].round()  # 0s and 1s
+        assert worthwhile_width(changed, counts, costs, early_stop=True) == width, case
+
+
+def scheduled_draft(variant: str, tmp_path: Path, target: torch.nn.Module) -> DFlashDraftModel:
+    """A golden DSpark draft (its Markov head planted with the golden target's bigram, so proposals get accepted)."""
+    record = GOLDEN_RECORD["variants"][variant]
+    return DFlashDraftModel.from_pretrained(write_deepspec_folder(
+        tmp_path / variant, record["config"], record["shapes"], target, record["seed"]))
+
+
+class ScheduleRecordingProposer(DFlashProposer):
+    """Records each step's rows, the confidences the proposer gave (with their flag) and each row's count."""
+
+    def __init__(self, *args, max_new_tokens: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.max_new_tokens = max_new_tokens
+        self.steps: list[tuple[list[int], torch.Tensor, list[int]]] = []
+
+    def propose(self, step):
+        proposal = super().propose(step)
+        assert proposal.sequential_confidences
+        counts = [min(step.block_size, self.max_new_tokens - len(tokens)) for tokens in step.generated]
+        self.steps.append((list(step.row_ids), proposal.confidences, counts))
+        return proposal
+
+
+@pytest.mark.parametrize("variant", ["dspark_vanilla", "dspark_gated", "dspark_rnn"])
+def test_auto_verifies_the_scheduled_width_of_the_confidence_heads_products(tmp_path, variant):
+    """In the loop, batch 1 and a left-padded batch of 3: each step verifies the width Algorithm 1 gives for the
+    confidence head's sigmoids (`test_auto_scores_each_proposal_with_the_confidence_heads_sigmoid`), with its early
+    stop (on the third curve some steps' widths differ from a search over all widths), and each row equals the
+    target's greedy decode."""
+    target = golden_target()
+    draft = scheduled_draft(variant, tmp_path, target)
+    prompts = golden_prompts()
+    input_ids, attention_mask = left_pad([ids[0].tolist() for ids in prompts], pad_token_id=0)
+    widths_by_curve, searched_further = [], 0
+    for costs in SCHEDULE_COSTS:
+        widths_by_curve.append(set())
+        for batch, mask in [(prompts[1], None), (input_ids, attention_mask)]:
+            proposer = ScheduleRecordingProposer(draft, target, draft.mask_token_id, confidence_threshold="auto",
+                                                 max_new_tokens=20)
+            result = speculative_decode(target, proposer, batch, attention_mask=mask, max_new_tokens=20,
+                                        block_size=draft.block_size, stop_token_ids=[], step_costs=costs)
+            seen = {row: 0 for row in range(batch.shape[0])}
+            for rows, confidences, counts in proposer.steps:
+                width = worthwhile_width(confidences, counts, costs, early_stop=True)
+                searched_further += worthwhile_width(confidences, counts, costs) != width
+                for row in rows:
+                    assert result.verified_lengths[row][seen[row]] == width
+                    seen[row] += 1
+            rows_of = [prompts[1]] if mask is None else prompts
+            for row, ids in enumerate(rows_of):
+                assert result.new_tokens(row) == plain_greedy(target, ids, 20)[0, ids.shape[1]:].tolist(), row
+            assert max(length for lengths in result.acceptance_lengths for length in lengths) >= 2
+            widths_by_curve[-1] |= {width for widths in result.verified_lengths for width in widths}
+    assert all(len(widths) >= 2 for widths in widths_by_curve[:2])  # the cut moves with the confidences
+    assert max(widths_by_curve[0]) > max(widths_by_curve[1])  # and with the curve
+    assert searched_further > 0
+
+
+def test_auto_scores_each_proposal_with_the_confidence_heads_sigmoid():
+    """A head planted to read only W1 of the token before (W1 the identity): position k's confidence is
+    sigmoid(w[token before k]), the pending token before the first."""
+    target = build_target("qwen3")
+    draft = deepspec_draft("vanilla", seed=2, markov_rank=VOCAB_SIZE)
+    weights = torch.linspace(-3.0, 3.0, VOCAB_SIZE)
+    with torch.no_grad():
+        draft.markov_head.markov_w1.weight.copy_(torch.eye(VOCAB_SIZE))
+        draft.confidence_head.proj.weight.zero_()
+        draft.confidence_head.proj.bias.zero_()
+        draft.confidence_head.proj.weight[0, -VOCAB_SIZE:] = weights
+    proposer = ScheduleRecordingProposer(draft, target, draft.mask_token_id, confidence_threshold="auto",
+                                         max_new_tokens=12)
+    recorder = RecordingProposer(draft, target, draft.mask_token_id)  # the same greedy proposals, recorded
+    input_ids = random_prompt(9, 6)
+    speculative_decode(target, proposer, input_ids, max_new_tokens=12, block_size=draft.block_size,
+                       step_costs=StepCosts(0.0, (1.0,) * 8))
+    speculative_decode(target, recorder, input_ids, max_new_tokens=12, block_size=draft.block_size)
+    first = plain_greedy(target, input_ids, 1)[0, -1].item()
+    tokens = [first, *recorder.steps[0][0].tolist()]
+    confidences = proposer.steps[0][1][0]
+    torch.testing.assert_close(confidences, weights[tokens[: confidences.shape[0]]].sigmoid())
+
+
+def test_auto_runs_on_the_step_costs_the_cost_model_measures(tmp_path):
+    """The curve `cost_model.measure_verify_costs` times here (at the batch's size) drives the schedule; each row of
+    a left-padded batch still equals the target's greedy decode."""
+    from dflash_hf.cost_model import measure_verify_costs
+
+    target = golden_target()
+    draft = scheduled_draft("dspark_vanilla", tmp_path, target)
+    prompts = golden_prompts()
+    input_ids, attention_mask = left_pad([ids[0].tolist() for ids in prompts], pad_token_id=0)
+    costs = measure_verify_costs(draft, target, prompts[1], draft.mask_token_id, repeats=1, batch_size=3)
+    assert len(costs.verify) == draft.block_size
+    result = draft.spec_generate(target=target, input_ids=input_ids, attention_mask=attention_mask,
+                                 max_new_tokens=16, confidence_threshold="auto", step_costs=costs, return_stats=True)
+    for row, ids in enumerate(prompts):
+        assert result.new_tokens(row) == plain_greedy(target, ids, 16)[0, ids.shape[1]:].tolist(), row
+
+
+def test_auto_runs_through_generate_and_is_refused_where_it_cannot_apply(tmp_path):
+    target = golden_target()
+    draft = scheduled_draft("dspark_gated", tmp_path, target)
+    input_ids = golden_prompts()[0]
+    draft.save_pretrained(tmp_path / "saved")  # with custom_generate/generate.py
+    through_generate = target.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                       custom_generate=str(tmp_path / "saved"), trust_remote_code=True,
+                                       assistant_model=draft, max_new_tokens=16, do_sample=False, pad_token_id=0,
+                                       confidence_threshold="auto", step_costs=SCHEDULE_COSTS[0])
+    assert torch.equal(through_generate, plain_greedy(target, input_ids, 16))
+    with pytest.raises(ValueError, match="step_costs=dflash_hf.cost_model.measure_verify_costs"):
+        draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=8, confidence_threshold="auto")
+    with pytest.raises(ValueError, match="step_costs"):  # a proposer handed to the loop directly, without costs
+        speculative_decode(target, DFlashProposer(draft, target, draft.mask_token_id, confidence_threshold="auto"),
+                           input_ids, max_new_tokens=8, block_size=draft.block_size)
+    with pytest.raises(ValueError, match="or 'auto'"):
+        draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=8, confidence_threshold="best")
+    with pytest.raises(ValueError, match="confidence head"):
+        deepspec_draft("dflash").spec_generate(target=build_target("qwen3"), input_ids=random_prompt(3, 4),
+                                               max_new_tokens=8, confidence_threshold="auto",
+                                               step_costs=StepCosts(0.0, (1.0,) * 8))
+    with pytest.raises(ValueError, match="tree_size"):
+        draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=8, confidence_threshold="auto",
+                            tree_size=4)
+
+
+# a head whose confidence follows the token before only (after token 4: high; after 1: 0.3; else low), and a curve
+# on which a row whose first confidence is 0.3 verifies its pending token alone, while one that searched past that
+# (the retrospective search) would verify more exactly when its first draw leads to a confident second position
+SAMPLED_CONFIDENCE = (0.02, 0.3, 0.02, 0.02, 0.97, 0.02)
+SAMPLED_COSTS = StepCosts(draft=0.0, verify=(1.0, 1.5, 1.55, 1.6))
+
+
+def scheduled_sampling_draft(target: torch.nn.Module) -> DFlashDraftModel:
+    """A vanilla DSpark draft over the sampling target's 6 tokens: its Markov head planted with the target's likely
+    next token (after 1: 4, after 4: 1), its confidence head reading W1 of the token before only
+    (`SAMPLED_CONFIDENCE`)."""
+    draft = deepspec_draft("vanilla", seed=12, block_size=3, vocab_size=VOCAB, markov_rank=VOCAB)
+    with torch.no_grad():
+        following = target(torch.arange(VOCAB)[:, None]).logits[:, -1].argmax(-1)  # [V]
+        following[1], following[4] = 4, 1
+        draft.norm.weight.mul_(0.05)  # small LM-head logits: the bias counts
+        draft.markov_head.markov_w1.weight.copy_(torch.eye(VOCAB))
+        draft.markov_head.markov_w2.weight.copy_(2.0 * torch.eye(VOCAB)[following].T)
+        head = draft.confidence_head.proj
+        head.weight.zero_()
+        head.bias.zero_()
+        head.weight[0, -VOCAB:] = torch.logit(torch.tensor(SAMPLED_CONFIDENCE))
+    return draft
+
+
+@pytest.mark.parametrize("rows", [1000, 5])
+def test_sampled_scheduled_chains_follow_the_target_distribution(rows):
+    """confidence_threshold="auto" at temperature 0.9, in one call of 1000 rows and in calls of 5 (where one row's
+    draws move the batch's width): chi-square over the first 3 new tokens (5 decoded, so that a step may verify 3
+    proposals), with the power check."""
+    from collections import Counter
+
+    from sampling_checks import sampling_target
+
+    target, input_ids = sampling_target()
+    draft = scheduled_sampling_draft(target)
+    generator, counts, accepted = torch.Generator().manual_seed(5), Counter(), 0
+    for _ in range(NUM_SAMPLES // rows):
+        proposer = DFlashProposer(draft, target, VOCAB - 1, confidence_threshold="auto")
+        sampled, kept = sampled_counts(target, proposer, input_ids, generator, num_samples=rows,
+                                       max_new_tokens=NUM_NEW + 2, block_size=4, temperature=0.9,
+                                       step_costs=SAMPLED_COSTS)
+        for continuation, count in sampled.items():
+            counts[continuation[:NUM_NEW]] += count
+        accepted += kept
+    assert accepted > NUM_SAMPLES // 10
+    assert_follows(dict(counts), exact_joint(target, input_ids, 0.9, None, None),
+                   exact_joint(target, input_ids, 0.9 * 1.5, None, None))
