@@ -5,7 +5,7 @@ the same arguments, its draft shaped by the processors (draft_processors="built"
 "generate's processors").
 
     python scripts/processors_cost.py --dataset gsm8k humaneval --num-prompts 4 --max-new-tokens 128 [--block-size 3]
-        [--tree-size 8]
+        [--tree-size 8] [--draft FOLDER] [--cases none repetition_penalty=1.3]
 """
 
 from __future__ import annotations
@@ -48,9 +48,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=None, help="default: the draft's trained size")
     parser.add_argument("--tree-size", type=int, default=None, help="drafted nodes of a tree (default: a chain)")
+    parser.add_argument("--draft", default=None, help="a draft folder for SmolLM2 (default: the shipped draft)")
+    parser.add_argument("--cases", nargs="+", default=None, help="the cases to run, by name (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    target, tokenizer, draft = load_demo()
+    target, tokenizer, draft = load_demo(draft_path=args.draft)
     stops = generation_tokens(target, tokenizer).stop_token_ids
     common = {"max_new_tokens": args.max_new_tokens, "pad_token_id": stops[0]}
     spec = {"block_size": args.block_size, "tree_size": args.tree_size}
@@ -63,6 +65,8 @@ def main() -> None:
         turns = read_conversations(default_data_dir() / FILES[dataset], limit=args.num_prompts)
         prompts = [torch.tensor([user_prompt_ids(tokenizer, conversation[0])]) for conversation in turns]
         for name, arguments in cases(tokenizer).items():
+            if args.cases is not None and name not in args.cases:
+                continue
             plain_seconds, equal, cells = 0.0, True, []
             outputs = []
             for prompt in prompts:
