@@ -391,36 +391,44 @@ def markov_candidates(markov: MarkovStage, step: DraftStep) -> Proposal:
 
 class MarkovPaths:
     """A recurrent (rnn) Markov head's q along a tree's paths: a node's children's q reads the state its path left
-    (its parent's state stepped over the parent's token), so each node's state is computed from its parent's, once,
-    when the tree first asks for the node's children (`probabilities`); a row's states are memoised by path."""
+    (its parent's state stepped over the parent's token), so each node's state is computed from its parent's, when
+    the tree first asks for the children of the node or of one of its siblings (`probabilities`: the siblings are
+    stepped together, in one batch); memoised per row and parent path."""
 
     def __init__(self, markov: MarkovStage, candidates: torch.Tensor, step: DraftStep) -> None:
         self.markov, self.candidates, self.step = markov, candidates, step  # candidates [N, P, k]
-        # (row, path) -> (bias [1, V], state [1, r]) of the step at position len(path) after that path
-        self.steps: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
+        # (row, parent path) -> (per candidate j of position len(parent path): the probability of each candidate of
+        # the next position after parent path + (j,) [k][k]; the states those paths leave [k, r])
+        self.siblings: dict[tuple[int, tuple[int, ...]], tuple[list[list[float]], torch.Tensor]] = {}
 
-    def _step(self, row: int, path: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(bias [1, V], the state after it [1, r]) at position len(path) of `row` after the candidates `path`
-        (ranks at positions 0 .. len(path) - 1; the pending token before position 0)."""
-        key = (row, path)
-        if key not in self.steps:
-            markov, position = self.markov, len(path)
-            hidden = markov.hidden_states[row : row + 1, position]  # [1, H]
-            if path:
-                previous, state = self.candidates[row, position - 1, path[-1]].view(1), self._step(row, path[:-1])[1]
-            else:
-                previous, state = markov.anchors[row].view(1), markov.head.initial_state(hidden)
-            self.steps[key] = markov.head.step(previous, hidden, state)
-        return self.steps[key]
+    def _state(self, row: int, path: tuple[int, ...]) -> torch.Tensor:
+        """The state [1, r] before position len(path) + 1 of `row` after the candidates `path` (ranks at positions
+        0 .. len(path) - 1; the pending token before position 0)."""
+        if path:
+            return self._siblings(row, path[:-1])[1][path[-1] : path[-1] + 1]
+        markov = self.markov
+        hidden = markov.hidden_states[row : row + 1, 0]  # [1, H]
+        return markov.head.step(markov.anchors[row].view(1), hidden, markov.head.initial_state(hidden))[1]
+
+    def _siblings(self, row: int, parent: tuple[int, ...]) -> tuple[list[list[float]], torch.Tensor]:
+        """For every candidate of position len(parent) under the node of `parent`: q of the next position's
+        candidates after it [k][k], and the state it leaves [k, r]."""
+        key = (row, parent)
+        if key not in self.siblings:
+            markov, position = self.markov, len(parent) + 1  # the position of the siblings' children
+            tokens = self.candidates[row, position - 1]  # [k]: the siblings
+            count = tokens.shape[0]
+            hidden = markov.hidden_states[row, position].expand(count, -1)  # [k, H]
+            bias, states = markov.head.step(tokens, hidden, self._state(row, parent).expand(count, -1))
+            logits = markov.base[row, position] + bias.to(markov.base.dtype)  # [k, V]
+            q = draft_distribution(logits[:, None], self.step)[:, 0]  # [k, V]
+            self.siblings[key] = q[:, self.candidates[row, position]].tolist(), states
+        return self.siblings[key]
 
     def probabilities(self, row: int, path: tuple[int, ...]) -> list[float]:
         """The probability of each candidate of position len(path) after the node of `path` (its candidates' ranks
         from position 0, at least one): q after that path, at the step's temperature, top-k and top-p."""
-        position = len(path)
-        bias = self._step(row, path)[0]  # [1, V]
-        logits = self.markov.base[row : row + 1, position] + bias.to(self.markov.base.dtype)  # [1, V]
-        q = draft_distribution(logits[:, None], self.step)[0, 0]  # [V]
-        return q[self.candidates[row, position]].tolist()
+        return self._siblings(row, path[:-1])[0][path[-1]]
 
 
 def check_confidence_threshold(draft: DFlashDraft, threshold: float | None) -> None:
