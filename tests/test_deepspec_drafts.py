@@ -464,6 +464,30 @@ def test_compiled_chains_and_trees_equal_generate_on_two_families(kind):
                 graphs = compiled_graphs()
 
 
+@COMPILES
+def test_compiled_sampled_dspark_drafts_draw_what_the_eager_loop_draws(tmp_path):
+    """Same seed, same tokens, for an rnn DSpark draft's sampled chains and trees (each position's q after the token
+    drawn before it): the compiled backend changes no draw, so the distribution the eager loop keeps (chi-square,
+    above) is kept. Compared until the eager loop narrows its last blocks. Power: other seeds draw other tokens."""
+    record = GOLDEN_RECORD["variants"]["dspark_rnn"]
+    target = golden_target()
+    draft = DFlashDraftModel.from_pretrained(write_deepspec_folder(
+        tmp_path / "rnn", record["config"], record["shapes"], target, record["seed"]))
+    prompt = golden_prompts()[1]
+    new_tokens = 30
+    compared = new_tokens - draft.block_size
+    for tree_size in (None, 4):
+        outputs = set()
+        for seed in (0, 1, 2):
+            arguments = dict(target=target, input_ids=prompt, max_new_tokens=new_tokens, temperature=1.0, seed=seed,
+                             stop_token_ids=[], tree_size=tree_size)
+            eager = draft.spec_generate(**arguments)[0, prompt.shape[1]:][:compared].tolist()
+            compiled = draft.spec_generate(**arguments, compile=DYNAMO_ONLY)[0, prompt.shape[1]:][:compared]
+            assert compiled.tolist() == eager, (tree_size, seed)
+            outputs.add(tuple(eager))
+        assert len(outputs) == 3
+
+
 def test_published_readme_names_every_deepspec_config():
     text = (PUBLISHED_CONFIGS / "README.md").read_text(encoding="utf-8")
     for name in PUBLISHED:
