@@ -98,7 +98,7 @@ def best_first_tree(tokens: list[list[int]], probabilities: list[list[float]], s
     position p >= 1, the probability of each candidate after each candidate of position p - 1, by which a node's
     children are then ranked; `after_path` (a recurrent Markov head, whose state follows the whole path): the
     probability of each candidate of the next position after a node's path (its candidates' ranks from position 0),
-    asked once per node that gets a child."""
+    asked once per node planted above `max_depth`."""
     orders: dict[tuple[int, ...], list[tuple[float, int]]] = {}
 
     def children_of(parent_path: tuple[int, ...]) -> list[tuple[float, int]]:
