@@ -11,9 +11,10 @@ target's.
 - `EagerDraftBackend`: the draft's own forward over a `DraftContextCache` that grows with the context; finished rows
   leave it.
 - `CompiledDraftBackend` (`compile=True`): the draft's forward under `torch.compile` over a fixed-size
-  `StaticDraftContextCache` laid out for all of the call's rows; each context after the first (at most a block: the
-  kept columns) is padded to the block's width, so the compiled forward sees one shape. Finished rows stay in its
-  tensors; its methods take and return the live rows (`cache_dflash.FixedRows`).
+  `StaticDraftContextCache` laid out for all of the call's rows; each context after the first (the kept columns: at
+  most the call's block size, which a DeepSpec draft's shifted block of one row fewer also keeps) is padded to the
+  block size, so the compiled forward sees one shape. Finished rows stay in its tensors; its methods take and return
+  the live rows (`cache_dflash.FixedRows`).
 
 See docs/architecture.md, "The draft backend". Hub remote code: imports only torch and transformers.
 """
@@ -253,15 +254,17 @@ class CompiledDraftBackend:
     """The draft's forward under `torch.compile` (`options`) over a `StaticDraftContextCache` of all `num_rows` rows,
     with room for `context_columns` (the prompts' width, every new token and one block), in the target cache's column
     layout. The first forward, whose context is the prompts' (of any width), runs eagerly and makes the cache's
-    buffers; each later context (the kept columns: at most a block) is padded to the block's width and written after
-    the cache's columns, masked past the kept ones and overwritten by the next forward. Finished rows stay in the
-    tensors (another row count would compile anew); they add no context."""
+    buffers; each later context (the kept columns: at most `block_size`, the call's tokens verified per step, whether
+    the draft's block has as many rows or, shifted (DeepSpec), one fewer) is padded to `block_size` columns and written
+    after the cache's columns, masked past the kept ones and overwritten by the next forward. Finished rows stay in
+    the tensors (another row count would compile anew); they add no context."""
 
     def __init__(self, draft: torch.nn.Module, options: dict[str, Any], num_rows: int, context_columns: int,
-                 device: torch.device) -> None:
+                 device: torch.device, block_size: int) -> None:
         self.draft = draft
         self.compiled = compiled_draft(draft, options)
         self.capacity = static_capacity(context_columns)
+        self.context_width = block_size  # the columns of every context after the prompts'
         self.rows = FixedRows(num_rows, device)
         self.cache: StaticDraftContextCache | None = None
         self.columns = CacheColumns(torch.ones(num_rows, 0, dtype=torch.bool, device=device), [0] * num_rows)
@@ -290,7 +293,11 @@ class CompiledDraftBackend:
             self.cache = StaticDraftContextCache(len(self.draft.layers), self.capacity, block_size)
             forward = self.draft
         else:  # block-wide: the columns past the kept ones are masked, and overwritten by the next forward
-            padding = block_size - context.shape[1]
+            padding = self.context_width - context.shape[1]
+            if padding < 0:
+                raise ValueError(f"This compiled draft backend takes at most {self.context_width} new context columns "
+                                 f"a step (the call's block size); this step brings {context.shape[1]}. Make it with "
+                                 "the call's block size (generation_dflash.dflash_proposer).")
             context = torch.nn.functional.pad(context, (0, 0, 0, padding))
             context_position_ids = torch.nn.functional.pad(context_position_ids, (0, padding))
         self.cache.slots = torch.arange(start, start + context.shape[1], device=context.device)
@@ -299,7 +306,7 @@ class CompiledDraftBackend:
         mask[:, width : self.capacity] = False  # [N, C + B]: the rows' context columns, then the block
         hidden = forward(rows.fill(block_embeddings), rows.fill(context), rows.fill(block_position_ids),
                          rows.fill(context_position_ids), cache=self.cache, attention_mask=mask[:, None, None, :])
-        order = self.columns.compaction(room=self.capacity - block_size)  # the next forward's columns must fit
+        order = self.columns.compaction(room=self.capacity - self.context_width)  # the next context must fit
         if order is not None:
             self.cache.reorder_columns(order)
         return rows.take(hidden)
@@ -310,9 +317,10 @@ class CompiledDraftBackend:
 
 
 def draft_backend(draft: torch.nn.Module, compile: dict[str, Any] | None, num_rows: int, context_columns: int,
-                  device: torch.device) -> DraftBackend:
+                  device: torch.device, block_size: int) -> DraftBackend:
     """The call's draft backend: compiled with `compile`'s `torch.compile` options (`settings.compile`; a cache of
-    `num_rows` rows and `context_columns` columns on `device`, the draft's execution device), else eager."""
+    `num_rows` rows and `context_columns` columns on `device`, the draft's execution device, taking at most
+    `block_size` new context columns a step: the call's block size), else eager."""
     if compile is None:
         return EagerDraftBackend(draft)
-    return CompiledDraftBackend(draft, compile, num_rows, context_columns, device)
+    return CompiledDraftBackend(draft, compile, num_rows, context_columns, device, block_size)

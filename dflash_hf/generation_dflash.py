@@ -362,12 +362,9 @@ def dflash_proposer(draft: DFlashDraft, target: torch.nn.Module, settings: Decod
         raise ValueError(refusal)
     if confidence_threshold == SCHEDULED and settings.step_costs is None:
         raise ValueError(SCHEDULE_NEEDS_COSTS)
-    if settings.compile is not None and draft.shifted_labels:
-        raise ValueError("compile=True does not run DeepSpec drafts (shifted labels) yet; run them with compile=False "
-                         "(docs/formats.md, \"DeepSeek DeepSpec drafts\").")
     backend = draft_backend(draft, settings.compile, num_rows,
                             prompt_width + settings.max_new_tokens + settings.block_size,
-                            execution_device(target.get_input_embeddings()))
+                            execution_device(target.get_input_embeddings()), settings.block_size)
     return DFlashProposer(draft, target, settings.mask_token_id, sample_proposals=settings.acceptance == "rejection",
                           draft_vocab=settings.draft_vocab, backend=backend, confidence_threshold=confidence_threshold)
 

@@ -158,6 +158,9 @@ class Candidates:
     # [N, B-1, k, k] (DFlash2's selector): the probability of candidate j at position p after candidate i at position
     # p - 1; a node's children are then ranked by it (position 0 by `probabilities`, after the pending token)
     transitions: torch.Tensor | None = None
+    # (row, a node's path as its candidates' ranks from position 0) -> the probability of each candidate of the next
+    # position after that path: a recurrent (rnn) Markov head, whose q follows the whole path (`MarkovPaths`)
+    after_path: Callable[[int, tuple[int, ...]], list[float]] | None = None
 
 
 @dataclass
@@ -389,16 +392,20 @@ def markov_proposals(logits: torch.Tensor, hidden_states: torch.Tensor, anchors:
 
 
 def markov_candidates(markov: MarkovStage, step: DraftStep) -> Proposal:
-    """A DSpark draft's candidates for a tree (a Markov head whose bias depends on the token before only: vanilla,
-    gated): at each position the k most probable tokens of q after the greedy path, and the probability of each of
-    them after each candidate of the position before (its q given that token), by which a node's children are ranked
-    after their parent's own token. Chosen, not drawn: each node is verified with a one-hot q, so greedy and sampling
-    stay exact."""
+    """A DSpark draft's candidates for a tree: at each position the k most probable tokens of q after the greedy
+    path, and how a node ranks its children among the next position's: for a head whose bias reads the token before
+    only (vanilla, gated), by the probability of each candidate after each candidate of the position before (its q
+    given that token); for a recurrent head (rnn), by q after the node's whole path (`MarkovPaths`, each node's state
+    from its parent's). Chosen, not drawn: each node is verified with a one-hot q, so greedy and sampling stay
+    exact."""
     logits, hidden_states = markov.base, markov.hidden_states  # [N, P, V], [N, P, H]
     scores, tokens = processed_block(logits, step, lambda position, scores: scores.argmax(dim=-1), markov)
     probabilities = draft_distribution(scores, step)  # [N, P, V]: q along the greedy path
     count = min(step.num_candidates, logits.shape[-1])
     largest, candidates = probabilities.topk(count, dim=-1)  # [N, P, k]
+    if markov.head.initial_state(hidden_states[:1, 0]) is not None:  # a state that follows the whole path
+        paths = MarkovPaths(markov, candidates, step)
+        return Proposal(tokens, candidates=Candidates(candidates, largest, after_path=paths.probabilities))
     rows, positions, vocabulary = logits.shape
     transitions = [largest[:, :1, None, :].expand(-1, 1, count, -1)]  # position 0: after the pending token (not read)
     if positions > 1:
@@ -409,6 +416,48 @@ def markov_candidates(markov: MarkovStage, step: DraftStep) -> Proposal:
         q_after = draft_distribution(after.flatten(1, 2), step).view(rows, positions - 1, count, vocabulary)
         transitions.append(q_after.gather(-1, candidates[:, 1:, None, :].expand(-1, -1, count, -1)))  # [N,P-1,k,k]
     return Proposal(tokens, candidates=Candidates(candidates, largest, torch.cat(transitions, dim=1)))
+
+
+class MarkovPaths:
+    """A recurrent (rnn) Markov head's q along a tree's paths: a node's children's q reads the state its path left
+    (its parent's state stepped over the parent's token), so each node's state is computed from its parent's, when
+    the tree first asks for the children of the node or of one of its siblings (`probabilities`: the siblings are
+    stepped together, in one batch); memoised per row and parent path."""
+
+    def __init__(self, markov: MarkovStage, candidates: torch.Tensor, step: DraftStep) -> None:
+        self.markov, self.candidates, self.step = markov, candidates, step  # candidates [N, P, k]
+        # (row, parent path) -> (per candidate j of position len(parent path): the probability of each candidate of
+        # the next position after parent path + (j,) [k][k]; the states those paths leave [k, r])
+        self.siblings: dict[tuple[int, tuple[int, ...]], tuple[list[list[float]], torch.Tensor]] = {}
+
+    def _state(self, row: int, path: tuple[int, ...]) -> torch.Tensor:
+        """The state [1, r] before position len(path) + 1 of `row` after the candidates `path` (ranks at positions
+        0 .. len(path) - 1; the pending token before position 0)."""
+        if path:
+            return self._siblings(row, path[:-1])[1][path[-1] : path[-1] + 1]
+        markov = self.markov
+        hidden = markov.hidden_states[row : row + 1, 0]  # [1, H]
+        return markov.head.step(markov.anchors[row].view(1), hidden, markov.head.initial_state(hidden))[1]
+
+    def _siblings(self, row: int, parent: tuple[int, ...]) -> tuple[list[list[float]], torch.Tensor]:
+        """For every candidate of position len(parent) under the node of `parent`: q of the next position's
+        candidates after it [k][k], and the state it leaves [k, r]."""
+        key = (row, parent)
+        if key not in self.siblings:
+            markov, position = self.markov, len(parent) + 1  # the position of the siblings' children
+            tokens = self.candidates[row, position - 1]  # [k]: the siblings
+            count = tokens.shape[0]
+            hidden = markov.hidden_states[row, position].expand(count, -1)  # [k, H]
+            bias, states = markov.head.step(tokens, hidden, self._state(row, parent).expand(count, -1))
+            logits = markov.base[row, position] + bias.to(markov.base.dtype)  # [k, V]
+            q = draft_distribution(logits[:, None], self.step)[:, 0]  # [k, V]
+            self.siblings[key] = q[:, self.candidates[row, position]].tolist(), states
+        return self.siblings[key]
+
+    def probabilities(self, row: int, path: tuple[int, ...]) -> list[float]:
+        """The probability of each candidate of position len(path) after the node of `path` (its candidates' ranks
+        from position 0, at least one): q after that path, at the step's temperature, top-k and top-p."""
+        return self._siblings(row, path[:-1])[0][path[-1]]
 
 
 def check_confidence_threshold(draft: DFlashDraft, threshold: float | str | None) -> None:
@@ -429,13 +478,12 @@ def check_confidence_threshold(draft: DFlashDraft, threshold: float | str | None
 
 def deepspec_refusal(draft: DFlashDraft, tree_size: int | None, confidence_threshold: float | str | None
                      ) -> str | None:
-    """Why a call cannot run with this draft's DSpark parts (a Markov head, a confidence cut), or None: trees over an
-    rnn Markov head or a confidence cut are not built yet."""
-    recurrent = draft.markov_head is not None and draft.config.markov_head_type == "rnn"
-    if tree_size is not None and (recurrent or confidence_threshold):
-        return ("tree_size does not run over a DSpark draft's rnn Markov head (its state follows the whole path) or "
-                "a confidence cut yet; verify a chain (leave tree_size out) (docs/formats.md, \"DeepSeek DeepSpec "
-                "drafts\").")
+    """Why a call cannot run with this draft's DSpark parts (a Markov head, a confidence cut), or None: trees with a
+    confidence cut are not built yet."""
+    if tree_size is not None and confidence_threshold:
+        return ("tree_size does not run with a DSpark draft's confidence cut or confidence_threshold='auto' yet; "
+                "verify a chain (leave tree_size out) or leave confidence_threshold out (docs/formats.md, \"DeepSeek "
+                "DeepSpec drafts\").")
     return None
 
 

@@ -1,12 +1,14 @@
 """Hybrid targets, compiled backend (`compile=True`): Gated DeltaNet states rolled back at fixed shapes.
 
-`StaticRecurrentRollback` wraps `static_dflash.StaticBackend` as `backends_dflash.RecurrentRollback` wraps the eager
-backend, with the same interface (`backends_dflash.TargetBackend`): it hands the backend a hook around the prefill
-(`StaticRecurrentStates.allocating`: fixed buffers shaped from the prefill's calls) and around each verify
-(`recording`: the verified columns' convolution and rule inputs copied into them, a tree's calls run along its
-root-to-leaf paths), and after `keep` runs the rollback, one more compiled call. The states live as long as the
-target's `StaticVerifier` (one per verifier, `static_states`), so the hooks its compiled graph's guards saw and the
-rollback's graph are reused by later calls. README, "Compiled decoding".
+`StaticRecurrentRollback` is the compiled backend's recurrent rollback: a `recurrent_dflash.RollbackWrapper` (which
+forwards the target backend's methods, `backends_dflash.TargetBackend`, to the backend it wraps; the eager
+`backends_dflash.RecurrentRollback` is the other) around `static_dflash.StaticBackend`, and like it a
+`static_dflash.FixedRowBackend` that `FixedRowBatch` wraps (`backends_dflash.target_backend` builds the stack). It
+hands the backend a hook around the prefill (`StaticRecurrentStates.allocating`: fixed buffers shaped from the
+prefill's calls) and around each verify (`recording`: the verified columns' convolution and rule inputs copied into
+them, a tree's calls run along its root-to-leaf paths), and after `keep` runs the rollback, one more compiled call.
+The states live as long as the target's `StaticVerifier` (one per verifier, `static_states`), so the hooks its
+compiled graph's guards saw and the rollback's graph are reused by later calls. docs/compiled.md.
 
 Hub remote code: imports only torch and transformers.
 """

@@ -1,20 +1,24 @@
 """One draft-and-verify step over the live rows, and its two strategies: a chain and a tree.
 
 A step runs `plan_step` (the block's positions), `propose` (the proposer's tokens for it), then its strategy's
-`arrange` (a chain: cut to a worthwhile width when step costs are given; a tree: planted from the draft's candidates)
-and `verify` (one target pass; what it judged, as a `Verdict`), then `commit` (the committed tokens) and
-`keep_context` (the cache columns and features of what was committed). The target's side (its cache, the verify
-forward, keep and discard) is the call's backend (`backends_dflash.TargetBackend`: eager, compiled, or the eager one
-with a hybrid target's recurrent rollback); the stages call its methods and never ask which it is. Every stage sees
+`arrange` (a chain: cut where the proposer cut its rows, then to a worthwhile width when step costs are given; a
+tree: planted from the draft's candidates) and `verify` (one target pass; what it judged, as a `Verdict`), then
+`commit` (the committed tokens) and `keep_context` (the cache columns and features of what was committed).
+
+Two seams meet here (docs/architecture.md, "The target backend"). The proposer (`proposer_dflash.Proposer`; a DFlash
+draft's reaches its draft through `draft_backends_dflash.DraftBackend`) drafts; the target's side is the call's
+backend (`backends_dflash.TargetBackend`, `DecodeState.backend`: eager or compiled, either wrapped in a hybrid
+target's recurrent rollback), whose methods the stages call without asking which it is. A strategy hands the backend
+a `masks_dflash.VerifyLayout` (positions, what each column sees, a tree's paths), never its tree. Every stage sees
 the live rows only (`DecodeState.active`): a row that ended leaves them before the next step, on every backend. What
 the loop records (tokens, lengths, which rows ended) changes in `commit`; the backend's cache grows in `verify`, and
 `keep_context` tells it which columns to keep (the eager cache is cropped to them there; the compiled one overwrites
 the rest at its next verify); `propose` hands the unseen features to the proposer.
 
 `ChainStep` and `TreeStep` are the strategies (`StepStrategy`), as `CandidateGenerator`s are in Transformers'
-assisted decoding: each has its own arrange and verify. They are not yet apart: the shared stages know a tree
-(`StepPlan.tree`, read by `position_prefixes`), the backends' verify takes one, and a tree's one-token block is
-verified by `ChainStep.verify`. `generation_dflash.DecodeSession` runs the steps. See docs/architecture.md.
+assisted decoding: each has its own arrange and verify, and a tree's one-token block (the last) is a tree of the root
+alone. One shared stage still reads a tree: `position_prefixes` (the prefix of each verify column, for the call's
+processors) follows `StepPlan.tree`'s paths. `generation_dflash.DecodeSession` runs the steps.
 
 Hub remote code: imports only torch and transformers.
 """
@@ -368,7 +372,7 @@ class ChainStep:
         """The step as planned, cut where the proposer cut its rows (`Proposal.lengths`), then to the worthwhile
         width when step costs are given."""
         if proposal.lengths is not None:
-            step, proposal = cut_to_lengths(step, proposal)
+            step, proposal = cut_to_lengths(step, proposal, state.backend)
         confidences = proposal.proposal_confidences()
         if settings.step_costs is None or confidences is None or step.width == 1:
             return step, proposal
@@ -401,11 +405,12 @@ class ChainStep:
 CHAIN = ChainStep()
 
 
-def cut_to_lengths(step: StepPlan, proposal: Proposal) -> tuple[StepPlan, Proposal]:
+def cut_to_lengths(step: StepPlan, proposal: Proposal, backend: TargetBackend) -> tuple[StepPlan, Proposal]:
     """A chain step whose row i verifies at most `proposal.lengths[i]` proposals (its count: later ones are never
-    accepted, and its next token follows the last one it may keep), as wide as the longest row needs."""
+    accepted, and its next token follows the last one it may keep), as wide as the longest row needs where the
+    backend's verify width may change (`step_width`; a compiled verify keeps its width and the counts cut)."""
     lengths = proposal.lengths.tolist()  # one device read
-    width = min(step.width, max(lengths) + 1)
+    width = backend.step_width(step.width, max(lengths) + 1)
     counts = [min(count, length + 1) for count, length in zip(step.counts, lengths)]
     confidences = None if proposal.confidences is None else proposal.confidences[:, : width - 1]
     cut = dict(tokens=proposal.tokens[:, : width - 1], confidences=confidences, lengths=None)
@@ -437,7 +442,8 @@ class TreeStep:
                              *(() if transitions is None else (transitions,)))  # one device read: [n, b - 1, k], ...
         trees = build_trees(candidates[0].tolist(), candidates[1].tolist(), self.size,
                             [min(step.width - 1, count - 1) for count in step.counts], candidates[2].tolist(),
-                            None if transitions is None else candidates[3].tolist(), forbidden_nodes(state, settings))
+                            None if transitions is None else candidates[3].tolist(), forbidden_nodes(state, settings),
+                            proposal.candidates.after_path)
         depths = host_to_device([[0] + depths for depths in trees.depths], state.device)  # [n, 1 + N]
         tree_step = StepPlan(1 + trees.size, step.counts, step.positions[:, :1] + depths, step.pending, trees)
         tokens = host_to_device(trees.tokens, state.device)  # [n, N]: the nodes; q stays per block position

@@ -2,7 +2,9 @@
 
 A DFlash draft gives a distribution at every position of its block, each independent of the tokens before it. A
 chain verifies the argmax at every position; a tree verifies the `size` nodes of highest draft path probability
-(the product of the draft's probabilities along the path), built best-first from each position's top candidates.
+(the product of the draft's probabilities along the path), built best-first from each position's top candidates
+(with a DFlash2 selector or a DSpark Markov head, a node's children ranked by the draft's probabilities after the
+node's token, or after its whole path).
 Each node is one column of the verify (column 0 is the pending token, the root); it sees the row's context, its
 ancestors and itself, at the position of its depth (`tree_sees`); a hybrid target's recurrent layers run along its
 root-to-leaf paths (`PathPlan`). See docs/sampling.md, "Trees".
@@ -87,42 +89,53 @@ class DraftTree:
 
 
 def best_first_tree(tokens: list[list[int]], probabilities: list[list[float]], size: int, max_depth: int,
-                    transitions: list[list[list[float]]] | None = None) -> tuple[list[int], list[int], list[int]]:
+                    transitions: list[list[list[float]]] | None = None,
+                    after_path: Callable[[tuple[int, ...]], list[float]] | None = None
+                    ) -> tuple[list[int], list[int], list[int]]:
     """One row's tree: (tokens, parent columns, depths) of its at most `size` nodes of highest path probability,
     best-first, at most `max_depth` deep. `tokens` / `probabilities`: per block position, its candidates (the
-    probabilities descending); `transitions` (DFlash2): per position p >= 1, the probability of each candidate after
-    each candidate of position p - 1, by which a node's children are then ranked."""
-    orders: dict[tuple[int, int], list[tuple[float, int]]] = {}
+    probabilities descending); `transitions` (DFlash2, a Markov head whose bias reads the token before only): per
+    position p >= 1, the probability of each candidate after each candidate of position p - 1, by which a node's
+    children are then ranked; `after_path` (a recurrent Markov head, whose state follows the whole path): the
+    probability of each candidate of the next position after a node's path (its candidates' ranks from position 0),
+    asked once per node planted above `max_depth`."""
+    orders: dict[tuple[int, ...], list[tuple[float, int]]] = {}
 
-    def children_of(depth: int, parent_rank: int) -> list[tuple[float, int]]:
-        """The candidates under a node of rank `parent_rank` at depth - 1: (probability, rank), most probable first."""
-        if (depth, parent_rank) not in orders:
-            after_parent = transitions is not None and depth > 1
-            row = transitions[depth - 1][parent_rank] if after_parent else probabilities[depth - 1]
-            orders[depth, parent_rank] = sorted(((probability, rank) for rank, probability in enumerate(row)),
-                                                key=lambda item: -item[0])  # stable: ties keep the candidates' order
-        return orders[depth, parent_rank]
+    def children_of(parent_path: tuple[int, ...]) -> list[tuple[float, int]]:
+        """The candidates under the node of `parent_path` (its ranks; () the root): (probability, rank), most
+        probable first."""
+        if parent_path not in orders:
+            depth = len(parent_path) + 1
+            if depth > 1 and after_path is not None:
+                row = after_path(parent_path)
+            elif depth > 1 and transitions is not None:
+                row = transitions[depth - 1][parent_path[-1]]
+            else:
+                row = probabilities[depth - 1]
+            orders[parent_path] = sorted(((probability, rank) for rank, probability in enumerate(row)),
+                                         key=lambda item: -item[0])  # stable: ties keep the candidates' order
+        return orders[parent_path]
 
-    # frontier: (-path prob, order, parent column, depth, sibling index, parent's path prob, parent's rank)
-    frontier: list[tuple[float, int, int, int, int, float, int]] = []
+    # frontier: (-path prob, order, parent column, sibling index, parent's path prob, parent's path of ranks)
+    frontier: list[tuple[float, int, int, int, float, tuple[int, ...]]] = []
     order = itertools.count()  # ties: the node pushed first comes first
 
-    def push(parent: int, depth: int, sibling: int, base: float, parent_rank: int) -> None:
-        if depth > max_depth:
+    def push(parent: int, sibling: int, base: float, parent_path: tuple[int, ...]) -> None:
+        if len(parent_path) + 1 > max_depth:
             return
-        siblings = children_of(depth, parent_rank)
+        siblings = children_of(parent_path)
         if sibling < len(siblings) and siblings[sibling][0] > 0.0:
-            heapq.heappush(frontier, (-base * siblings[sibling][0], next(order), parent, depth, sibling, base,
-                                      parent_rank))
+            heapq.heappush(frontier, (-base * siblings[sibling][0], next(order), parent, sibling, base, parent_path))
 
     nodes: list[tuple[int, int, int]] = []  # (token, parent column, depth)
-    push(0, 1, 0, 1.0, 0)
+    push(0, 0, 1.0, ())
     while frontier and len(nodes) < size:
-        negative, _, parent, depth, sibling, base, parent_rank = heapq.heappop(frontier)
-        rank = children_of(depth, parent_rank)[sibling][1]
+        negative, _, parent, sibling, base, parent_path = heapq.heappop(frontier)
+        rank = children_of(parent_path)[sibling][1]
+        depth = len(parent_path) + 1
         nodes.append((tokens[depth - 1][rank], parent, depth))
-        push(parent, depth, sibling + 1, base, parent_rank)  # the next sibling
-        push(len(nodes), depth + 1, 0, -negative, rank)  # the first child
+        push(parent, sibling + 1, base, parent_path)  # the next sibling
+        push(len(nodes), 0, -negative, (*parent_path, rank))  # the first child
     return [node[0] for node in nodes], [node[1] for node in nodes], [node[2] for node in nodes]
 
 
@@ -161,11 +174,13 @@ def drop_refused(tokens: list[int], parents: list[int], depths: list[int], forbi
 def build_trees(candidate_tokens: list[list[list[int]]], candidate_probabilities: list[list[list[float]]],
                 size: int, max_depths: list[int], filler_token: list[int],
                 candidate_transitions: list[list[list[list[float]]]] | None = None,
-                forbidden: Callable[[int, list[list[int]], list[int]], list[bool]] | None = None) -> DraftTree:
+                forbidden: Callable[[int, list[list[int]], list[int]], list[bool]] | None = None,
+                after_path: Callable[[int, tuple[int, ...]], list[float]] | None = None) -> DraftTree:
     """Per row, the `size` nodes of highest draft path probability, best-first; at most `max_depths[row]` deep.
 
     candidate_tokens / candidate_probabilities: per row, per block position, the draft's top tokens and their
-    probabilities (descending); candidate_transitions (DFlash2): per row, `best_first_tree`'s transitions;
+    probabilities (descending); candidate_transitions (DFlash2, Markov): per row, `best_first_tree`'s transitions;
+    after_path (a recurrent Markov head): `best_first_tree`'s, of the row and a node's path;
     `forbidden(row, paths, tokens)` (under the call's processors): per node, whether its token is ruled out after its
     parent's path (`column_paths`) in that row; those nodes are dropped (`drop_refused`). A row with fewer possible
     nodes is filled with `filler_token[row]` nodes under the root that the walk never accepts.
@@ -173,7 +188,9 @@ def build_trees(candidate_tokens: list[list[list[int]]], candidate_probabilities
     trees = DraftTree([], [], [], [])
     for row, (tokens, probabilities) in enumerate(zip(candidate_tokens, candidate_probabilities)):
         transitions = None if candidate_transitions is None else candidate_transitions[row]
-        node_tokens, parents, depths = best_first_tree(tokens, probabilities, size, max_depths[row], transitions)
+        node_tokens, parents, depths = best_first_tree(tokens, probabilities, size, max_depths[row], transitions,
+                                                       None if after_path is None else
+                                                       lambda path, row=row: after_path(row, path))
         if forbidden is not None:
             paths = column_paths(node_tokens, parents)
             node_tokens, parents, depths, refused = drop_refused(

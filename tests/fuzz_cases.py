@@ -62,7 +62,7 @@ PROCESSORS = ["repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngr
 KNOWN_REFUSALS = [
     r"is not supported: its layers of type .* keep a recurrent state",  # RECURRENT_REFUSALS targets
     r"pad",  # no mask and a pad id after a prompt token; padding on the right
-    r"tree_size",  # trees refused for rnn Markov heads and with confidence_threshold
+    r"tree_size",  # trees refused with confidence_threshold
     r"confidence",  # confidence_threshold without a confidence head
     r"no suppress|also in .?suppress_tokens|forced",  # forced BOS/EOS inside suppress_tokens
     r"exponential_decay_length_penalty",  # without an EOS id
@@ -101,7 +101,7 @@ def draw_case(index: int, base_seed: int = 0) -> dict[str, Any]:
     }
     if draft_family.startswith("dspark") and rng.random() < 0.5:
         case["confidence_threshold"] = rng.choice([0.2, 0.5, 0.8, 1.0, "auto"])  # "auto": with SCHEDULE_COSTS
-    if (draft_family == "dspark_rnn" or case["confidence_threshold"] is not None) and rng.random() < 0.75:
+    if case["confidence_threshold"] is not None and rng.random() < 0.75:
         case["tree_size"] = None  # trees are refused there (docs/api.md): drawn a quarter of the time only
     stop_kind = rng.choices(["none", "call", "stop_token_ids", "config", "stop_strings"],
                             weights=[30, 20, 20, 15, 15])[0]

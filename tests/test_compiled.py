@@ -51,7 +51,8 @@ class GuidedDFlashProposer(DFlashProposer):
     def __init__(self, draft, target, reference: torch.Tensor, seed: int, compile: dict | None = None,
                  context_columns: int = 0) -> None:
         super().__init__(draft, target, draft.mask_token_id,
-                         backend=draft_backend(draft, compile, 1, context_columns, torch.device("cpu")))
+                         backend=draft_backend(draft, compile, 1, context_columns, torch.device("cpu"),
+                                               draft.block_size))
         self.reference = ReferenceProposer(reference, corrupt_seed=seed)
         self.drafted: list[list[list[int]]] = []
 

@@ -40,7 +40,9 @@ from helpers import (
 )
 from sampling_checks import NUM_NEW, NUM_SAMPLES, assert_follows, exact_joint, sampled_counts
 from sampling_checks import SAMPLING_VOCAB as VOCAB
+from test_compiled import COMPILES, DYNAMO_ONLY, compiled_graphs
 from test_remote_code import LOAD_WITHOUT_PACKAGE
+from torch._dynamo.utils import counters
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import dflash_hf.proposer_dflash as proposer_module
@@ -495,13 +497,9 @@ def test_confidence_thresholds_and_unbuilt_combinations_are_refused_up_front():
     with pytest.raises(ValueError, match="from 0 to 1"):
         deepspec_draft("vanilla").spec_generate(target=target, input_ids=input_ids, max_new_tokens=8,
                                                 confidence_threshold=1.5)
-    with pytest.raises(ValueError, match="tree_size"):
-        deepspec_draft("rnn").spec_generate(target=target, input_ids=input_ids, max_new_tokens=8, tree_size=4)
-    with pytest.raises(ValueError, match="tree_size"):
+    with pytest.raises(ValueError, match="tree_size .*confidence cut"):
         deepspec_draft("gated").spec_generate(target=target, input_ids=input_ids, max_new_tokens=8, tree_size=4,
                                               confidence_threshold=0.5)
-    with pytest.raises(ValueError, match="compile=True"):
-        deepspec_draft("dflash").spec_generate(target=target, input_ids=input_ids, max_new_tokens=8, compile=True)
 
 
 def test_a_deepspec_dflash_tree_equals_generate():
@@ -513,9 +511,9 @@ def test_a_deepspec_dflash_tree_equals_generate():
     assert torch.equal(output, plain_greedy(target, input_ids, max_new_tokens=16))
 
 
-@pytest.mark.parametrize("kind", ["vanilla", "gated"])
+@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
 def test_trees_over_a_markov_draft_equal_generate(kind):
-    """Each node's children ranked by q after its parent's own token; greedy and sampled trees stay exact."""
+    """Each node's children ranked by q after its own token (rnn: after its whole path); greedy trees stay exact."""
     for family in ("qwen3", "llama"):
         target = build_target(family)
         input_ids = random_prompt(41, 6)
@@ -555,15 +553,54 @@ def test_a_markov_tree_ranks_children_after_their_parent():
     assert checked >= 3
 
 
+def test_an_rnn_tree_steps_each_nodes_state_from_its_parents():
+    """An rnn head's state follows the whole path: the q a tree ranks a node's children by is the q a chain walk
+    along that node's path gives (each node's state stepped from its parent's, not a sibling's), for every path of
+    up to three candidates. Power: two nodes with the same token after different parents rank their children
+    differently."""
+    target = build_target("qwen3")
+    draft = deepspec_draft("rnn", seed=2)
+    seen = []
+
+    class Keep(DFlashProposer):
+        def propose(self, step):
+            proposal = super().propose(step)
+            seen.append(proposal.candidates)
+            return proposal
+
+    speculative_decode(target, Keep(draft, target, draft.mask_token_id), random_prompt(5, 6), max_new_tokens=6,
+                       block_size=draft.block_size, tree_size=3)
+    candidates = seen[0]
+    assert candidates.transitions is None and candidates.after_path is not None
+    markov = candidates.after_path.__self__.markov  # the step's MarkovStage: LM-head logits, hidden states, anchor
+    tokens = candidates.tokens[0]  # [P, k]
+    count = tokens.shape[1]
+    paths = [(a,) for a in range(count)] + [(a, b) for a in range(count) for b in range(count)]
+    paths += [(a, b, c) for a in range(count) for b in range(count) for c in range(count)]
+    for path in paths:
+        with torch.no_grad():  # the step's tensors were made in inference mode
+            walk = proposer_module.MarkovStage(draft, markov.base, markov.hidden_states, markov.anchors, False)
+            walked = torch.zeros(1, len(path) + 1, dtype=torch.long)
+            for position, rank in enumerate(path):
+                walk.logits(position, walked)
+                walked[0, position] = tokens[position, rank]
+            q = walk.logits(len(path), walked)[0].float().softmax(dim=-1)  # [V]: after the path
+            torch.testing.assert_close(torch.tensor(candidates.after_path(0, path)), q[tokens[len(path)]])
+    differs = [candidates.after_path(0, (a, b)) != candidates.after_path(0, (0, b))
+               for a in range(1, count) for b in range(count)]
+    assert any(differs)
+
+
 # --- Sampling keeps the target's distribution ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind, threshold, tree_size", [("rnn", None, None), ("vanilla", 0.25, None),
-                                                      ("gated", None, 3)])
+                                                      ("gated", None, 3), ("rnn", None, 3)])
 def test_sampled_markov_chains_follow_the_target_distribution(kind, threshold, tree_size):
     """Chi-square over 6^3 continuations, with the power check, for chains (rnn; vanilla with a confidence cut that
-    falls on about half the rows) and a tree (gated); the draft's Markov head planted with the target's most likely
-    token after each one-token prompt, so that proposals get accepted (and a wrong q would show)."""
+    falls on about half the rows) and trees (gated; rnn, each node's children ranked by q after its path); the
+    draft's Markov head planted with the target's most likely token after each one-token prompt, so that proposals
+    get accepted (and a wrong q would show)."""
     from sampling_checks import sampling_target
 
     target, input_ids = sampling_target()
@@ -586,6 +623,91 @@ def test_sampled_markov_chains_follow_the_target_distribution(kind, threshold, t
     assert accepted > NUM_SAMPLES // 10
     assert_follows(counts, exact_joint(target, input_ids, temperature, top_k, top_p),
                    exact_joint(target, input_ids, temperature * 1.5, top_k, top_p))
+
+
+# --- compile=True ------------------------------------------------------------------------------------------------
+
+
+@COMPILES
+def test_compiled_golden_runs_keep_deepspecs_tokens_and_acceptance(tmp_path):
+    """compile=True on the golden runs (every variant, with and without the confidence cut): DeepSpec's new tokens,
+    and its acceptance at every step before the eager loop would narrow its block; a step that accepts the whole
+    shifted block keeps one context column more than the draft's block has rows. After each draft's first call, its
+    other prompts and thresholds compile nothing new."""
+    target = golden_target()
+    prompts = golden_prompts()
+    torch._dynamo.reset()
+    counters.clear()
+    full_blocks = 0
+    for variant, record in GOLDEN_RECORD["variants"].items():
+        draft = DFlashDraftModel.from_pretrained(write_deepspec_folder(
+            tmp_path / variant, record["config"], record["shapes"], target, record["seed"]))
+        graphs = None
+        for run in record["greedy"]:
+            result = draft.spec_generate(target=target, input_ids=prompts[run["prompt"]],
+                                         max_new_tokens=GOLDEN_RECORD["max_new_tokens"], stop_token_ids=[],
+                                         confidence_threshold=run["threshold"] or None, compile=DYNAMO_ONLY,
+                                         return_stats=True)
+            where = f"{variant} prompt {run['prompt']} threshold {run['threshold']}"
+            assert result.new_tokens(0) == run["new_tokens"], where
+            # DeepSpec's steps before the eager loop narrows its block to what max_new_tokens leaves
+            steps, left = 0, GOLDEN_RECORD["max_new_tokens"] - 1
+            while steps < len(run["acceptance_lengths"]) and left >= draft.block_size:
+                left -= run["acceptance_lengths"][steps]
+                steps += 1
+            assert result.acceptance_lengths[0][:steps] == run["acceptance_lengths"][:steps], where
+            full_blocks += draft.block_size in result.acceptance_lengths[0]
+            if graphs is not None:
+                assert compiled_graphs() == graphs, (where, counters["stats"])
+            graphs = compiled_graphs()
+    assert full_blocks >= 3
+
+
+@COMPILES
+@pytest.mark.parametrize("kind", list(MARKOV))
+def test_compiled_chains_and_trees_equal_generate_on_two_families(kind):
+    """compile=True with DeepSpec's DFlash and each DSpark Markov head, chains and trees, on Qwen3 and Llama targets:
+    the target's greedy tokens, and a second call (another prompt length and length budget) compiles nothing new."""
+    draft = deepspec_draft(kind, seed=6)
+    torch._dynamo.reset()
+    counters.clear()
+    for family in ("qwen3", "llama"):
+        target = build_target(family)
+        for tree_size in (None, 4):
+            graphs = None
+            for seed, length, new_tokens in ((0, 5, 14), (1, 9, 11)):
+                input_ids = random_prompt(800 + seed, length)
+                output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=new_tokens,
+                                             block_size=5, tree_size=tree_size, compile=DYNAMO_ONLY)
+                where = f"{family} tree_size {tree_size} seed {seed}"
+                assert torch.equal(output, plain_greedy(target, input_ids, max_new_tokens=new_tokens)), where
+                if graphs is not None:
+                    assert compiled_graphs() == graphs, (where, counters["stats"])
+                graphs = compiled_graphs()
+
+
+@COMPILES
+def test_compiled_sampled_dspark_drafts_draw_what_the_eager_loop_draws(tmp_path):
+    """Same seed, same tokens, for an rnn DSpark draft's sampled chains and trees (each position's q after the token
+    drawn before it): the compiled backend changes no draw, so the distribution the eager loop keeps (chi-square,
+    above) is kept. Compared until the eager loop narrows its last blocks. Power: other seeds draw other tokens."""
+    record = GOLDEN_RECORD["variants"]["dspark_rnn"]
+    target = golden_target()
+    draft = DFlashDraftModel.from_pretrained(write_deepspec_folder(
+        tmp_path / "rnn", record["config"], record["shapes"], target, record["seed"]))
+    prompt = golden_prompts()[1]
+    new_tokens = 30
+    compared = new_tokens - draft.block_size
+    for tree_size in (None, 4):
+        outputs = set()
+        for seed in (0, 1, 2):
+            arguments = dict(target=target, input_ids=prompt, max_new_tokens=new_tokens, temperature=1.0, seed=seed,
+                             stop_token_ids=[], tree_size=tree_size)
+            eager = draft.spec_generate(**arguments)[0, prompt.shape[1]:][:compared].tolist()
+            compiled = draft.spec_generate(**arguments, compile=DYNAMO_ONLY)[0, prompt.shape[1]:][:compared]
+            assert compiled.tolist() == eager, (tree_size, seed)
+            outputs.add(tuple(eager))
+        assert len(outputs) == 3
 
 
 def test_published_readme_names_every_deepspec_config():
