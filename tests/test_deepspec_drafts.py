@@ -687,6 +687,26 @@ def test_compiled_chains_and_trees_equal_generate_on_two_families(kind):
 
 
 @COMPILES
+@needs_gemma4
+def test_a_compiled_gemma4_layer_draft_equals_generate_on_gemma4_12bs_kind():
+    """compile=True with a DSpark draft of Gemma-4 layers (keys as values, four norms, proportional rope) on a
+    Gemma-4 12B-kind target: greedy chains and trees equal generate; a second chain call compiles nothing new."""
+    draft = deepspec_draft("vanilla", seed=3, **GEMMA4_LAYOUT)
+    target = build_target("gemma4_unified")
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = None
+    for tree_size, seed, length, new_tokens in ((None, 0, 6, 12), (None, 1, 9, 10), (4, 2, 5, 12)):
+        input_ids = random_prompt(810 + seed, length)
+        output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=new_tokens, block_size=5,
+                                     tree_size=tree_size, compile=DYNAMO_ONLY)
+        assert torch.equal(output, plain_greedy(target, input_ids, max_new_tokens=new_tokens)), (tree_size, seed)
+        if tree_size is None:
+            assert graphs is None or compiled_graphs() == graphs, counters["stats"]
+            graphs = compiled_graphs()
+
+
+@COMPILES
 def test_compiled_sampled_dspark_drafts_draw_what_the_eager_loop_draws(tmp_path):
     """Same seed, same tokens, for an rnn DSpark draft's sampled chains and trees (each position's q after the token
     drawn before it): the compiled backend changes no draw, so the distribution the eager loop keeps (chi-square,
