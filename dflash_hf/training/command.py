@@ -149,13 +149,13 @@ def dspark_heads(args: argparse.Namespace, draft: DFlashDraftModel | None = None
         conflicts.append(f"--markov-rank {rank} (the draft's Markov head has rank {config.markov_rank})")
     if config.markov_rank and args.markov_head is not None and kind != config.markov_head_type:
         conflicts.append(f"--markov-head {kind} (the draft's is {config.markov_head_type})")
-    if config.enable_confidence_head and rank and not config.confidence_head_with_markov:
-        conflicts.append("--markov-rank (the draft's confidence head reads no Markov head, and keeps its shape)")
     if conflicts:
         raise SystemExit(f"--init-from {args.init_from} already has DSpark heads; drop or change: "
                          + ", ".join(conflicts))
+    # a confidence head the draft has keeps its inputs; a new one reads the Markov head where there is one (DeepSpec's)
+    rank = config.markov_rank or rank
     with_markov = config.confidence_head_with_markov if config.enable_confidence_head else rank > 0
-    return {"shifted_labels": True, "markov_rank": config.markov_rank or rank,
+    return {"shifted_labels": True, "markov_rank": rank,
             "markov_head_type": config.markov_head_type or kind,
             "enable_confidence_head": config.enable_confidence_head or args.confidence_head,
             "confidence_head_with_markov": (config.enable_confidence_head or args.confidence_head) and with_markov}
