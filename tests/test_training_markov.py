@@ -31,9 +31,27 @@ def dspark_draft(kind: str | None, seed: int, confidence: bool = True) -> DFlash
     return DFlashDraftModel(dspark_config(draft_config(block_size=BLOCK), heads)).eval()
 
 
+def test_deepspecs_block_has_one_row_fewer_every_one_a_proposal_and_a_prefix_of_labels():
+    from dflash_hf.training import build_blocks
+
+    input_ids = torch.arange(100, 120)
+    loss_mask = torch.zeros(20)
+    loss_mask[6:] = 1
+    loss_mask[9] = 0  # a gap: labels after it in the same block no longer count (DeepSpec's eval_mask)
+    blocks = build_blocks(input_ids, loss_mask, torch.tensor([4, 17]), 4, MASK, shifted_labels=True)
+    assert blocks.block_ids.tolist() == [104, MASK, MASK, 117, MASK, MASK]
+    assert blocks.block_position_ids.tolist() == [4, 5, 6, 17, 18, 19]
+    assert blocks.labels.tolist() == [[105, 106, 107], [118, 119, 0]]  # the same labels as a DFlash block's
+    assert blocks.label_mask.tolist() == [[False, False, False], [True, True, False]]
+    plain = build_blocks(input_ids, loss_mask, torch.tensor([4, 17]), 4, MASK)
+    assert plain.label_mask.tolist() == [[False, True, True], [True, True, False]]
+
+
 def deepspec_markov_bias(draft: DFlashDraftModel, previous: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     """DeepSpec's teacher-forced Markov bias [P, V] of one block (markov_head.py), written out from its weights."""
     head = draft.markov_head
+    if head is None:  # DeepSpec's DFlash: no bias
+        return torch.zeros(len(previous), VOCAB_SIZE)
     w1, w2 = head.markov_w1.weight, head.markov_w2.weight  # [V, r], [V, r]
     embedded = w1[previous]  # [P, r]
     if head.kind == "vanilla":
@@ -50,7 +68,7 @@ def deepspec_markov_bias(draft: DFlashDraftModel, previous: torch.Tensor, hidden
     return torch.stack(biases)
 
 
-@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
+@pytest.mark.parametrize("kind", [None, "vanilla", "gated", "rnn"])
 def test_the_dspark_loss_is_deepspecs_formula(kind):
     """CE 0.1 to the token + L1 0.9 to the target's softmax + confidence BCE 1.0 to 1 - L1/2, each position weighted
     exp(-k / gamma) over DeepSpec's prefix eval mask, all over the sum of the weights: computed block by block."""
@@ -86,7 +104,8 @@ def test_the_dspark_loss_is_deepspecs_formula(kind):
             p = target_logits[label_positions.clamp(max=length - 1) - 1].softmax(-1)
             l1 = (logits.softmax(-1) - p).abs().sum(-1)
             accept = (1 - 0.5 * l1).clamp(0, 1)
-            features_c = torch.cat((hidden, draft.markov_head.markov_w1.weight[previous]), -1)
+            features_c = hidden if kind is None else torch.cat((hidden, draft.markov_head.markov_w1.weight[previous]),
+                                                               -1)
             confidence = features_c @ draft.confidence_head.proj.weight[0] + draft.confidence_head.proj.bias
             terms = (0.1 * F.cross_entropy(logits, labels, reduction="none") + 0.9 * l1
                      + F.binary_cross_entropy_with_logits(confidence, accept, reduction="none"))
