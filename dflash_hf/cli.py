@@ -165,6 +165,21 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logit-weight", type=float, default=TrainingSettings.logit_weight, metavar="W",
                         help="add W x the squared error between the draft's and the target's raw logits on the "
                              "target's top-k ids, so the draft's logits sit at the target's level (needs --distill)")
+    parser.add_argument("--token-cross-entropy", action="store_true",
+                        help="the cross-entropy to the sequence's own token while --l1-weight's L1 reads the "
+                             "target's distribution, as DeepSpec trains (needs --distill)")
+    parser.add_argument("--shifted-labels", action="store_true",
+                        help="DeepSpec's block: [last token, mask x (B-2)], every row a proposal (row k predicts "
+                             "the token at start + k + 1); --markov-rank and --confidence-head imply it")
+    parser.add_argument("--markov-rank", type=int, default=None, metavar="R",
+                        help="a DSpark Markov head of rank R (DeepSpec's drafts: 256): a bias on each proposal's "
+                             "logits from the token before it; 0: none (docs/training.md, \"A Markov head\")")
+    parser.add_argument("--markov-head", choices=["vanilla", "gated", "rnn"], default=None,
+                        help="the Markov head's kind (needs --markov-rank; default vanilla, as DeepSpec's drafts)")
+    parser.add_argument("--confidence-head", action="store_true",
+                        help="a DSpark confidence head, trained to each position's acceptance 1 - L1/2 against the "
+                             "target (binary cross-entropy, weight 1 as DeepSpec); the evaluator's "
+                             "confidence_threshold= cuts proposals with it (needs --distill)")
     parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="K",
                         help="train the draft with an LM head of its own over K tokens: the K most frequent "
                              "response tokens of the training data, chosen before training, its rows started from "

@@ -451,17 +451,24 @@ class DFlashMarkovHead(nn.Module):
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(bias [M, V], the state after this position) for M positions given the tokens before them [M], their
         hidden states [M, H] and the state before them (`initial_state`, or the last step's)."""
+        latent, state = self.latent(previous_tokens, hidden_states, state)
+        return self.markov_w2(latent), state
+
+    def latent(self, previous_tokens: torch.Tensor, hidden_states: torch.Tensor, state: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(W2's input [M, r], the state after this position): `step` before its last projection, so that training
+        can project a few rows at a time (the bias is `markov_w2` of it)."""
         previous = self.previous_embedding(previous_tokens)  # [M, r]
         hidden_states = hidden_states.to(previous.dtype)
         if self.kind == "gated":
             gate = torch.sigmoid(self.gate_proj(torch.cat((hidden_states, previous), dim=-1)))
-            return self.markov_w2(gate.to(previous.dtype) * previous), None
+            return gate.to(previous.dtype) * previous, None
         if self.kind == "rnn":
             gate, candidate, output = self.joint_proj(torch.cat((state, previous, hidden_states), dim=-1)).chunk(3, -1)
             gate = torch.sigmoid(gate)
             state = gate * state + (1.0 - gate) * torch.tanh(candidate)
-            return self.markov_w2(torch.tanh(output)), state
-        return self.markov_w2(previous), None
+            return torch.tanh(output), state
+        return previous, None
 
 
 class DFlashConfidenceHead(nn.Module):

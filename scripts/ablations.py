@@ -7,6 +7,7 @@ from 1 - L1/2 per position) before and after training, from OUTPUT/training_log.
 
     python scripts/ablations.py --grid loss --output runs/ablations       # run what is missing, then the table
     python scripts/ablations.py --grid loss --output runs/ablations --table-only
+    python scripts/ablations.py --grid markov --steps 120 --output runs/ablations-markov
 """
 
 from __future__ import annotations
@@ -29,6 +30,18 @@ GRIDS = {
         "v7 + cross-entropy": ["--init-from", SHIPPED, "--learning-rate", "3e-4"],
         "v7 + L1 0.9": ["--init-from", SHIPPED, "--learning-rate", "3e-4", "--l1-weight", "0.9"],
         "v7 + logits 0.01": ["--init-from", SHIPPED, "--learning-rate", "3e-4", "--logit-weight", "0.01"],
+    },
+    # DSpark's parts (DeepSpec), each continuing v7 with DeepSpec's loss weights (L1 0.9) for the same steps: the
+    # shifted block (every row a proposal: v7's rows relearn their meaning), then a Markov head of rank 64 on it
+    "markov": {
+        "v7 + L1 0.9 (DFlash block)": ["--init-from", SHIPPED, "--learning-rate", "3e-4", "--l1-weight", "0.9"],
+        "v7 + L1 0.9, shifted labels": ["--init-from", SHIPPED, "--learning-rate", "3e-4", "--l1-weight", "0.9",
+                                        "--shifted-labels"],
+        "v7 + L1 0.9, shifted, Markov vanilla 64": ["--init-from", SHIPPED, "--learning-rate", "3e-4",
+                                                    "--l1-weight", "0.9", "--markov-rank", "64"],
+        "v7 + L1 0.9, shifted, Markov gated 64": ["--init-from", SHIPPED, "--learning-rate", "3e-4",
+                                                  "--l1-weight", "0.9", "--markov-rank", "64", "--markov-head",
+                                                  "gated"],
     },
     # the draft's shape, each from scratch
     "shape": {

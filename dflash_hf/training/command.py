@@ -44,9 +44,11 @@ from .recipe import (
     DEFAULT_DRAFT_BLOCK_SIZE,
     DEFAULT_DRAFT_LAYERS,
     draft_config_for,
+    dspark_config,
     ids_by_count,
     initialize_draft_vocabulary,
     initialize_from_target,
+    with_dspark_heads,
     with_own_head,
 )
 from .store import (
@@ -94,6 +96,7 @@ def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> 
     if args.train_batch_size < 1 or args.gradient_accumulation_steps < 1:
         raise SystemExit(f"--train-batch-size {args.train_batch_size} and --gradient-accumulation-steps "
                          f"{args.gradient_accumulation_steps}: both must be >= 1")
+    check_dspark_arguments(args)
     if args.draft_vocab_size is not None and args.draft_vocab_size < 1:
         raise SystemExit(f"--draft-vocab-size {args.draft_vocab_size}: expected K >= 1 tokens (or leave it out: the "
                          "draft borrows the target's LM head)")
@@ -109,6 +112,53 @@ def check_train_arguments(args: argparse.Namespace, prompt_files: list[str]) -> 
         check_trackers(training_settings(args).report_to)
     except ValueError as error:
         raise SystemExit(f"dflash-hf train: {error}") from error
+
+
+def check_dspark_arguments(args: argparse.Namespace) -> None:
+    """Exit naming the first DSpark flag (`--markov-rank`, `--markov-head`, `--confidence-head`, `--shifted-labels`)
+    that cannot be trained as asked."""
+    if args.markov_rank is not None and args.markov_rank < 0:
+        raise SystemExit(f"--markov-rank {args.markov_rank}: expected the Markov head's rank R >= 1 (DeepSpec's "
+                         "DSpark drafts: 256), or 0 for none")
+    if args.markov_head is not None and not args.markov_rank:
+        raise SystemExit(f"--markov-head {args.markov_head} needs --markov-rank R >= 1, the head's rank (DeepSpec's "
+                         "DSpark drafts: 256)")
+    if (args.markov_rank or args.confidence_head) and args.draft_vocab_size is not None:
+        raise SystemExit("--markov-rank and --confidence-head train DeepSpec's heads over the target's whole "
+                         "vocabulary; a draft with its own LM head (--draft-vocab-size) cannot have them: drop one")
+    if args.confidence_head and not args.distill:
+        raise SystemExit("--confidence-head learns each position's acceptance against the target's distribution, "
+                         "which only distillation keeps: drop --no-distill")
+
+
+def dspark_heads(args: argparse.Namespace, draft: DFlashDraftModel | None = None) -> dict[str, Any] | None:
+    """DeepSpec's DSpark config fields (`DEEPSPEC_FIELDS`) that `--shifted-labels`, `--markov-rank`, `--markov-head`
+    and `--confidence-head` ask for, on top of `draft`'s own (an `--init-from` draft); None where nothing is asked.
+    Exits naming a flag that would change a head the draft already has."""
+    rank = args.markov_rank or 0
+    if not (rank or args.confidence_head or args.shifted_labels):
+        return None
+    kind = (args.markov_head or "vanilla") if rank else None
+    if draft is None:
+        return {"shifted_labels": True, "markov_rank": rank, "markov_head_type": kind,
+                "enable_confidence_head": args.confidence_head,
+                "confidence_head_with_markov": args.confidence_head and rank > 0}
+    config = draft.config
+    conflicts = []
+    if config.markov_rank and args.markov_rank is not None and rank != config.markov_rank:
+        conflicts.append(f"--markov-rank {rank} (the draft's Markov head has rank {config.markov_rank})")
+    if config.markov_rank and args.markov_head is not None and kind != config.markov_head_type:
+        conflicts.append(f"--markov-head {kind} (the draft's is {config.markov_head_type})")
+    if conflicts:
+        raise SystemExit(f"--init-from {args.init_from} already has DSpark heads; drop or change: "
+                         + ", ".join(conflicts))
+    # a confidence head the draft has keeps its inputs; a new one reads the Markov head where there is one (DeepSpec's)
+    rank = config.markov_rank or rank
+    with_markov = config.confidence_head_with_markov if config.enable_confidence_head else rank > 0
+    return {"shifted_labels": True, "markov_rank": rank,
+            "markov_head_type": config.markov_head_type or kind,
+            "enable_confidence_head": config.enable_confidence_head or args.confidence_head,
+            "confidence_head_with_markov": (config.enable_confidence_head or args.confidence_head) and with_markov}
 
 
 def checked_schedule(args: argparse.Namespace) -> argparse.Namespace:
@@ -174,7 +224,7 @@ def training_settings(args: argparse.Namespace) -> TrainingSettings:
     """The TrainingSettings of `train`'s flags (a ValueError names a value it refuses)."""
     return TrainingSettings(
         epochs=args.epochs, learning_rate=args.learning_rate, num_anchors=args.num_anchors, distill=args.distill,
-        l1_weight=args.l1_weight, logit_weight=args.logit_weight,
+        l1_weight=args.l1_weight, logit_weight=args.logit_weight, token_cross_entropy=args.token_cross_entropy,
         seed=args.seed, mixed_precision=args.mixed_precision, max_length=args.max_length,
         batch_size=args.train_batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
         tokens_per_step=args.tokens_per_step, gradient_checkpointing=args.gradient_checkpointing,
@@ -467,6 +517,13 @@ def build_draft(args: argparse.Namespace, target: torch.nn.Module, tokenizer: An
         if args.draft_vocab_size and draft.lm_head is None:
             draft = with_own_head(draft, args.draft_vocab_size)
             initialize_draft_vocabulary(draft, target, vocabulary(args.draft_vocab_size))
+        heads = dspark_heads(args, draft)
+        if heads is not None and draft.lm_head is not None and (heads["markov_rank"] or
+                                                                heads["enable_confidence_head"]):
+            raise SystemExit(f"--init-from {args.init_from} has its own LM head (draft_vocab_size), which DeepSpec's "
+                             "heads do not read: drop --markov-rank and --confidence-head")
+        if heads is not None and any(getattr(draft.config, name) != value for name, value in heads.items()):
+            draft = with_dspark_heads(draft, heads)
         return draft, mask_token
     mask_token = args.mask_token or (SMOLLM2_MASK_TOKEN if args.target == SMOLLM2 else None)
     if mask_token is None:
@@ -477,6 +534,9 @@ def build_draft(args: argparse.Namespace, target: torch.nn.Module, tokenizer: An
     config = draft_config_for(target, args.draft_layers or DEFAULT_DRAFT_LAYERS,
                               args.draft_block_size or DEFAULT_DRAFT_BLOCK_SIZE, mask_token_id,
                               args.target_layer_ids, layer_attention_settings(args), args.draft_vocab_size)
+    heads = dspark_heads(args)
+    if heads is not None:
+        config = dspark_config(config, heads)
     config.dflash_config["mask_token"] = mask_token
     draft = DFlashDraftModel(config)
     if args.draft_vocab_size:

@@ -55,8 +55,9 @@ def sample_anchors(
 class BlockBatch:
     """Inputs and labels of all blocks of one sequence, or of several packed into one row (`pack_blocks`)."""
 
-    block_ids: torch.Tensor  # [K*B]: [token at anchor, MASK, ...] per block
-    block_position_ids: torch.Tensor  # [K*B]: anchor .. anchor + B - 1, positions within the block's own sequence
+    # [K*R]: [token at anchor, MASK, ...] per block, R = B rows (R = B - 1 with shifted labels, DeepSpec's block)
+    block_ids: torch.Tensor
+    block_position_ids: torch.Tensor  # [K*R]: anchor .. anchor + R - 1, positions within the block's own sequence
     labels: torch.Tensor  # [K, B-1]: tokens at anchor + 1 .. anchor + B - 1 (0 where invalid)
     label_mask: torch.Tensor  # [K, B-1]: label exists and is a response token
     context_start: torch.Tensor  # [K]: first context column of the block's sequence in the row
@@ -66,7 +67,7 @@ class BlockBatch:
 
     @property
     def block_size(self) -> int:
-        """Rows per block (B)."""
+        """Rows per block (R: B, or B - 1 with shifted labels)."""
         return self.block_ids.shape[0] // self.labels.shape[0]
 
     @property
@@ -81,20 +82,27 @@ class BlockBatch:
 
 
 def build_blocks(
-    input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int,
+    shifted_labels: bool = False,
 ) -> BlockBatch:
-    """Block inputs, labels and context ranges (the sparse attention mask) for anchors [K] in one sequence [T]."""
+    """Block inputs, labels and context ranges (the sparse attention mask) for anchors [K] in one sequence [T].
+
+    The labels are the tokens at anchor + 1 .. anchor + B - 1 either way; the block is [t0, MASK x (B-1)] (rows 1 ..
+    B-1 predict them), or with `shifted_labels` DeepSpec's [t0, MASK x (B-2)] (rows 0 .. B-2 predict them), whose
+    labels count only up to the first one that is not a response token (DeepSpec's `eval_mask`, a prefix)."""
     length, num_blocks = input_ids.shape[0], anchors.shape[0]
     device = input_ids.device
-    offsets = torch.arange(block_size, device=device)
-    positions = anchors[:, None] + offsets  # [K, B]
-    block_ids = torch.full((num_blocks, block_size), mask_token_id, dtype=torch.long, device=device)
+    rows = block_size - 1 if shifted_labels else block_size
+    positions = anchors[:, None] + torch.arange(rows, device=device)  # [K, R]
+    block_ids = torch.full((num_blocks, rows), mask_token_id, dtype=torch.long, device=device)
     block_ids[:, 0] = input_ids[anchors]
-    label_positions = positions[:, 1:]  # [K, B-1]
+    label_positions = anchors[:, None] + torch.arange(1, block_size, device=device)  # [K, B-1]
     in_range = label_positions < length
     clamped = label_positions.clamp(max=length - 1)
     labels = torch.where(in_range, input_ids[clamped], torch.zeros_like(clamped))
     label_mask = in_range & loss_mask.bool()[clamped]
+    if shifted_labels:
+        label_mask = label_mask.long().cumprod(dim=1).bool()
     zeros = torch.zeros_like(anchors)
     return BlockBatch(block_ids.flatten(), positions.flatten(), labels, label_mask, zeros, anchors.clone(), length,
                       zeros)
@@ -298,10 +306,16 @@ class LossWeights:
       position is accepted with probability 1 - L1 / 2, so this term aims at sampled acceptance directly;
     - raw-logit error: mean over the teacher's top-k ids of (draft logit - target logit)^2, so the draft's logits
       sit at the target's level and a value-dependent processor (a repetition penalty) moves both alike.
+
+    `token_cross_entropy`: the cross-entropy to the sequence's token even where a teacher gives L1 its distribution
+    (DeepSpec's loss: its CE reads the token, its L1 the target). A draft with a confidence head adds `confidence` x
+    its binary cross-entropy to the position's acceptance 1 - L1 / 2 (DeepSpec's `confidence_head_alpha`, 1.0).
     """
 
     l1: float = 0.0
     logits: float = 0.0
+    token_cross_entropy: bool = False
+    confidence: float = 1.0
 
     def __post_init__(self) -> None:
         """Refuse weights outside their ranges, by flag."""
@@ -309,6 +323,8 @@ class LossWeights:
             raise ValueError(f"l1 weight {self.l1} (--l1-weight): expected 0 to 1 (the cross-entropy gets 1 - it)")
         if self.logits < 0.0:
             raise ValueError(f"logit weight {self.logits} (--logit-weight): expected >= 0")
+        if self.confidence < 0.0:
+            raise ValueError(f"confidence weight {self.confidence}: expected >= 0")
 
 
 IGNORED_LABEL = -100  # F.cross_entropy's ignore_index: a label outside the draft's own vocabulary adds no loss
@@ -337,12 +353,16 @@ def draft_vocabulary_targets(
 def _supervised_row_losses(
     model: DFlashDraftModel, lm_head: torch.nn.Module, rows: torch.Tensor, labels: torch.Tensor,
     teacher_probs: torch.Tensor | None, teacher_ids: torch.Tensor | None, teacher_logits: torch.Tensor | None,
-    weights: LossWeights,
+    weights: LossWeights, markov_latent: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss [n], argmax prediction [n], acceptance [n]) of supervised rows [n, H] (`LossWeights`' terms): to labels
     [n] (0 where a label is IGNORED_LABEL), or to the teacher; logits, labels and predictions index `lm_head`'s rows.
-    The acceptance is 1 - L1 / 2: the probability that a token sampled from the draft is accepted at temperature 1."""
+    markov_latent [n, r]: the Markov head's W2 input at each row (`DFlashMarkovHead.latent`), its bias added to the
+    logits as the proposer adds it. The acceptance is 1 - L1 / 2: the probability that a token sampled from the draft
+    is accepted at temperature 1."""
     logits = model.scale_logits(lm_head(rows.to(lm_head.weight.dtype))).float()  # [n, V]
+    if markov_latent is not None:
+        logits = logits + model.markov_head.markov_w2(markov_latent).float()
     log_q = logits.log_softmax(-1)  # [n, V]
     if teacher_probs is None:
         known = labels != IGNORED_LABEL
@@ -350,7 +370,10 @@ def _supervised_row_losses(
         loss = F.cross_entropy(logits, labels, reduction="none", ignore_index=IGNORED_LABEL)
     else:
         ids, probs = teacher_ids, teacher_probs  # [n, k]
-        loss = -(probs * log_q.gather(-1, ids)).sum(-1)
+        if weights.token_cross_entropy:
+            loss = F.cross_entropy(logits, labels, reduction="none", ignore_index=IGNORED_LABEL)
+        else:
+            loss = -(probs * log_q.gather(-1, ids)).sum(-1)
     # [n, k]: the draft's probability of the teacher's ids; an id where p is 0 (outside the draft's own vocabulary)
     # counts with the draft's mass outside the teacher's ids, which is the same L1
     q = log_q.gather(-1, ids).exp() * (probs > 0)
@@ -361,14 +384,14 @@ def _supervised_row_losses(
         counted = (probs > 0).float()  # [n, k]: ids inside the draft's vocabulary
         error = (logits.gather(-1, ids) - teacher_logits).square() * counted
         loss = loss + weights.logits * error.sum(-1) / counted.sum(-1).clamp(min=1.0)
-    return loss, logits.argmax(-1), (1.0 - l1 / 2).detach()
+    return loss, logits.argmax(-1), (1.0 - l1 / 2).clamp(0.0, 1.0).detach()
 
 
 def chunked_row_losses(
     model: DFlashDraftModel, lm_head: torch.nn.Module, rows: torch.Tensor, labels: torch.Tensor,
     teacher_probs: torch.Tensor | None = None, teacher_ids: torch.Tensor | None = None,
     chunk_rows: int = LOSS_CHUNK_ROWS, teacher_logits: torch.Tensor | None = None,
-    weights: LossWeights = LossWeights(),
+    weights: LossWeights = LossWeights(), markov_latent: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`_supervised_row_losses` of rows [N, H], `chunk_rows` at a time; with gradients each chunk is checkpointed,
     so the backward recomputes one chunk's logits at a time instead of keeping all of them."""
@@ -380,15 +403,37 @@ def chunked_row_losses(
         piece = slice(start, start + chunk_rows)
         args = [rows[piece], labels[piece]] + [None if tensor is None else tensor[piece]
                                                for tensor in (teacher_probs, teacher_ids, teacher_logits)]
+        latent = None if markov_latent is None else markov_latent[piece]
         if recompute:
-            loss, prediction, acceptance = checkpoint(_supervised_row_losses, model, lm_head, *args, weights,
+            loss, prediction, acceptance = checkpoint(_supervised_row_losses, model, lm_head, *args, weights, latent,
                                                       use_reentrant=False)
         else:
-            loss, prediction, acceptance = _supervised_row_losses(model, lm_head, *args, weights)
+            loss, prediction, acceptance = _supervised_row_losses(model, lm_head, *args, weights, latent)
         losses.append(loss)
         predictions.append(prediction)
         acceptances.append(acceptance)
     return torch.cat(losses), torch.cat(predictions), torch.cat(acceptances)
+
+
+def markov_latents(model: DFlashDraftModel, previous: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """The Markov head's W2 input [K, P, r] at each block position, from the tokens before them [K, P] and their
+    hidden states [K, P, H], position after position (the rnn kind's state starts at zero in each block)."""
+    head = model.markov_head
+    state = head.initial_state(hidden[:, 0])
+    latents = []
+    for position in range(hidden.shape[1]):
+        latent, state = head.latent(previous[:, position], hidden[:, position], state)  # [K, r]
+        latents.append(latent)
+    return torch.stack(latents, dim=1)
+
+
+def confidence_losses(model: DFlashDraftModel, hidden: torch.Tensor, previous: torch.Tensor,
+                      acceptance: torch.Tensor) -> torch.Tensor:
+    """The confidence head's binary cross-entropy [N] at supervised rows (hidden [N, H], tokens before them [N]) to
+    their acceptance [N] (1 - L1 / 2, detached): DeepSpec's target for it."""
+    head = model.confidence_head
+    embedding = model.markov_head.previous_embedding(previous) if head.with_markov else None
+    return F.binary_cross_entropy_with_logits(head(hidden, embedding), acceptance.float(), reduction="none")
 
 
 def dflash_loss(
@@ -434,10 +479,18 @@ def packed_dflash_loss(
     ids) map to its rows (`draft_vocabulary_targets`), a label outside its vocabulary is left out of the loss and
     counted (`StepResult.outside`), and its predictions map back to target ids through `d2t`, so the accuracy counts
     every response label (one outside the vocabulary as a miss).
+
+    A DSpark draft (DeepSpec; docs/training.md, "A Markov head"): with shifted labels each block is [t0, MASK x
+    (B-2)] and its every row predicts; a Markov head adds its bias from the token before each position, teacher-forced
+    (the anchor's token, then the labels); a confidence head adds `loss_weights.confidence` x its binary cross-entropy
+    to each position's acceptance 1 - L1 / 2 (detached), under the same position weights.
     """
     model = getattr(draft, "module", draft)  # the draft itself under a DistributedDataParallel wrapper
     if model.candidate_selector is not None:
         raise ValueError("Training DFlash2 drafts (candidate selector) is not supported; train a DFlashDraftModel.")
+    if model.markov_head is not None and model.lm_head is not None:
+        raise ValueError("A Markov head biases the target's whole vocabulary; a draft with its own LM head "
+                         "(draft_vocab_size) cannot have one: drop --markov-rank or --draft-vocab-size.")
     block_size, mask_token_id = model.block_size, model.mask_token_id
     device = sequences[0][0].device
     if signals is None:
@@ -447,9 +500,9 @@ def packed_dflash_loss(
         anchors = sample_anchors(loss_mask, num_anchors, generator)
         if len(anchors) == 0:
             raise ValueError("The sequence has no response token to train on (loss_mask is empty after position 0).")
-        batches.append(build_blocks(input_ids, loss_mask, anchors, block_size, mask_token_id))
+        batches.append(build_blocks(input_ids, loss_mask, anchors, block_size, mask_token_id, model.shifted_labels))
     blocks = pack_blocks(batches)
-    num_blocks = len(blocks.context_end)
+    num_blocks, rows = len(blocks.context_end), blocks.block_size
     packed = TargetSignals.concatenate([one.to(device) for one in signals])  # [T, ...]: the sequences side by side
     context_positions = torch.cat([torch.arange(len(input_ids), device=device) for input_ids, _ in sequences])  # [T]
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
@@ -461,14 +514,19 @@ def packed_dflash_loss(
         blocks.block_position_ids[None],
         context_positions[None],
         attention_mask=blocks.attention_mask[None, None] if tile_rows is None else tiled_block_mask(blocks, tile_rows),
-        block_length=block_size,
-    )  # [1, K*B, H]; causal / sliding layers add their restriction by position
-    hidden = hidden.view(num_blocks, block_size, -1)[:, 1:]  # [K, B-1, H]: positions that predict
+        block_length=rows,
+    )  # [1, K*R, H]; causal / sliding layers add their restriction by position
+    hidden = hidden.view(num_blocks, rows, -1)  # [K, R, H]
+    hidden = hidden if model.shifted_labels else hidden[:, 1:]  # [K, B-1, H]: positions that predict
     supervised = blocks.label_mask  # [K, B-1]
+    # [K, B-1]: the token before each predicted position (the anchor's, then the labels), for the DSpark heads
+    previous = torch.cat((blocks.block_ids.view(num_blocks, rows)[:, :1], blocks.labels[:, :-1]), dim=1)
+    markov_latent = None if model.markov_head is None else markov_latents(model, previous, hidden)[supervised]
     teacher_probs = teacher_ids = teacher_logits = None
     if packed.teacher_probs is not None:
         # the target's distribution for the token at p + 1 is its output at position p (a column of the row)
-        columns = blocks.block_position_ids.view(num_blocks, block_size)[:, :-1] + blocks.context_start[:, None]
+        anchors = blocks.block_position_ids.view(num_blocks, rows)[:, :1]  # [K, 1]
+        columns = anchors + torch.arange(block_size - 1, device=device) + blocks.context_start[:, None]
         teacher_probs, teacher_ids = packed.teacher_probs[columns[supervised]], packed.teacher_ids[columns[supervised]]
         if packed.teacher_logits is not None:
             teacher_logits = packed.teacher_logits[columns[supervised]]
@@ -483,7 +541,10 @@ def packed_dflash_loss(
         head_labels = labels
     token_loss, predictions, acceptance = chunked_row_losses(model, lm_head, hidden[supervised], head_labels,
                                                              teacher_probs, teacher_ids, chunk_rows, teacher_logits,
-                                                             loss_weights)  # [N], [N], [N]
+                                                             loss_weights, markov_latent)  # [N], [N], [N]
+    if model.confidence_head is not None and loss_weights.confidence > 0:
+        token_loss = token_loss + loss_weights.confidence * confidence_losses(model, hidden[supervised],
+                                                                              previous[supervised], acceptance)
     inside = head_labels != IGNORED_LABEL  # [N]
     if model.lm_head is not None:
         predictions = predictions + model.d2t[predictions]  # the head's rows -> target ids

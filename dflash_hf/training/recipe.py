@@ -152,3 +152,20 @@ def with_own_head(draft: DFlashDraftModel, size: int) -> DFlashDraftModel:
         raise ValueError(f"The draft's weights do not carry over to one with its own LM head: missing {missing}, "
                          f"unexpected {unexpected}.")
     return own.to(next(draft.parameters()).device)
+
+
+def dspark_config(config: DFlashConfig, heads: dict[str, Any]) -> DFlashConfig:
+    """`config` with DeepSpec's DSpark fields `heads` (`shifted_labels`, `markov_rank`, `markov_head_type`,
+    `enable_confidence_head`, `confidence_head_with_markov`), checked as a loaded config's are."""
+    return DFlashConfig.from_dict({**config.to_dict(), **heads})
+
+
+def with_dspark_heads(draft: DFlashDraftModel, heads: dict[str, Any]) -> DFlashDraftModel:
+    """The same draft (its weights, on its device) with DeepSpec's block and heads `heads` (`dspark_config`): its
+    layers as they are, the new heads freshly initialised (the block's rows then mean the next token: retrained)."""
+    own = DFlashDraftModel(dspark_config(draft.config, heads))
+    missing, unexpected = own.load_state_dict(draft.state_dict(), strict=False)
+    if unexpected or any(not name.startswith(("markov_head.", "confidence_head.")) for name in missing):
+        raise ValueError(f"The draft's weights do not carry over to one with DSpark heads: missing {missing}, "
+                         f"unexpected {unexpected}.")
+    return own.to(next(draft.parameters()).device)

@@ -78,6 +78,8 @@ class TrainingSettings:
     teacher_top_k: int = 32
     l1_weight: float = 0.0  # the L1 (distribution-matching) term's share of the loss (`LossWeights.l1`)
     logit_weight: float = 0.0  # the raw-logit term's weight (`LossWeights.logits`; needs distill)
+    # the cross-entropy to the sequence's token while L1 reads the teacher (DeepSpec's loss; needs distill)
+    token_cross_entropy: bool = False
     # False: the target runs per micro-batch (memory bounded by one batch); True: once per sequence, its signals
     # cached in host RAM for every epoch, refused when they would not fit (`check_feature_cache`)
     cache_target: bool = False
@@ -117,7 +119,10 @@ class TrainingSettings:
         if self.logit_weight > 0 and not self.distill:
             raise ValueError("logit_weight (--logit-weight) matches the target's top-k logits, which only "
                              "distillation keeps: drop --no-distill")
-        LossWeights(self.l1_weight, self.logit_weight)  # refuses weights outside their ranges
+        if self.token_cross_entropy and not self.distill:
+            raise ValueError("token_cross_entropy (--token-cross-entropy) keeps the teacher for L1 only; without "
+                             "distillation the cross-entropy is already to the tokens: drop one of them")
+        LossWeights(self.l1_weight, self.logit_weight, self.token_cross_entropy)  # refuses weights out of range
         if self.max_length < 2:
             raise ValueError(f"max_length {self.max_length} (--max-length): expected >= 2 (a label follows a token)")
         if self.process_group_timeout_minutes is not None and self.process_group_timeout_minutes <= 0:
@@ -127,7 +132,7 @@ class TrainingSettings:
     @property
     def loss_weights(self) -> LossWeights:
         """The loss terms' weights (`LossWeights`)."""
-        return LossWeights(self.l1_weight, self.logit_weight)
+        return LossWeights(self.l1_weight, self.logit_weight, self.token_cross_entropy)
 
     @property
     def sequences_per_step(self) -> int:
