@@ -523,6 +523,19 @@ def test_trees_over_a_markov_draft_equal_generate(kind):
             assert torch.equal(output, plain_greedy(target, input_ids, max_new_tokens=16)), (family, tree_size)
 
 
+class CandidatesRecordingProposer(DFlashProposer):
+    """Keeps the candidates each proposal of a tree step hands the tree (`Proposal.candidates`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.candidates = []
+
+    def propose(self, step):
+        proposal = super().propose(step)
+        self.candidates.append(proposal.candidates)
+        return proposal
+
+
 def test_a_markov_tree_ranks_children_after_their_parent():
     """No LM-head signal (a zero final norm) and a planted chain v -> v+1: each position's candidates are v+1 after
     the greedy path, then ties; a node's children are ranked by q after its own token, so the successor of every
@@ -533,16 +546,11 @@ def test_a_markov_tree_ranks_children_after_their_parent():
         draft.norm.weight.zero_()
         draft.markov_head.markov_w1.weight.copy_(torch.eye(VOCAB_SIZE))
         draft.markov_head.markov_w2.weight.copy_(2.0 * torch.roll(torch.eye(VOCAB_SIZE), 1, dims=0))
-    seen = []
 
-    class Keep(DFlashProposer):
-        def propose(self, step):
-            proposal = super().propose(step)
-            seen.append(proposal.candidates)
-            return proposal
-
-    speculative_decode(target, Keep(draft, target, draft.mask_token_id), torch.tensor([[5, 9, 20]]),
-                       max_new_tokens=12, block_size=draft.block_size, tree_size=6)
+    proposer = CandidatesRecordingProposer(draft, target, draft.mask_token_id)
+    speculative_decode(target, proposer, torch.tensor([[5, 9, 20]]), max_new_tokens=12, block_size=draft.block_size,
+                       tree_size=6)
+    seen = proposer.candidates
     tokens, transitions = seen[0].tokens[0].tolist(), seen[0].transitions[0]  # [P][k], [P, k, k]
     checked = 0
     for parent, token in enumerate(tokens[0]):
@@ -560,16 +568,11 @@ def test_an_rnn_tree_steps_each_nodes_state_from_its_parents():
     differently."""
     target = build_target("qwen3")
     draft = deepspec_draft("rnn", seed=2)
-    seen = []
 
-    class Keep(DFlashProposer):
-        def propose(self, step):
-            proposal = super().propose(step)
-            seen.append(proposal.candidates)
-            return proposal
-
-    speculative_decode(target, Keep(draft, target, draft.mask_token_id), random_prompt(5, 6), max_new_tokens=6,
-                       block_size=draft.block_size, tree_size=3)
+    proposer = CandidatesRecordingProposer(draft, target, draft.mask_token_id)
+    speculative_decode(target, proposer, random_prompt(5, 6), max_new_tokens=6, block_size=draft.block_size,
+                       tree_size=3)
+    seen = proposer.candidates
     candidates = seen[0]
     assert candidates.transitions is None and candidates.after_path is not None
     markov = candidates.after_path.__self__.markov  # the step's MarkovStage: LM-head logits, hidden states, anchor
