@@ -348,6 +348,41 @@ def test_processes_hand_their_shards_over_by_marker_files_whatever_the_output_is
     assert [path.name for path in tmp_path.iterdir()] == [name]  # no shard or marker left
 
 
+def test_a_slow_process_still_sees_the_main_shard_when_a_killed_runs_shards_are_merged(tmp_path):
+    """A killed run left a shard: the main process merges it (and removes the shards) while process 1 is still on
+    its way out of the barrier. Process 1 must find the main shard there (no 'not on a file system every process
+    sees' error for a process that was merely slow) and both end with the killed run's row in the output."""
+    import threading
+    from types import SimpleNamespace
+
+    from dflash_hf.training.data import prepare_output, shard_path
+
+    output, barrier, errors = tmp_path / "responses.jsonl", threading.Barrier(2), []
+    shard_path(output, 2, 3).write_text(json.dumps({"index": 3}) + "\n")  # the killed run's process 2
+
+    def process(index: int) -> None:
+        def wait_for_everyone() -> None:
+            barrier.wait()
+            if index == 1:
+                time.sleep(0.5)  # process 1 leaves the barrier late: the main process has merged by then
+
+        state = SimpleNamespace(process_index=index, num_processes=2, is_main_process=index == 0,
+                                wait_for_everyone=wait_for_everyone)
+        try:
+            prepare_output(output, state, poll_seconds=0.01)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=process, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=20)
+    assert not errors, errors
+    assert [json.loads(line)["index"] for line in output.read_text().splitlines()] == [3]
+
+
 def test_a_wait_in_which_no_shard_grows_stops_with_an_error(tmp_path):
     from dflash_hf.training.data import wait_for_files
 

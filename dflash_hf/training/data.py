@@ -791,7 +791,7 @@ def stored_row_offsets(path: Path, count: int, state: Any) -> torch.Tensor:
 
 def prepare_output(output_path: Path, state: Any, poll_seconds: float = 1.0) -> None:
     """Make `output_path` hold every row a killed run wrote before any process reads it. The main process rewrites
-    a line an interruption cut (`repair_rows`), removes a killed run's markers, then (after one barrier, which
+    a line an interruption cut (`repair_rows`), removes a killed run's markers, then (after two barriers, which
     nothing long precedes) appends its shards' rows of indices not stored yet (`merge_shards`) and writes the
     `ready_marker`; every other process first learns whether `output_path` is on a file system every process sees,
     then waits for the marker by polling the file system (no collective timeout applies to the merge; a merge that
@@ -808,6 +808,7 @@ def prepare_output(output_path: Path, state: Any, poll_seconds: float = 1.0) -> 
         raise ValueError(f"{main_shard.parent} is not on a file system every process sees (process "
                          f"{state.process_index} does not see the main process's {main_shard.name}): put --output on "
                          "one (docs/training.md, 'Several processes')")
+    state.wait_for_everyone()  # every process has looked before the merge below removes the main shard
     if state.is_main_process:
         shards = shard_files(output_path)
         if any(shard.stat().st_size for shard in shards):
