@@ -29,6 +29,24 @@ def test_cached_smollm2_keeps_its_rope_settings(models):
     assert read_rope_parameters(target.config)["rope_theta"] == 100000.0  # not a default silently taken
 
 
+def test_train_plan_reads_the_default_targets_config_from_the_package_as_the_wheel_loads_it(models, monkeypatch):
+    """`dflash-hf train --plan` with the default target ('smollm2') needs no Hub: its shipped config is the one the
+    wheel's model has."""
+    import transformers.utils.hub as hub
+
+    from dflash_hf.configuration_dflash import read_rope_parameters
+    from dflash_hf.loading import SMOLLM2
+    from dflash_hf.training.plan import target_config
+
+    monkeypatch.setattr(hub, "cached_files", lambda *args, **kwargs: pytest.fail("asked the Hub"))
+    shipped, loaded = target_config(SMOLLM2), models[0].config
+    keys = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "vocab_size", "tie_word_embeddings", "max_position_embeddings", "model_type"]
+    assert {key: getattr(shipped, key) for key in keys} == {key: getattr(loaded, key) for key in keys}
+    assert read_rope_parameters(shipped)["rope_theta"] == read_rope_parameters(loaded)["rope_theta"]
+    assert abs(shipped.rms_norm_eps - loaded.rms_norm_eps) < 1e-9
+
+
 def test_shipped_draft_is_in_the_package():
     assert (SHIPPED_DRAFT / "config.json").exists() and (SHIPPED_DRAFT / "model.safetensors").exists()
     assert (SHIPPED_DRAFT / "README.md").read_text().count("tau") >= 1
