@@ -19,13 +19,13 @@ import sys
 import time
 from pathlib import Path
 
-SHIPPED = "dflash_hf/drafts/smollm2-135m-instruct"
+SHIPPED = "dflash_hf/drafts/smollm2-135m-instruct-v7"  # v7, the draft every grid continues
 RESPONSES = "training_data/smollm2_gsm8k_train_greedy.jsonl.gz"
 # the base: 512 gsm8k rows trained, the 64 after them held out, as many steps for every variant
 BASE = ["--responses", RESPONSES, "--num-prompts", "576", "--held-out-rows", "64", "--epochs", "1",
         "--num-anchors", "64", "--distill", "--num-eval", "0", "--checkpoint-every", "50"]
 GRIDS = {
-    # the loss terms, each continuing the shipped draft (v7) for the same steps
+    # the loss terms, each continuing the v7 draft for the same steps
     "loss": {
         "v7 + cross-entropy": ["--init-from", SHIPPED, "--learning-rate", "3e-4"],
         "v7 + L1 0.9": ["--init-from", SHIPPED, "--learning-rate", "3e-4", "--l1-weight", "0.9"],

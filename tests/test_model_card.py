@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import huggingface_hub
@@ -108,3 +109,32 @@ def test_the_shipped_cards_gsm8k_numbers_are_readmes():
     readme_rows = {(int(cells[0].split()[0]), cells[1], cells[5]) for cells in table_rows(bench_table, "")
                    if cells[0].split()[0].isdigit()}
     assert card_rows and card_rows == readme_rows, (card_rows, readme_rows)
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "smollm2-135m-instruct-v7"])
+def test_the_shipped_drafts_card_says_what_its_files_hold(name):
+    """The shipped drafts' cards (v8, and v7 kept for comparison) are rendered from their dflash_card.json, which
+    agrees with the config and weights: block size, layers, target layers, the draft vocabulary's size, the weights'
+    dtype, and every `training_data/` file it names is in the repository."""
+    import re
+
+    from safetensors import safe_open
+
+    folder = ROOT / "dflash_hf" / "drafts" / name
+    info, config = read_card_info(folder), json.loads((folder / "config.json").read_text())
+    assert (folder / "README.md").read_text(encoding="utf-8") == render_model_card(info), "re-render the card"
+    dflash_config = config["dflash_config"]
+    assert (info.block_size, info.num_layers, info.target_layer_ids) == (
+        config["block_size"], config["num_hidden_layers"], dflash_config["target_layer_ids"])
+    text = json.dumps(asdict(info))
+    vocabulary = len(dflash_config.get("draft_vocab") or []) or config.get("draft_vocab_size")
+    assert f"{info.num_layers} layers" in text and f"block size {info.block_size}" in text
+    assert f"target layers {info.target_layer_ids}" in text
+    assert f"{vocabulary:,} most frequent tokens" in text
+    assert f"(id {dflash_config['mask_token_id']})" in text
+    with safe_open(str(folder / "model.safetensors"), "pt") as weights:
+        dtypes = {str(weights.get_slice(name).get_dtype()) for name in weights.keys()}
+    assert dtypes <= {config["dtype"].replace("bfloat16", "BF16").replace("float32", "F32"), "I64", "BOOL"}
+    named = set(re.findall(r"training_data/([\w.-]+\.\w+)", text))
+    assert all((ROOT / "training_data" / name).is_file() for name in named), named
+

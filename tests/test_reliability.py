@@ -22,9 +22,10 @@ from dflash_hf.push import check_hub_folder, differing_remote_code
 from dflash_hf.target_dflash import plain_head_parts
 
 
-@pytest.mark.parametrize("folder", ["shipped", "written"])
+@pytest.mark.parametrize("folder", ["shipped", "shipped v7", "written"])
 def test_every_draft_folder_loads_as_the_dflash_draft(folder, tmp_path):
-    path = SHIPPED_DRAFT if folder == "shipped" else tmp_path / "draft"
+    path = {"shipped": SHIPPED_DRAFT, "shipped v7": SHIPPED_DRAFT.with_name(SHIPPED_DRAFT.name + "-v7")}.get(
+        folder, tmp_path / "draft")
     if folder == "written":
         make_draft(1).save_pretrained(path)
     config = json.loads((path / "config.json").read_text())

@@ -1,0 +1,1 @@
+../../custom_generate_dflash.py

@@ -1,0 +1,1 @@
+../../draft_backends_dflash.py

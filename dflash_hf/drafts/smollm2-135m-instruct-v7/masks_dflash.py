@@ -1,0 +1,1 @@
+../../masks_dflash.py

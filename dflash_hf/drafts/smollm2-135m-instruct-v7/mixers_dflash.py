@@ -1,0 +1,1 @@
+../../mixers_dflash.py

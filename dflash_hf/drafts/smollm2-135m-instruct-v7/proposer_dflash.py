@@ -1,0 +1,1 @@
+../../proposer_dflash.py

@@ -1,0 +1,1 @@
+../../recurrent_dflash.py

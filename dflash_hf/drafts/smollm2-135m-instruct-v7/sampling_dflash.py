@@ -1,0 +1,1 @@
+../../sampling_dflash.py

@@ -1,0 +1,1 @@
+../../support_dflash.py

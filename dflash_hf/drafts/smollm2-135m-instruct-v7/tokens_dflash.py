@@ -1,0 +1,1 @@
+../../tokens_dflash.py
