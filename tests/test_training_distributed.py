@@ -392,10 +392,12 @@ def test_the_command_generates_each_response_once_and_only_the_main_process_writ
     assert sorted(rows, key=lambda row: row["index"]) == list(rows_by_index(target_folder.parent / "alone.jsonl",
                                                                             range(5)))  # one process's rows
     assert not list(output.glob("responses.rank-*"))  # every shard merged and removed
-    # no collective while generating: a barrier before the killed run's merge (which the others wait for by a marker
-    # file), the pass that finds where each stored row starts, one barrier after the merge at the end (the processes
-    # wait for each other's shards by marker files, outside any collective)
-    assert [record["generation_collectives"] for record in records] == [["barrier", "all_reduce", "barrier"]] * 2
+    # no collective while generating: two barriers before the killed run's merge (every process has looked for the
+    # main shard before the merge removes it; the others wait for the merge by a marker file), the pass that finds
+    # where each stored row starts, one barrier after the merge at the end (the processes wait for each other's
+    # shards by marker files, outside any collective)
+    assert [record["generation_collectives"] for record in records] == [
+        ["barrier", "barrier", "all_reduce", "barrier"]] * 2
     assert not list(output.glob("responses.rank-*.jsonl.done"))
     shards = {f"responses.rank-{rank}-of-2.jsonl" for rank in range(2)}
     assert shards | {"responses.rank-2-of-3.jsonl", "responses.jsonl"} <= {path for _, path in records[0]["writes"]}
