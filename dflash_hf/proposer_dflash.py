@@ -348,8 +348,17 @@ class MarkovStage:
             self.confidence_logits.append(self.confidence_head(hidden, embedding))
         if self.head is None:
             return self.base[:, position]
-        bias, self.state = self.head.step(previous, hidden, self.state)
-        return self.base[:, position] + bias.to(self.base.dtype)
+        logits, self.state = self.after(self.base[:, position], previous, hidden, self.state)
+        return logits
+
+    def after(self, base: torch.Tensor, previous: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits [*S, V], the states they leave) of positions whose LM-head logits `base` broadcast to [*S, V],
+        after the tokens `previous` [*S] (hidden states [*S, H], states before them [*S, r] or None): the base plus
+        the Markov head's bias, in the base's dtype."""
+        bias, state = self.head.step(previous.reshape(-1), hidden.reshape(previous.numel(), -1),
+                                     None if state is None else state.reshape(previous.numel(), -1))
+        return base + bias.view(*previous.shape, -1).to(base.dtype), state
 
     def confidences(self) -> torch.Tensor:
         """Each walked position's own confidence sigmoid(c) [N, P]: the probability the confidence head gives its
@@ -409,10 +418,9 @@ def markov_candidates(markov: MarkovStage, step: DraftStep) -> Proposal:
     rows, positions, vocabulary = logits.shape
     transitions = [largest[:, :1, None, :].expand(-1, 1, count, -1)]  # position 0: after the pending token (not read)
     if positions > 1:
-        previous = candidates[:, :-1].reshape(-1)  # [N * (P-1) * k]: each candidate as the token before the next
-        hidden = hidden_states[:, 1:, None].expand(-1, -1, count, -1).reshape(previous.shape[0], -1)
-        bias, _ = markov.head.step(previous, hidden, None)  # [N * (P-1) * k, V]
-        after = logits[:, 1:, None] + bias.view(rows, positions - 1, count, vocabulary).to(logits.dtype)
+        previous = candidates[:, :-1]  # [N, P-1, k]: each candidate as the token before the next
+        hidden = hidden_states[:, 1:, None].expand(-1, -1, count, -1)  # [N, P-1, k, H]
+        after, _ = markov.after(logits[:, 1:, None], previous, hidden, None)  # [N, P-1, k, V]
         q_after = draft_distribution(after.flatten(1, 2), step).view(rows, positions - 1, count, vocabulary)
         transitions.append(q_after.gather(-1, candidates[:, 1:, None, :].expand(-1, -1, count, -1)))  # [N,P-1,k,k]
     return Proposal(tokens, candidates=Candidates(candidates, largest, torch.cat(transitions, dim=1)))
@@ -448,8 +456,8 @@ class MarkovPaths:
             tokens = self.candidates[row, position - 1]  # [k]: the siblings
             count = tokens.shape[0]
             hidden = markov.hidden_states[row, position].expand(count, -1)  # [k, H]
-            bias, states = markov.head.step(tokens, hidden, self._state(row, parent).expand(count, -1))
-            logits = markov.base[row, position] + bias.to(markov.base.dtype)  # [k, V]
+            logits, states = markov.after(markov.base[row, position], tokens, hidden,
+                                          self._state(row, parent).expand(count, -1))  # [k, V], [k, r]
             q = draft_distribution(logits[:, None], self.step)[:, 0]  # [k, V]
             self.siblings[key] = q[:, self.candidates[row, position]].tolist(), states
         return self.siblings[key]
