@@ -214,11 +214,13 @@ class FewRowLinear(TorchFunctionMode):
 
 
 @contextmanager
-def few_row_kernels(model: torch.nn.Module) -> Iterator[bool]:
-    """While the block runs (one verify or draft pass), inside `cpu_kernels(True)`, a model that computes on the CPU
-    (not dispatched by Accelerate) has its few-row Linear products run by `FewRowLinear`. Yields whether they do."""
+def few_row_kernels(model: torch.nn.Module, tokens_per_row: int) -> Iterator[bool]:
+    """While the block runs (one verify or draft pass of `tokens_per_row` tokens a row), inside `cpu_kernels(True)`, a
+    model that computes on the CPU (not dispatched by Accelerate) has its few-row Linear products run by
+    `FewRowLinear`. Yields whether they do. A pass of one token a row (a block of 1: `generate`'s own step) runs as
+    `generate` runs it, so that block 1 costs what plain decoding costs (docs/architecture.md, "CPU kernels")."""
     packed = _CALL_KERNELS.get()
-    switch = (packed is not None and packed.layers and execution_device(model).type == "cpu"
+    switch = (packed is not None and packed.layers and tokens_per_row > 1 and execution_device(model).type == "cpu"
               and getattr(model, "hf_device_map", None) is None)
     if not switch:
         yield False

@@ -260,7 +260,7 @@ class DFlashProposer:
         block_ids[:, 0] = pending_ids
         with materialized_weight(self.embed_tokens) as embedding_weight:
             block_embeddings = self.draft.embed_block(block_ids, embedding_weight)  # [N, rows, H]
-        with few_row_kernels(self.draft):  # on a CPU, its few-row products by the fastest kernel timed here
+        with few_row_kernels(self.draft, rows):  # on a CPU, its few-row products by the fastest kernel timed here
             hidden = self.backend.forward(block_embeddings, block_position_ids[:, :rows], step.target_hidden,
                                           step.context_position_ids, step.context_valid,
                                           step.pending_positions)  # [N, rows, H]; position s: the positions before it

@@ -193,14 +193,30 @@ def test_cpu_kernels_off_and_on_give_the_same_output_and_off_routes_nothing(forc
     assert routed and torch.equal(off, on)
 
 
+def test_a_block_of_one_runs_its_layers_as_generate_does(forced_kernel):
+    """Block 1 is `generate`'s own step: with cpu_kernels on, its layers' products are not rerouted (the function
+    mode's cost per op is more than the few-row kernels save there), only the LM head's; output unchanged."""
+    routed = forced_kernel("transposed")
+    target, draft = make_target("llama", seed=9), make_draft(9, block_size=4)
+    input_ids = torch.randint(0, VOCAB_SIZE - 1, (2, 7), generator=torch.Generator().manual_seed(9))
+    expected = plain_greedy(target, input_ids, max_new_tokens=12)
+    assert torch.equal(draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=12, block_size=1,
+                                           cpu_kernels=True), expected)
+    assert {shape for shape, _ in routed} == {tuple(target.get_output_embeddings().weight.shape)}
+    with cpu_kernels(True), few_row_kernels(target, 1) as rerouted:
+        assert not rerouted
+    with cpu_kernels(True), few_row_kernels(target, 2) as rerouted:
+        assert rerouted
+
+
 def test_a_model_dispatched_by_accelerate_keeps_its_own_kernels():
     target = make_target("qwen3", seed=0)
-    with few_row_kernels(target) as rerouted:
+    with few_row_kernels(target, 4) as rerouted:
         assert not rerouted  # outside a generation call
-    with cpu_kernels(), few_row_kernels(target) as rerouted:
+    with cpu_kernels(), few_row_kernels(target, 4) as rerouted:
         assert rerouted
     target.hf_device_map = {"": "cpu"}
-    with cpu_kernels(), few_row_kernels(target) as rerouted:
+    with cpu_kernels(), few_row_kernels(target, 4) as rerouted:
         assert not rerouted
 
 
@@ -232,9 +248,9 @@ def test_the_lm_head_mode_verifies_the_layers_by_f_linear_and_the_heads_by_the_k
     assert torch.equal(draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=20,
                                            cpu_kernels="lm_head"), expected)
     assert {shape for shape, _ in routed} == {tuple(target.get_output_embeddings().weight.shape)}  # the head only
-    with cpu_kernels("lm_head"), few_row_kernels(target) as rerouted:
+    with cpu_kernels("lm_head"), few_row_kernels(target, 4) as rerouted:
         assert not rerouted
-    with cpu_kernels(True), few_row_kernels(target) as rerouted:
+    with cpu_kernels(True), few_row_kernels(target, 4) as rerouted:
         assert rerouted
 
 
