@@ -16,7 +16,13 @@ from typing import Any, Callable
 
 import torch
 
-from .cost_model import choose_tree_size, measure_step_costs, resolve_block_choice, typical_context
+from .cost_model import (
+    choose_cpu_kernels,
+    choose_tree_size,
+    measure_step_costs,
+    resolve_block_choice,
+    typical_context,
+)
 from .devices_dflash import target_device
 from .evaluation import (
     BenchSettings,
@@ -151,16 +157,21 @@ def run_benchmark(
     results = []
     for name, conversations in datasets.items():
         calibration_prompt = user_prompt_ids(tokenizer, conversations[0][0], settings.thinking)
+        choose_kernels = settings.cpu_kernels is None and not settings.compile
+        cpu_kernels = (cheapest_cpu_kernels(draft, target, calibration_prompt, draft.block_size, settings, tokens)
+                       if choose_kernels else settings.cpu_kernels)
         choice = resolve_block_choice(settings.block_size, draft, target, calibration_prompt,
                                       settings.max_new_tokens, settings.batch_size, tokens.stop_token_ids,
-                                      tokens.mask_token_id)
+                                      tokens.mask_token_id, cpu_kernels)
+        if choose_kernels and choice.block_size != draft.block_size:  # the mode that pays at the block that runs
+            cpu_kernels = cheapest_cpu_kernels(draft, target, calibration_prompt, choice.block_size, settings, tokens)
         tree_size, tree_rates = settings.tree_size, None
         if tree_size == "auto":  # calibrated on the same first prompt, at the block chosen for it
             tree_size, tree_rates = choose_tree_size(draft, target, calibration_prompt, choice.block_size,
                                                      settings.max_new_tokens, settings.batch_size,
-                                                     tokens.stop_token_ids, tokens.mask_token_id)
+                                                     tokens.stop_token_ids, tokens.mask_token_id, cpu_kernels)
         dataset_settings = dataclasses.replace(settings, block_size=choice.block_size, step_costs=choice.step_costs,
-                                               tree_size=tree_size)
+                                               tree_size=tree_size, cpu_kernels=cpu_kernels)
         records, step_costs = measure_dataset(draft, target, tokenizer, shards[name], dataset_settings, tokens,
                                               on_turns=lambda records, rows, name=name: _show(bar, name,
                                                                                               records, rows),
@@ -171,6 +182,7 @@ def run_benchmark(
         results[-1]["assisted_refused"] = assisted_decoding_refusal(target)
         results[-1]["warm_up_seconds"] = warm_up_seconds
         results[-1]["tree_size"] = tree_size or 0
+        results[-1]["cpu_kernels"] = cpu_kernels
         if tree_rates is not None:  # "auto": the calibration's tokens/s per tree size (0: the chain)
             results[-1]["tree_size_rates"] = tree_rates
         if tree_size:  # the cost model times chains: its bound would price a tree's verify as a chain's
@@ -179,6 +191,14 @@ def run_benchmark(
             results[-1]["block_size_predictions"] = choice.predictions
     bar.close()
     return results
+
+
+def cheapest_cpu_kernels(draft: DFlashDraftModel, target: torch.nn.Module, prompt: list[int], block_size: int,
+                         settings: BenchSettings, tokens: GenerationTokens) -> bool | str:
+    """`--cpu-kernels auto`: the mode (`kernels_dflash.CPU_KERNEL_MODES`) in which a `block_size` step for the
+    bench's batch costs least here, as the demo chooses it (`cost_model.choose_cpu_kernels`; False off the CPU)."""
+    prompt_ids = torch.tensor([prompt], device=target_device(target))
+    return choose_cpu_kernels(draft, target, prompt_ids, block_size, tokens.mask_token_id, settings.batch_size)[0]
 
 
 def transformers_dflash_peer(draft: DFlashDraftModel, settings: BenchSettings,

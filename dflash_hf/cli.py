@@ -70,9 +70,9 @@ SHARED_OPTIONS: dict[str, dict] = {
                              "(bench: of each dataset; several values run in turn, e.g. 0 4 8 16 auto)"),
     "--cpu-kernels": dict(choices=["auto", *CPU_KERNEL_NAMES.values()], default="auto",
                           help="few-row products of the verify and draft passes by the fastest kernel timed on "
-                               "this machine: on, off, or lm-head (the LM heads' products only); auto: bench runs "
-                               "them on for a CPU target, demo (without --compile) and chat time the three and keep "
-                               "the cheapest step; the output is the same either way"),
+                               "this machine: on, off, or lm-head (the LM heads' products only); auto (without "
+                               "--compile): bench (per dataset), demo and chat time the three and keep the cheapest "
+                               "step; the output is the same either way"),
     "--compile": dict(action="store_true",
                       help="verify with the compiled static-shape path (spec_generate(compile=True); README "
                            "\"Compiled decoding\"): chains and trees; the untimed warm-up compiles, and compiled "
@@ -328,8 +328,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cpu_kernels_choice(text: str) -> bool | str | None:
-    """`--cpu-kernels`: auto (None: `bench` runs them on for a CPU target, `demo` times which mode pays), or a mode's
-    name (`kernels_dflash.CPU_KERNEL_NAMES`)."""
+    """`--cpu-kernels`: auto (None: `bench`, `demo` and `chat` time which mode pays), or a mode's name
+    (`kernels_dflash.CPU_KERNEL_NAMES`)."""
     return {"auto": None, **{name: mode for mode, name in CPU_KERNEL_NAMES.items()}}[text]
 
 

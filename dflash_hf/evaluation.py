@@ -69,7 +69,7 @@ class BenchSettings:
     batch_size: int = 1  # prompts per generate / spec_generate call (left-padded); > 1 skips prompt lookup
     acceptance: str = "rejection"  # sampling: speculative (rejection) sampling, or the equality rule
     step_costs: StepCosts | None = None  # spec_generate's step_costs (adaptive verify)
-    cpu_kernels: bool | str | None = None  # spec_generate's cpu_kernels (None: on for a CPU target)
+    cpu_kernels: bool | str | None = None  # spec_generate's cpu_kernels (None: `bench` times the modes per dataset)
     thinking: bool = False  # chat templates with a thinking switch (Qwen3) render it on; off as the paper measures
     # spec_generate's tree_size (None: a chain; "auto": chosen per dataset on its first prompt by
     # `cost_model.choose_tree_size`); the peers run with chains only

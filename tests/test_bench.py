@@ -283,6 +283,31 @@ def test_bench_command_auto_block_size(saved_models, tmp_path):
     assert result["lossless"] is True
 
 
+@pytest.mark.parametrize("cheapest", ["lm_head", False, True])
+def test_bench_auto_kernels_run_each_dataset_in_the_mode_timed_cheapest(tiny_models, cheapest, monkeypatch):
+    """`--cpu-kernels auto` (None): each dataset times the modes on its first prompt at the trained block, then again
+    at the block `--block-size auto` picks where that differs, and runs in the cheapest; a mode given is kept."""
+    target, draft, tokenizer = tiny_models
+    timed, ran = [], []
+    monkeypatch.setattr(benchmark, "choose_cpu_kernels", lambda draft, target, prompt_ids, block_size, *args:
+                        timed.append(block_size) or (cheapest, {}))
+    monkeypatch.setattr(cost_model, "choose_block_size", lambda *args: (2, {1: 1.0, 2: 1.5}))
+    spec_generate = type(draft).spec_generate
+    monkeypatch.setattr(type(draft), "spec_generate", lambda self, **kwargs: ran.append(kwargs["cpu_kernels"])
+                        or spec_generate(self, **kwargs))
+    conversations = {"a": [["w5 w6 w7"], ["w8 w9"]], "b": [["w3 w4"]]}
+    results = run_benchmark(draft, target, tokenizer, conversations,
+                            BenchSettings(max_new_tokens=6, block_size="auto"), progress=False)
+    assert timed == [draft.block_size, 2] * 2  # per dataset: the trained block, then the chosen one
+    assert [result["cpu_kernels"] for result in results] == [cheapest, cheapest]
+    assert ran and set(ran[-3:]) == {cheapest}  # the datasets' timed runs (after warm-up and calibration)
+    assert all(result["lossless"] for result in results)
+    timed.clear()
+    results = run_benchmark(draft, target, tokenizer, {"a": [["w5 w6"]]},
+                            BenchSettings(max_new_tokens=6, block_size=3, cpu_kernels="lm_head"), progress=False)
+    assert timed == [] and results[0]["cpu_kernels"] == "lm_head"
+
+
 def test_bench_command_adaptive_verify_length(saved_models, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"turns": ["w5 w6 w7"]}\n{"turns": ["w8 w9"]}\n')
