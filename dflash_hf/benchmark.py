@@ -257,7 +257,7 @@ def measure_dataset(
             if step_costs is None:
                 context = typical_context(prompts[0], turn_records[0].new_tokens["plain"], device)
                 step_costs = measure_step_costs(draft, target, context, block_size, tokens.mask_token_id,
-                                                batch_size=len(prompts))
+                                                batch_size=len(prompts), cpu_kernels=settings.cpu_kernels)
             for row, record in zip(rows, turn_records):
                 answer = [token for token in record.new_tokens["plain"] if token not in tokens.stop_token_ids]
                 histories[row].append({"role": "assistant",

@@ -292,15 +292,19 @@ def test_bench_auto_kernels_run_each_dataset_in_the_mode_timed_cheapest(tiny_mod
     monkeypatch.setattr(benchmark, "choose_cpu_kernels", lambda draft, target, prompt_ids, block_size, *args:
                         timed.append(block_size) or (cheapest, {}))
     monkeypatch.setattr(cost_model, "choose_block_size", lambda *args: (2, {1: 1.0, 2: 1.5}))
-    spec_generate = type(draft).spec_generate
+    spec_generate, step_costs = type(draft).spec_generate, benchmark.measure_step_costs
     monkeypatch.setattr(type(draft), "spec_generate", lambda self, **kwargs: ran.append(kwargs["cpu_kernels"])
                         or spec_generate(self, **kwargs))
+    costed = []  # the cost model's bound is timed in the mode the dataset runs in
+    monkeypatch.setattr(benchmark, "measure_step_costs", lambda *args, **kwargs: costed.append(kwargs["cpu_kernels"])
+                        or step_costs(*args, **kwargs))
     conversations = {"a": [["w5 w6 w7"], ["w8 w9"]], "b": [["w3 w4"]]}
     results = run_benchmark(draft, target, tokenizer, conversations,
                             BenchSettings(max_new_tokens=6, block_size="auto"), progress=False)
     assert timed == [draft.block_size, 2] * 2  # per dataset: the trained block, then the chosen one
     assert [result["cpu_kernels"] for result in results] == [cheapest, cheapest]
     assert ran and set(ran[-3:]) == {cheapest}  # the datasets' timed runs (after warm-up and calibration)
+    assert costed == [cheapest, cheapest]
     assert all(result["lossless"] for result in results)
     timed.clear()
     results = run_benchmark(draft, target, tokenizer, {"a": [["w5 w6"]]},
