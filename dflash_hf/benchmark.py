@@ -19,6 +19,7 @@ import torch
 from .cost_model import (
     choose_cpu_kernels,
     choose_tree_size,
+    first_block_to_time,
     measure_step_costs,
     resolve_block_choice,
     typical_context,
@@ -157,13 +158,16 @@ def run_benchmark(
     results = []
     for name, conversations in datasets.items():
         calibration_prompt = user_prompt_ids(tokenizer, conversations[0][0], settings.thinking)
+        # `--cpu-kernels auto`: timed at the block given (auto, adaptive: the trained one), then again at the block
+        # `auto` picks where that differs; each process times its own (under accelerate the JSON has process 0's)
         choose_kernels = settings.cpu_kernels is None and not settings.compile
-        cpu_kernels = (cheapest_cpu_kernels(draft, target, calibration_prompt, draft.block_size, settings, tokens)
+        timed_block = first_block_to_time(settings.block_size, draft.block_size)
+        cpu_kernels = (cheapest_cpu_kernels(draft, target, calibration_prompt, timed_block, settings, tokens)
                        if choose_kernels else settings.cpu_kernels)
         choice = resolve_block_choice(settings.block_size, draft, target, calibration_prompt,
                                       settings.max_new_tokens, settings.batch_size, tokens.stop_token_ids,
                                       tokens.mask_token_id, cpu_kernels)
-        if choose_kernels and choice.block_size != draft.block_size:  # the mode that pays at the block that runs
+        if choose_kernels and choice.block_size != timed_block:  # the mode that pays at the block that runs
             cpu_kernels = cheapest_cpu_kernels(draft, target, calibration_prompt, choice.block_size, settings, tokens)
         tree_size, tree_rates = settings.tree_size, None
         if tree_size == "auto":  # calibrated on the same first prompt, at the block chosen for it

@@ -308,6 +308,12 @@ class BlockChoice:
     predictions: dict[int, float] | None = None  # "auto": the predicted speedup of every candidate block size
 
 
+def first_block_to_time(choice: int | str | None, trained_block_size: int) -> int:
+    """The block at which `--cpu-kernels auto` first times the kernel modes: the block given as a number, else (None,
+    "auto", "adaptive") the trained one; where "auto" then picks another, they are timed again there."""
+    return trained_block_size if choice in BLOCK_CHOICES else resolve_block_size(choice, trained_block_size)
+
+
 @torch.no_grad()
 def resolve_block_choice(choice: int | str | None, draft: DFlashDraftModel, target: torch.nn.Module,
                          prompt: list[int], max_new_tokens: int, batch_size: int, stop_token_ids: list[int],

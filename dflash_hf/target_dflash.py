@@ -197,7 +197,8 @@ def verify_forward(target: torch.nn.Module, capture: FeatureCapture | None = Non
     `around` (a rollback's recording hooks) is entered around the forward only, after the LM head's probe."""
     capture = capture or FeatureCapture(target, None, torch.device("cpu"))
     parts = plain_head_parts(target)  # its probe (the first time) runs the target: before `around`'s hooks
-    with capture, few_row_kernels(target, inputs["input_ids"].shape[-1]), around:
+    tokens_per_row = (inputs["input_ids"] if "input_ids" in inputs else inputs["inputs_embeds"]).shape[1]
+    with capture, few_row_kernels(target, tokens_per_row), around:
         if parts is None:
             outputs = target(**inputs, **capture.forward_arguments())
             return outputs.logits, outputs

@@ -110,7 +110,7 @@ def forward_runner(target: torch.nn.Module, cache: DynamicCache, rows: int, kern
     positions = torch.arange(CONTEXT, CONTEXT + rows)[None]
 
     def run() -> float:
-        with (nullcontext() if kernels else cpu_kernels(False)), few_row_kernels(target):
+        with (nullcontext() if kernels else cpu_kernels(False)), few_row_kernels(target, rows):
             hidden = base(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
         states = hidden.last_hidden_state[0]  # [rows, H]
         started = time.perf_counter()

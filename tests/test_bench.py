@@ -286,11 +286,13 @@ def test_bench_command_auto_block_size(saved_models, tmp_path):
 @pytest.mark.parametrize("cheapest", ["lm_head", False, True])
 def test_bench_auto_kernels_run_each_dataset_in_the_mode_timed_cheapest(tiny_models, cheapest, monkeypatch):
     """`--cpu-kernels auto` (None): each dataset times the modes on its first prompt at the trained block, then again
-    at the block `--block-size auto` picks where that differs, and runs in the cheapest; a mode given is kept."""
+    at the block `--block-size auto` picks where that differs, and runs in the mode cheapest there; a block given as a
+    number is timed once, at that block; a mode given is kept."""
     target, draft, tokenizer = tiny_models
     timed, ran = [], []
+    other = False if cheapest == "lm_head" else "lm_head"  # the cheapest at the trained block
     monkeypatch.setattr(benchmark, "choose_cpu_kernels", lambda draft, target, prompt_ids, block_size, *args:
-                        timed.append(block_size) or (cheapest, {}))
+                        timed.append(block_size) or (other if block_size == draft.block_size else cheapest, {}))
     monkeypatch.setattr(cost_model, "choose_block_size", lambda *args: (2, {1: 1.0, 2: 1.5}))
     spec_generate, step_costs = type(draft).spec_generate, benchmark.measure_step_costs
     monkeypatch.setattr(type(draft), "spec_generate", lambda self, **kwargs: ran.append(kwargs["cpu_kernels"])
@@ -303,9 +305,14 @@ def test_bench_auto_kernels_run_each_dataset_in_the_mode_timed_cheapest(tiny_mod
                             BenchSettings(max_new_tokens=6, block_size="auto"), progress=False)
     assert timed == [draft.block_size, 2] * 2  # per dataset: the trained block, then the chosen one
     assert [result["cpu_kernels"] for result in results] == [cheapest, cheapest]
-    assert ran and set(ran[-3:]) == {cheapest}  # the datasets' timed runs (after warm-up and calibration)
+    # per dataset the calibration at the trained block (in the mode cheapest there), then each prompt's timed run
+    assert ran[-5:] == [other, cheapest, cheapest, other, cheapest]
     assert costed == [cheapest, cheapest]
     assert all(result["lossless"] for result in results)
+    timed.clear()
+    results = run_benchmark(draft, target, tokenizer, {"a": [["w5 w6"]]},
+                            BenchSettings(max_new_tokens=6, block_size=3), progress=False)
+    assert timed == [3] and results[0]["cpu_kernels"] == cheapest
     timed.clear()
     results = run_benchmark(draft, target, tokenizer, {"a": [["w5 w6"]]},
                             BenchSettings(max_new_tokens=6, block_size=3, cpu_kernels="lm_head"), progress=False)
