@@ -10,6 +10,7 @@ bound measured on the same machine, and per method how its greedy outputs compar
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -19,9 +20,8 @@ import torch
 from .cost_model import (
     choose_cpu_kernels,
     choose_tree_size,
-    first_block_to_time,
     measure_step_costs,
-    resolve_block_choice,
+    resolve_block_and_kernels,
     typical_context,
 )
 from .devices_dflash import target_device
@@ -158,17 +158,15 @@ def run_benchmark(
     results = []
     for name, conversations in datasets.items():
         calibration_prompt = user_prompt_ids(tokenizer, conversations[0][0], settings.thinking)
-        # `--cpu-kernels auto`: timed at the block given (auto, adaptive: the trained one), then again at the block
-        # `auto` picks where that differs; each process times its own (under accelerate the JSON has process 0's)
-        choose_kernels = settings.cpu_kernels is None and not settings.compile
-        timed_block = first_block_to_time(settings.block_size, draft.block_size)
-        cpu_kernels = (cheapest_cpu_kernels(draft, target, calibration_prompt, timed_block, settings, tokens)
-                       if choose_kernels else settings.cpu_kernels)
-        choice = resolve_block_choice(settings.block_size, draft, target, calibration_prompt,
-                                      settings.max_new_tokens, settings.batch_size, tokens.stop_token_ids,
-                                      tokens.mask_token_id, cpu_kernels)
-        if choose_kernels and choice.block_size != timed_block:  # the mode that pays at the block that runs
-            cpu_kernels = cheapest_cpu_kernels(draft, target, calibration_prompt, choice.block_size, settings, tokens)
+        # `--cpu-kernels auto`: the modes timed on the first prompt; each process times its own (under accelerate the
+        # JSON has process 0's)
+        time_kernels = (None if settings.cpu_kernels is not None or settings.compile else
+                        functools.partial(cheapest_cpu_kernels, draft, target, calibration_prompt, settings=settings,
+                                          tokens=tokens))
+        choice, cpu_kernels = resolve_block_and_kernels(settings.block_size, draft, target, calibration_prompt,
+                                                        settings.max_new_tokens, settings.batch_size,
+                                                        tokens.stop_token_ids, tokens.mask_token_id,
+                                                        settings.cpu_kernels, time_kernels)
         tree_size, tree_rates = settings.tree_size, None
         if tree_size == "auto":  # calibrated on the same first prompt, at the block chosen for it
             tree_size, tree_rates = choose_tree_size(draft, target, calibration_prompt, choice.block_size,

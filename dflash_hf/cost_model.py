@@ -308,10 +308,23 @@ class BlockChoice:
     predictions: dict[int, float] | None = None  # "auto": the predicted speedup of every candidate block size
 
 
-def first_block_to_time(choice: int | str | None, trained_block_size: int) -> int:
-    """The block at which `--cpu-kernels auto` first times the kernel modes: the block given as a number, else (None,
-    "auto", "adaptive") the trained one; where "auto" then picks another, they are timed again there."""
-    return trained_block_size if choice in BLOCK_CHOICES else resolve_block_size(choice, trained_block_size)
+def resolve_block_and_kernels(choice: int | str | None, draft: DFlashDraftModel, target: torch.nn.Module,
+                              prompt: list[int], max_new_tokens: int, batch_size: int, stop_token_ids: list[int],
+                              mask_token_id: int, cpu_kernels: bool | str | None,
+                              time_kernels: Callable[[int], bool | str] | None = None
+                              ) -> tuple[BlockChoice, bool | str | None]:
+    """(`resolve_block_choice`'s block, the `cpu_kernels` mode to run it in). With `time_kernels` (`--cpu-kernels
+    auto`: block size -> the mode cheapest at it), the modes are timed at the block given as a number, else (None,
+    "auto", "adaptive") at the trained one, the block is chosen in that mode, and where "auto" picks another block they
+    are timed again there; without, `cpu_kernels` is kept."""
+    timed_block = draft.block_size if choice in BLOCK_CHOICES else resolve_block_size(choice, draft.block_size)
+    if time_kernels is not None:
+        cpu_kernels = time_kernels(timed_block)
+    block = resolve_block_choice(choice, draft, target, prompt, max_new_tokens, batch_size, stop_token_ids,
+                                 mask_token_id, cpu_kernels)
+    if time_kernels is not None and block.block_size != timed_block:  # the mode that pays at the block that runs
+        cpu_kernels = time_kernels(block.block_size)
+    return block, cpu_kernels
 
 
 @torch.no_grad()

@@ -74,20 +74,18 @@ def choose_decoding(draft: DFlashDraftModel, target: torch.nn.Module, prompt: li
                     cpu_kernels: bool | str | None = None, compile: bool = False) -> DecodingChoice:
     """The block size, tree size and `cpu_kernels` mode to decode with, timed on `prompt` here (what `run_demo` says
     of each), each choice printed with its measurements."""
-    from .cost_model import choose_tree_size, first_block_to_time, resolve_block_choice
+    from .cost_model import choose_tree_size, resolve_block_and_kernels
 
-    choose_kernels = cpu_kernels is None and not compile  # the few-row kernels where a step costs less with them
-    timed_block = first_block_to_time(block_size, draft.block_size)
-    if choose_kernels:
-        cpu_kernels = kernel_mode(draft, target, prompt, timed_block, tokens.mask_token_id)
-    choice = resolve_block_choice(block_size, draft, target, prompt, max_new_tokens, 1, tokens.stop_token_ids,
-                                  tokens.mask_token_id, cpu_kernels)
+    # the few-row kernels where a step costs less with them
+    time_kernels = (None if cpu_kernels is not None or compile else
+                    lambda block: kernel_mode(draft, target, prompt, block, tokens.mask_token_id))
+    choice, cpu_kernels = resolve_block_and_kernels(block_size, draft, target, prompt, max_new_tokens, 1,
+                                                    tokens.stop_token_ids, tokens.mask_token_id, cpu_kernels,
+                                                    time_kernels)
     if choice.predictions is not None:
         print("predicted speedup per block size on this machine: "
               + ", ".join(f"{size}: {value:.2f}x" for size, value in sorted(choice.predictions.items()))
               + f" -> block size {choice.block_size}", flush=True)
-    if choose_kernels and choice.block_size != timed_block:  # the mode that pays at the block that runs
-        cpu_kernels = kernel_mode(draft, target, prompt, choice.block_size, tokens.mask_token_id)
     if choice.step_costs is not None:
         print(f"step costs on this machine: draft {choice.step_costs.draft * 1000:.1f} ms, verify of "
               f"1..{choice.block_size} tokens "
