@@ -113,7 +113,7 @@ def test_the_shipped_cards_gsm8k_numbers_are_readmes():
 
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "smollm2-135m-instruct-v7"])
 def test_the_shipped_drafts_card_says_what_its_files_hold(name):
-    """The shipped drafts' cards (v8, and v7 kept for comparison) are rendered from their dflash_card.json, which
+    """The shipped drafts' cards (v9, and v7 kept for comparison) are rendered from their dflash_card.json, which
     agrees with the config and weights: block size, layers, target layers, the draft vocabulary's size, the weights'
     dtype, and every `training_data/` file it names is in the repository."""
     import re
